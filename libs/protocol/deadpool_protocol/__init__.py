@@ -1,0 +1,67 @@
+"""DeadPool's wire contract: subjects, typed messages, the msgpack codec and data-plane frames.
+
+The ground floor of the project: it imports nothing of ours and performs no I/O.
+"""
+
+from deadpool_protocol.codec import PROTOCOL_VERSION, decode, decode_any, encode
+from deadpool_protocol.messages import (
+    NO_RANK,
+    NO_STEP,
+    ChildExit,
+    Commit,
+    Failure,
+    FailureReason,
+    FenceReply,
+    FenceRequest,
+    Heartbeat,
+    HelloReply,
+    Incident,
+    JobFinished,
+    JobMessage,
+    MemberDone,
+    MemberError,
+    MemberHello,
+    Message,
+    ProtocolError,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreAddress,
+    StoreStatus,
+    is_stale,
+)
+from deadpool_protocol.subjects import STORE_STATUS, SWAPPER_STATUS, Subjects
+
+__all__ = [
+    "NO_RANK",
+    "NO_STEP",
+    "PROTOCOL_VERSION",
+    "STORE_STATUS",
+    "SWAPPER_STATUS",
+    "ChildExit",
+    "Commit",
+    "Failure",
+    "FailureReason",
+    "FenceReply",
+    "FenceRequest",
+    "Heartbeat",
+    "HelloReply",
+    "Incident",
+    "JobFinished",
+    "JobMessage",
+    "MemberDone",
+    "MemberError",
+    "MemberHello",
+    "Message",
+    "ProtocolError",
+    "Rebuild",
+    "RebuildAck",
+    "SnapshotComplete",
+    "StoreAddress",
+    "StoreStatus",
+    "Subjects",
+    "decode",
+    "decode_any",
+    "encode",
+    "is_stale",
+]

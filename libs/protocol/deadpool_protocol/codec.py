@@ -1,0 +1,187 @@
+"""msgpack encoding of control-plane messages, validated on decode.
+
+`decode` never trusts its input: it checks the protocol version, the kind, every field's type (from
+the dataclass annotations, recursively) and the message's own `check()`. Anything wrong raises
+`ProtocolError` with a reason fit for a log line; callers log it and carry on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any, TypeVar
+
+import msgpack
+
+from deadpool_protocol.messages import (
+    ChildExit,
+    Commit,
+    Failure,
+    FenceReply,
+    FenceRequest,
+    Heartbeat,
+    HelloReply,
+    Incident,
+    JobFinished,
+    MemberDone,
+    MemberError,
+    MemberHello,
+    Message,
+    ProtocolError,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreStatus,
+)
+
+__all__ = [
+    "MESSAGE_BYTES_MAX",
+    "PROTOCOL_VERSION",
+    "decode",
+    "decode_any",
+    "encode",
+    "from_fields",
+    "to_fields",
+]
+
+PROTOCOL_VERSION = 1
+MESSAGE_BYTES_MAX = 1024 * 1024
+"""NATS' default max payload; a bigger control message is a bug or an attack."""
+
+M = TypeVar("M", bound=Message)
+
+_KINDS: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (
+        MemberHello,
+        HelloReply,
+        Heartbeat,
+        MemberError,
+        MemberDone,
+        ChildExit,
+        Failure,
+        Rebuild,
+        RebuildAck,
+        FenceRequest,
+        FenceReply,
+        SnapshotComplete,
+        Commit,
+        JobFinished,
+        Incident,
+        StoreStatus,
+    )
+}
+
+
+def to_fields(value: Any) -> Any:
+    """A dataclass (recursively) as plain maps and lists that msgpack and JSON can carry."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_fields(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [to_fields(v) for v in value]
+    if isinstance(value, dict):
+        return {k: to_fields(v) for k, v in value.items()}
+    return value
+
+
+def encode(message: Message) -> bytes:
+    body = to_fields(message)
+    body["v"] = PROTOCOL_VERSION
+    body["kind"] = message.KIND
+    data: bytes = msgpack.packb(body, use_bin_type=True)
+    return data
+
+
+def decode(data: bytes, expected: type[M]) -> M:
+    """Decode one message that must be of type `expected`."""
+    message = decode_any(data)
+    if not isinstance(message, expected):
+        raise ProtocolError(f"expected a {expected.KIND} message, got {message.KIND}")
+    return message
+
+
+def decode_any(data: bytes) -> Message:
+    if len(data) > MESSAGE_BYTES_MAX:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {MESSAGE_BYTES_MAX}")
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"not msgpack: {exc.__class__.__name__}: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"message is a {type(body).__name__}, not a map")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
+    kind = body.pop("kind", None)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    message = from_fields(cls, body, kind)
+    message.check()
+    return message
+
+
+D = TypeVar("D")
+
+
+def from_fields(cls: type[D], body: Any, where: str) -> D:
+    """Build dataclass `cls` from a decoded map, checking every field's type."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
+    hints = _hints(cls)  # type: ignore[arg-type]  # classes are hashable
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in body:
+            values[f.name] = _check_type(body[f.name], hints[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{where}: missing field {f.name!r}")
+    unknown = set(body) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)}")
+    return cls(**values)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint in (int, str, bytes, bool):
+        if isinstance(value, bool) and hint is int:
+            raise ProtocolError(f"{where}: expected an int, got a bool")
+        if not isinstance(value, hint):
+            raise ProtocolError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(hint)
+        return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        key_t, val_t = typing.get_args(hint)
+        return {
+            _check_type(k, key_t, f"{where}.<key>"): _check_type(v, val_t, f"{where}[{k!r}]") for k, v in value.items()
+        }
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            if option is type(None) and value is None:
+                return None
+            if option is not type(None):
+                try:
+                    return _check_type(value, option, where)
+                except ProtocolError:
+                    continue
+        raise ProtocolError(f"{where}: {type(value).__name__} matches none of {hint}")
+    if dataclasses.is_dataclass(hint):
+        return from_fields(typing.cast(type, hint), value, where)
+    raise TypeError(f"{where}: the codec does not know type {hint!r}")  # a bug in messages.py

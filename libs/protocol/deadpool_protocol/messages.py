@@ -1,0 +1,423 @@
+"""The typed messages of the control plane (NATS).
+
+Every message is a frozen dataclass with a `KIND` tag. Job-scoped messages carry `job` and the sender's
+view of the `generation`; receivers drop ones from an older generation where that matters (see
+`is_stale`). `check()` holds the semantic rules that a type annotation cannot say; the codec calls it on
+every decode, so a service never acts on a message that breaks them.
+
+Time stamps (`t_*`) are wall-clock seconds (`time.time()`), so they can be compared across processes;
+durations are seconds as floats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from deadpool_protocol.names import is_valid_name
+
+__all__ = [
+    "NO_RANK",
+    "NO_STEP",
+    "ChildExit",
+    "Commit",
+    "Failure",
+    "FailureReason",
+    "FenceReply",
+    "FenceRequest",
+    "Heartbeat",
+    "HelloReply",
+    "Incident",
+    "JobFinished",
+    "JobMessage",
+    "MemberDone",
+    "MemberError",
+    "MemberHello",
+    "Message",
+    "ProtocolError",
+    "Rebuild",
+    "RebuildAck",
+    "SnapshotComplete",
+    "StoreAddress",
+    "StoreStatus",
+    "is_stale",
+]
+
+NO_RANK = -1
+"""`rank` of a member that holds none (a spare, or a member not yet placed)."""
+NO_STEP = -1
+"""`step` meaning "no step": nothing committed yet, or a fresh start."""
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be accepted; the text says why (it goes into the log line)."""
+
+
+class FailureReason:
+    """Why the detector declared a member failed."""
+
+    EXIT = "exit"
+    """The launcher saw the process end (crash, signal, or an exit before the job finished)."""
+    ERROR = "error"
+    """The member reported a fatal error of its own."""
+    HEARTBEAT = "heartbeat"
+    """No heartbeat for longer than the timeout."""
+    ALL: ClassVar[frozenset[str]] = frozenset({EXIT, ERROR, HEARTBEAT})
+    NEEDS_FENCE: ClassVar[frozenset[str]] = frozenset({ERROR, HEARTBEAT})
+    """Reasons after which the process may still be alive and must be killed before a swap."""
+
+
+def _need(cond: bool, why: str) -> None:
+    if not cond:
+        raise ProtocolError(why)
+
+
+def _need_name(value: str, what: str, allow_empty: bool = False) -> None:
+    if allow_empty and value == "":
+        return
+    _need(is_valid_name(value), f"{what} {value!r} is not a valid name")
+
+
+def is_stale(message_generation: int, current_generation: int) -> bool:
+    """True when a message speaks of a generation older than the receiver's."""
+    return message_generation < current_generation
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    KIND: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Raise ProtocolError if a field holds a value the protocol does not allow."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobMessage(Message):
+    job: str
+    generation: int
+
+    def check(self) -> None:
+        _need_name(self.job, "job")
+        _need(self.generation >= 0, f"generation {self.generation} is negative")
+
+
+def _check_rank(rank: int) -> None:
+    _need(rank >= NO_RANK, f"rank {rank} is below {NO_RANK}")
+
+
+def _check_step(step: int) -> None:
+    _need(step >= NO_STEP, f"step {step} is below {NO_STEP}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberHello(JobMessage):
+    """A member registers with the swapper (request/reply; the reply is `HelloReply`)."""
+
+    KIND: ClassVar[str] = "member_hello"
+    member: str
+    host: str
+    pid: int
+    launcher: str
+    rank_hint: int
+    world_size: int
+    rendezvous_host: str
+    rendezvous_port: int
+    t: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _need_name(self.launcher, "launcher", allow_empty=True)
+        _need(self.pid > 0, f"pid {self.pid} is not positive")
+        _check_rank(self.rank_hint)
+        _need(self.world_size >= 1, f"world_size {self.world_size} is below 1")
+        _need(0 < self.rendezvous_port < 65536, f"rendezvous_port {self.rendezvous_port} out of range")
+        _need(self.rendezvous_host != "", "rendezvous_host is empty")
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply(JobMessage):
+    KIND: ClassVar[str] = "hello_reply"
+    member: str
+    accepted: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(JobMessage):
+    """Sent by every member from its own thread, every heartbeat period."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    member: str
+    rank: int
+    pid: int
+    step: int
+    """Optimizer steps completed in this process's timeline."""
+    in_step: bool
+    step_started_t: float
+    t: float
+    snapshots_skipped: int = 0
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+        _check_step(self.step)
+        _need(self.snapshots_skipped >= 0, "snapshots_skipped is negative")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberError(JobMessage):
+    """A member reports its own fatal error before it dies."""
+
+    KIND: ClassVar[str] = "member_error"
+    member: str
+    rank: int
+    error: str
+    t: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberDone(JobMessage):
+    """A rank finished the last step of the job."""
+
+    KIND: ClassVar[str] = "member_done"
+    member: str
+    rank: int
+    step: int
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+        _check_step(self.step)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildExit(JobMessage):
+    """A launcher saw one of its processes end. `returncode` < 0 is the signal number, negated."""
+
+    KIND: ClassVar[str] = "child_exit"
+    launcher: str
+    member: str
+    pid: int
+    returncode: int
+    t_exit: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.launcher, "launcher")
+        _need_name(self.member, "member")
+
+
+@dataclass(frozen=True, slots=True)
+class Failure(JobMessage):
+    """The detector's verdict: this member is dead (exactly one per member)."""
+
+    KIND: ClassVar[str] = "failure"
+    member: str
+    rank: int
+    reason: str
+    evidence: dict[str, str]
+    t_fault: float
+    """Best estimate of when the fault happened (exit time, last heartbeat, error time)."""
+    t_detected: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+        _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    """Where a snapshot store listens for the data plane."""
+
+    store: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuild(JobMessage):
+    """The swapper's command: form generation `generation` with this rank map.
+
+    Formation and recovery are the same command. `ranks[r]` is the member holding rank r,
+    `placement[r]` the stores rank r streams its snapshots to, `restore_step` the step every rank
+    must load before training resumes (`NO_STEP` for a fresh start).
+    """
+
+    KIND: ClassVar[str] = "rebuild"
+    world_size: int
+    ranks: list[str]
+    spares: list[str]
+    rendezvous_member: str
+    rendezvous_host: str
+    rendezvous_port: int
+    restore_step: int
+    stores: list[StoreAddress]
+    placement: list[list[str]]
+    incident: str
+    t_decided: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(self.generation >= 1, "a rebuild names generation 1 or later")
+        _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
+        _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
+        _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
+        for m in [*self.ranks, *self.spares, self.rendezvous_member]:
+            _need_name(m, "member")
+        _need(self.rendezvous_member in self.ranks, "the rendezvous host holds no rank")
+        _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
+        _check_step(self.restore_step)
+        _need(len(self.placement) == self.world_size, "placement does not cover every rank")
+        known = {s.store for s in self.stores}
+        for stores in self.placement:
+            _need(set(stores) <= known, "placement names an unknown store")
+
+    def rank_of(self, member: str) -> int:
+        """The rank `member` holds in this generation, or NO_RANK."""
+        try:
+            return self.ranks.index(member)
+        except ValueError:
+            return NO_RANK
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildAck(JobMessage):
+    """A member finished its part of a rebuild and is about to train (or wait, as a spare)."""
+
+    KIND: ClassVar[str] = "rebuild_ack"
+    member: str
+    rank: int
+    restore_step: int
+    last_completed_step: int
+    """The step this member had completed before it rolled back (NO_STEP for a spare)."""
+    restore_source: str
+    """'local' (own ping-pong buffer), 'store' (fetched), or 'fresh' (no restore)."""
+    marks: dict[str, float]
+    """Wall-clock times of this member's rebuild: 'received' (command in), 'out' (its broken process
+    group dropped), 'begin' (training thread starts the rebuild), 'restored' (state loaded),
+    'rendezvous' (new process group ready), 'ready' (re-wrapped, about to train)."""
+    t_ready: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+        _check_step(self.restore_step)
+        _check_step(self.last_completed_step)
+        _need(self.restore_source in {"local", "store", "fresh"}, "unknown restore_source")
+        _need(all(v >= 0.0 for v in self.marks.values()), "a time mark is negative")
+
+
+@dataclass(frozen=True, slots=True)
+class FenceRequest(JobMessage):
+    KIND: ClassVar[str] = "fence_request"
+    member: str
+    reason: str
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+
+
+@dataclass(frozen=True, slots=True)
+class FenceReply(JobMessage):
+    KIND: ClassVar[str] = "fence_reply"
+    member: str
+    killed: bool
+    detail: str
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotComplete(JobMessage):
+    """A store holds every chunk and the manifest of (rank, step), checksums verified."""
+
+    KIND: ClassVar[str] = "snapshot_complete"
+    store: str
+    rank: int
+    member: str
+    step: int
+    nbytes: int
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.store, "store")
+        _need_name(self.member, "member")
+        _need(self.rank >= 0, "a snapshot belongs to a rank")
+        _need(self.step >= 0, "a snapshot has a step")
+        _need(self.nbytes >= 0, "nbytes is negative")
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(JobMessage):
+    """Every rank's snapshot of `step` is complete on its stores."""
+
+    KIND: ClassVar[str] = "commit"
+    step: int
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(self.step >= 0, "a committed step is not negative")
+
+
+@dataclass(frozen=True, slots=True)
+class JobFinished(JobMessage):
+    KIND: ClassVar[str] = "job_finished"
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Incident(JobMessage):
+    """One closed recovery, with its phases. `generation` is the one training resumed in."""
+
+    KIND: ClassVar[str] = "incident"
+    incident_id: str
+    rank: int
+    member: str
+    replacement: str
+    reason: str
+    t_fault: float
+    t_detected: float
+    t_decided: float
+    t_resumed: float
+    restore_step: int
+    lost_steps: int
+    phases: dict[str, float]
+    evidence: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def detect_s(self) -> float:
+        return self.t_detected - self.t_fault
+
+    @property
+    def downtime_s(self) -> float:
+        return self.t_resumed - self.t_fault
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStatus(Message):
+    """A snapshot store announces itself and its memory use (not job-scoped: stores serve every job)."""
+
+    KIND: ClassVar[str] = "store_status"
+    store: str
+    host: str
+    port: int
+    used_bytes: int
+    capacity_bytes: int
+    snapshots: int
+    t: float
+
+    def check(self) -> None:
+        _need_name(self.store, "store")
+        _need(0 < self.port < 65536, "port out of range")
+        _need(self.used_bytes >= 0, "used_bytes is negative")

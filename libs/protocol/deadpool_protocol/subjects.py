@@ -1,0 +1,100 @@
+"""Every NATS subject DeadPool uses, in one place.
+
+Job-scoped subjects are `deadpool.<job>.<topic>`; services that serve every job subscribe with `*` in
+the job position (see `Subjects.any_job`). Stores are shared by jobs and announce themselves on a
+job-less subject.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deadpool_protocol.names import require_name
+
+__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects", "job_of"]
+
+PREFIX = "deadpool"
+STORE_STATUS = f"{PREFIX}.store.status"
+SWAPPER_STATUS = f"{PREFIX}.swapper.status"
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The subjects of one job (or of every job when `job` is `*`)."""
+
+    job: str
+
+    @classmethod
+    def for_job(cls, job: str) -> Subjects:
+        return cls(require_name(job, "job"))
+
+    @classmethod
+    def any_job(cls) -> Subjects:
+        return cls("*")
+
+    def _s(self, topic: str) -> str:
+        return f"{PREFIX}.{self.job}.{topic}"
+
+    # members -> services
+    @property
+    def hello(self) -> str:
+        """Request/reply: a member registers with the swapper."""
+        return self._s("member.hello")
+
+    @property
+    def heartbeat(self) -> str:
+        return self._s("member.heartbeat")
+
+    @property
+    def member_error(self) -> str:
+        return self._s("member.error")
+
+    @property
+    def member_done(self) -> str:
+        return self._s("member.done")
+
+    @property
+    def rebuild_ack(self) -> str:
+        return self._s("member.ack")
+
+    # launchers
+    @property
+    def child_exit(self) -> str:
+        return self._s("launcher.exit")
+
+    def fence(self, launcher: str) -> str:
+        """Request/reply: the swapper asks one launcher to SIGKILL a member."""
+        return self._s(f"launcher.{require_name(launcher, 'launcher')}.fence")
+
+    # services -> services and members
+    @property
+    def failure(self) -> str:
+        return self._s("failure")
+
+    @property
+    def rebuild(self) -> str:
+        return self._s("rebuild")
+
+    @property
+    def commit(self) -> str:
+        return self._s("commit")
+
+    @property
+    def finished(self) -> str:
+        return self._s("finished")
+
+    @property
+    def incident(self) -> str:
+        return self._s("incident")
+
+    @property
+    def snapshot_complete(self) -> str:
+        return self._s("snapshot.complete")
+
+
+def job_of(subject: str) -> str:
+    """The job token of a job-scoped subject (`deadpool.<job>.…`), or '' if it has none."""
+    parts = subject.split(".")
+    if len(parts) < 3 or parts[0] != PREFIX:
+        return ""
+    return parts[1]

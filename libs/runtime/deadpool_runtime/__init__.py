@@ -1,0 +1,7 @@
+"""The thin asyncio shell every DeadPool process shares: NATS connection policy, validated
+subscriptions, and running until a signal. Stands on `deadpool_protocol`; knows no service."""
+
+from deadpool_runtime.bus import connect, publish, subscribe_validated
+from deadpool_runtime.lifecycle import run_service, stopped_within
+
+__all__ = ["connect", "publish", "run_service", "stopped_within", "subscribe_validated"]

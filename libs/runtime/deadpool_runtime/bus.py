@@ -1,0 +1,77 @@
+"""NATS plumbing with DeadPool's policy: reconnect forever, validate every message, never crash on one.
+
+A handler that raises is logged and the subscription goes on: one bad message or one bug in a handler
+must not take a service down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from deadpool_protocol import Message, ProtocolError, decode, encode
+
+__all__ = ["RECONNECT_WAIT_S", "connect", "publish", "subscribe_validated"]
+
+RECONNECT_WAIT_S = 0.25
+M = TypeVar("M", bound=Message)
+
+
+async def connect(url: str, name: str, log: Any) -> Client:
+    """Connect to NATS; keeps reconnecting for ever if the server goes away (logged)."""
+
+    async def on_disconnect() -> None:
+        log.warning("nats disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected")
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=RECONNECT_WAIT_S,
+        allow_reconnect=True,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+    )
+
+
+async def publish(nc: Client, subject: str, message: Message) -> None:
+    await nc.publish(subject, encode(message))
+
+
+async def subscribe_validated(
+    nc: Client,
+    subject: str,
+    expected: type[M],
+    handler: Callable[[M, Msg], Awaitable[None]],
+    log: Any,
+    queue: str = "",
+) -> Subscription:
+    """Subscribe; each message is decoded and validated before `handler` sees it.
+
+    A message that fails validation is dropped with a log line giving the reason.
+    """
+
+    async def on_msg(msg: Msg) -> None:
+        try:
+            message = decode(msg.data, expected)
+        except ProtocolError as exc:
+            log.warning("rejected message", subject=msg.subject, reason=str(exc))
+            return
+        try:
+            await handler(message, msg)
+        except Exception:
+            log.exception("handler failed", subject=msg.subject, kind=expected.KIND)
+
+    return await nc.subscribe(subject, queue=queue, cb=on_msg)
