@@ -1,0 +1,131 @@
+"""`deadpool detector`: turns exit reports, error reports and heartbeat silence into `failure` events.
+
+Serves every job on the bus. A `nats.micro` service (`deadpool-detector`); its `status` endpoint
+answers with the members it watches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from deadpool_detector.core import DetectorConfig, DetectorCore
+from deadpool_protocol import (
+    ChildExit,
+    Failure,
+    Heartbeat,
+    JobFinished,
+    MemberDone,
+    MemberError,
+    Rebuild,
+    Subjects,
+)
+from deadpool_protocol.logs import configure_logging, get_logger
+from deadpool_runtime import connect, publish, run_service, stopped_within, subscribe_validated
+
+__all__ = ["DetectorServiceConfig", "main", "serve"]
+
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class DetectorServiceConfig:
+    nats_url: str
+    heartbeat_timeout_s: float = 5.0
+    check_period_s: float = 0.05
+
+
+class DetectorService:
+    def __init__(self, config: DetectorServiceConfig, nc: Client, log: Any) -> None:
+        self.config = config
+        self.nc = nc
+        self.log = log
+        self.core = DetectorCore(DetectorConfig(heartbeat_timeout_s=config.heartbeat_timeout_s))
+
+    async def _emit(self, failures: list[Failure]) -> None:
+        for failure in failures:
+            self.log.warning(
+                "failure detected",
+                job=failure.job,
+                generation=failure.generation,
+                member=failure.member,
+                rank=failure.rank,
+                reason=failure.reason,
+                evidence=failure.evidence,
+                detect_s=round(failure.t_detected - failure.t_fault, 4),
+            )
+            await publish(self.nc, Subjects.for_job(failure.job).failure, failure)
+
+    async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
+        self.core.on_heartbeat(hb, time.time())
+
+    async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
+        self.core.on_rebuild(rebuild, time.time())
+
+    async def _on_exit(self, exit_: ChildExit, _msg: Msg) -> None:
+        await self._emit(self.core.on_exit(exit_, time.time()))
+
+    async def _on_error(self, error: MemberError, _msg: Msg) -> None:
+        await self._emit(self.core.on_error(error, time.time()))
+
+    async def _on_done(self, done: MemberDone, _msg: Msg) -> None:
+        self.core.on_done(done)
+
+    async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
+        self.core.on_finished(finished)
+
+    async def _status_endpoint(self, req: Request) -> None:
+        body = {
+            job: {
+                "generation": view.generation,
+                "finished": view.finished,
+                "watched": {m: {"rank": w.rank, "step": w.last_step, "done": w.done} for m, w in view.members.items()},
+                "declared": sorted(view.declared),
+            }
+            for job, view in self.core.jobs.items()
+        }
+        await req.respond(json.dumps(body).encode())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        s = Subjects.any_job()
+        for subject, kind, handler in (
+            (s.heartbeat, Heartbeat, self._on_heartbeat),
+            (s.rebuild, Rebuild, self._on_rebuild),
+            (s.child_exit, ChildExit, self._on_exit),
+            (s.member_error, MemberError, self._on_error),
+            (s.member_done, MemberDone, self._on_done),
+            (s.finished, JobFinished, self._on_finished),
+        ):
+            await subscribe_validated(self.nc, subject, kind, handler, self.log)  # type: ignore[arg-type]
+        service = await add_service(
+            self.nc, name="deadpool-detector", version=VERSION, description="DeadPool failure detector"
+        )
+        await service.add_endpoint(name="status", subject="deadpool.detector.status", handler=self._status_endpoint)
+        self.log.info("detector ready", heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+        while True:
+            await self._emit(self.core.check(time.time()))
+            if await stopped_within(stop, self.config.check_period_s):
+                break
+        await service.stop()
+
+
+async def serve(config: DetectorServiceConfig, stop: asyncio.Event) -> None:
+    log = get_logger()
+    nc = await connect(config.nats_url, "deadpool-detector", log)
+    try:
+        await DetectorService(config, nc, log).run(stop)
+    finally:
+        await nc.drain()
+
+
+def main(config: DetectorServiceConfig) -> None:
+    configure_logging("detector")
+    run_service(lambda stop: serve(config, stop))

@@ -1,0 +1,181 @@
+"""RAM storage of snapshots: chunks checked on arrival, sealed by a manifest, freed after commits.
+
+Pure bookkeeping, no I/O. One entry per (job, rank, step). Rules:
+- a newer generation's upload of the same (job, rank, step) replaces the old one (the timeline after a
+  rollback is the valid one); an older generation's upload is refused;
+- a snapshot is served only once sealed: every chunk present and every checksum verified;
+- per job, the last `keep_committed` committed steps are kept, plus anything newer than the latest
+  commit (bounded by `uncommitted_max` per rank); everything else is freed;
+- a new snapshot that would exceed `capacity_bytes` is refused with a clear error; nothing committed is
+  ever evicted to make room.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
+
+__all__ = ["SnapshotKey", "SnapshotMemory", "StoreError", "StoredSnapshot"]
+
+SnapshotKey = tuple[str, int, int]
+"""(job, rank, step)"""
+
+
+class StoreError(Exception):
+    """A request the store refuses; the text goes back to the client."""
+
+
+@dataclass
+class StoredSnapshot:
+    job: str
+    rank: int
+    step: int
+    generation: int
+    member: str
+    total_bytes: int
+    data: bytearray
+    chunk_crcs: dict[int, int] = field(default_factory=dict)
+    """offset -> CRC-32 of each chunk received and verified."""
+    error: str = ""
+    """The first problem seen while receiving; a snapshot with an error cannot be sealed."""
+    sealed: bool = False
+    chunk_bytes: int = 0
+    crcs: list[int] = field(default_factory=list)
+    meta: bytes = b""
+
+    @property
+    def key(self) -> SnapshotKey:
+        return (self.job, self.rank, self.step)
+
+
+class SnapshotMemory:
+    def __init__(self, capacity_bytes: int, keep_committed: int = 2, uncommitted_max: int = 4) -> None:
+        if capacity_bytes <= 0 or keep_committed < 1 or uncommitted_max < 1:
+            raise ValueError("capacity_bytes, keep_committed and uncommitted_max must be positive")
+        self.capacity_bytes = capacity_bytes
+        self.keep_committed = keep_committed
+        self.uncommitted_max = uncommitted_max
+        self._snapshots: dict[SnapshotKey, StoredSnapshot] = {}
+        self._committed: dict[str, list[int]] = defaultdict(list)
+        """job -> committed steps, ascending, at most keep_committed of them."""
+        self.used_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._snapshots)
+
+    def committed_steps(self, job: str) -> list[int]:
+        return list(self._committed.get(job, []))
+
+    def put_chunk(self, chunk: PutChunk, payload: bytes | memoryview) -> None:
+        """Store one chunk. A bad chunk marks its snapshot as failed (reported at seal)."""
+        snap = self._entry_for(chunk)
+        if snap.error:
+            return
+        if len(payload) != chunk.nbytes:
+            snap.error = f"chunk at {chunk.offset}: got {len(payload)} bytes, header says {chunk.nbytes}"
+            return
+        crc = chunk_checksum(payload)
+        if crc != chunk.crc32:
+            snap.error = f"chunk at {chunk.offset}: checksum {crc:#010x} != {chunk.crc32:#010x}"
+            return
+        snap.data[chunk.offset : chunk.offset + chunk.nbytes] = payload
+        snap.chunk_crcs[chunk.offset] = crc
+
+    def seal(self, seal: Seal) -> StoredSnapshot:
+        key = (seal.job, seal.rank, seal.step)
+        snap = self._snapshots.get(key)
+        if snap is None or snap.generation != seal.generation or snap.member != seal.member:
+            raise StoreError(f"no upload in progress for {key} from {seal.member} in generation {seal.generation}")
+        if snap.error:
+            self._drop(key)
+            raise StoreError(f"snapshot {key} refused: {snap.error}")
+        if seal.total_bytes != snap.total_bytes:
+            self._drop(key)
+            raise StoreError(f"snapshot {key}: seal says {seal.total_bytes} bytes, chunks said {snap.total_bytes}")
+        spans = chunk_spans(seal.total_bytes, seal.chunk_bytes)
+        missing = [off for off, _ in spans if off not in snap.chunk_crcs]
+        if missing:
+            self._drop(key)
+            raise StoreError(f"snapshot {key}: {len(missing)} of {len(spans)} chunks missing (first at {missing[0]})")
+        received = [snap.chunk_crcs[off] for off, _ in spans]
+        if received != seal.crcs or len(snap.chunk_crcs) != len(spans):
+            self._drop(key)
+            raise StoreError(f"snapshot {key}: chunk layout or checksums differ from the manifest")
+        snap.sealed = True
+        snap.chunk_bytes = seal.chunk_bytes
+        snap.crcs = list(seal.crcs)
+        snap.meta = seal.meta
+        self._bound_uncommitted(seal.job, seal.rank)
+        return snap
+
+    def get(self, job: str, rank: int, step: int) -> StoredSnapshot:
+        snap = self._snapshots.get((job, rank, step))
+        if snap is None or not snap.sealed:
+            have = sorted(s for (j, r, s), v in self._snapshots.items() if j == job and r == rank and v.sealed)
+            raise StoreError(f"no complete snapshot of job {job} rank {rank} step {step} (have steps {have})")
+        return snap
+
+    def commit(self, job: str, step: int) -> list[SnapshotKey]:
+        """Record that `step` is committed for `job`; free what is no longer needed. Returns freed keys."""
+        steps = self._committed[job]
+        if steps and step <= steps[-1]:
+            return []
+        steps.append(step)
+        del steps[: -self.keep_committed]
+        keep_from = steps[0]
+        latest = steps[-1]
+        freed = [
+            key
+            for key in self._snapshots
+            if key[0] == job and (key[2] < keep_from or (key[2] < latest and key[2] not in steps))
+        ]
+        for key in freed:
+            self._drop(key)
+        return freed
+
+    def _entry_for(self, chunk: PutChunk) -> StoredSnapshot:
+        key = (chunk.job, chunk.rank, chunk.step)
+        snap = self._snapshots.get(key)
+        if snap is not None:
+            if chunk.generation < snap.generation:
+                raise StoreError(
+                    f"snapshot {key} from generation {chunk.generation} is stale: "
+                    f"generation {snap.generation} already wrote it"
+                )
+            same_upload = chunk.generation == snap.generation and chunk.member == snap.member and not snap.sealed
+            if same_upload and chunk.total_bytes == snap.total_bytes:
+                return snap
+            if chunk.generation == snap.generation and chunk.member != snap.member:
+                raise StoreError(f"snapshot {key} in generation {chunk.generation} already belongs to {snap.member}")
+            self._drop(key)  # a newer generation, or a fresh upload of the same one, replaces it
+        if self.used_bytes + chunk.total_bytes > self.capacity_bytes:
+            raise StoreError(
+                f"store full: {chunk.total_bytes} more bytes would exceed the capacity of "
+                f"{self.capacity_bytes} ({self.used_bytes} in use); start the store with a larger "
+                "--capacity-bytes or add stores"
+            )
+        snap = StoredSnapshot(
+            job=chunk.job,
+            rank=chunk.rank,
+            step=chunk.step,
+            generation=chunk.generation,
+            member=chunk.member,
+            total_bytes=chunk.total_bytes,
+            data=bytearray(chunk.total_bytes),
+        )
+        self._snapshots[key] = snap
+        self.used_bytes += chunk.total_bytes
+        return snap
+
+    def _bound_uncommitted(self, job: str, rank: int) -> None:
+        latest = self._committed[job][-1] if self._committed.get(job) else -1
+        newer = sorted(key for key in self._snapshots if key[0] == job and key[1] == rank and key[2] > latest)
+        for key in newer[: max(0, len(newer) - self.uncommitted_max)]:
+            self._drop(key)
+
+    def _drop(self, key: SnapshotKey) -> None:
+        snap = self._snapshots.pop(key, None)
+        if snap is not None:
+            self.used_bytes -= snap.total_bytes

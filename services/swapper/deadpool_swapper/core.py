@@ -1,0 +1,455 @@
+"""The swapper's decision core: events in, actions out, each decision with a reason. No I/O.
+
+It owns, per job: membership (ranks and spares), the generation, the committed step, the rebuild in
+flight and the open incidents. The asyncio shell (`service.py`) feeds it events and carries out the
+actions it returns, in order. Formation and recovery take the same path (`_start_rebuild`), as in
+DESIGN §5. Invariants asserted here: generations only grow, the committed step never goes back, a
+member holds at most one rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deadpool_protocol import (
+    NO_STEP,
+    Commit,
+    Failure,
+    FailureReason,
+    HelloReply,
+    Incident,
+    JobFinished,
+    MemberDone,
+    MemberHello,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreAddress,
+    StoreStatus,
+)
+from deadpool_swapper.placement import MemberInfo, StoreInfo, pick_rendezvous, pick_spare, place_snapshots
+
+__all__ = [
+    "Action",
+    "Decision",
+    "Fence",
+    "JobState",
+    "OpenIncident",
+    "PendingRebuild",
+    "Persist",
+    "Publish",
+    "SwapperConfig",
+    "SwapperCore",
+    "incident_phases",
+]
+
+INCIDENTS_KEPT = 16
+FAILED_KEPT = 256
+
+
+@dataclass(frozen=True)
+class SwapperConfig:
+    replication: int = 2
+    store_timeout_s: float = 5.0
+    """A store silent for longer is left out of new placements."""
+    rebuild_retransmit_s: float = 1.0
+    """A rebuild not acked by every rank is published again after this long (NATS core is at-most-once)."""
+    formation_grace_s: float = 2.0
+    """Formation waits this long after the last hello for members asking for the ranks still unclaimed
+    (launchers start ranks and spares together; a spare that registers first should stay a spare)."""
+
+    def __post_init__(self) -> None:
+        if self.replication < 1:
+            raise ValueError("replication must be at least 1")
+
+
+@dataclass(frozen=True)
+class Publish:
+    subject_kind: str
+    """Which job subject: 'rebuild', 'commit', 'finished' or 'incident'."""
+    message: Rebuild | Commit | JobFinished | Incident
+
+
+@dataclass(frozen=True)
+class Fence:
+    job: str
+    generation: int
+    member: str
+    launcher: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Persist:
+    job: str
+
+
+Action = Publish | Fence | Persist
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: list[Action]
+    reason: str
+
+
+@dataclass
+class OpenIncident:
+    incident_id: str
+    rank: int
+    member: str
+    host: str
+    reason: str
+    evidence: dict[str, str]
+    t_fault: float
+    t_detected: float
+    t_decided: float = 0.0
+    replacement: str = ""
+    fence_s: float = 0.0
+
+
+@dataclass
+class PendingRebuild:
+    command: Rebuild
+    t_sent: float
+    acks: dict[str, RebuildAck] = field(default_factory=dict)
+
+
+@dataclass
+class JobState:
+    job: str
+    world_size: int = 0
+    generation: int = 0
+    ranks: list[str] = field(default_factory=list)
+    spares: list[str] = field(default_factory=list)
+    members: dict[str, MemberInfo] = field(default_factory=dict)
+    """Live members that registered: ranks, spares, and (before formation) the ones waiting."""
+    failed: list[str] = field(default_factory=list)
+    committed_step: int = NO_STEP
+    restore_step: int = NO_STEP
+    """The restore step of the current generation: older generations' snapshots above it are void."""
+    placement: list[list[str]] = field(default_factory=list)
+    completes: dict[int, dict[int, set[str]]] = field(default_factory=dict)
+    """step -> rank -> stores holding it complete, for steps above the committed one."""
+    pending: PendingRebuild | None = None
+    open_incidents: list[OpenIncident] = field(default_factory=list)
+    incidents: list[Incident] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    finished: bool = False
+    incident_seq: int = 0
+    last_hello_t: float = 0.0
+
+
+class SwapperCore:
+    def __init__(self, config: SwapperConfig) -> None:
+        self.config = config
+        self.jobs: dict[str, JobState] = {}
+        self.stores: dict[str, StoreInfo] = {}
+
+    # ---------------------------------------------------------------- registration and stores
+
+    def on_hello(self, hello: MemberHello, now: float) -> tuple[HelloReply, Decision]:
+        state = self.jobs.setdefault(hello.job, JobState(hello.job))
+
+        def reply(accepted: bool, reason: str) -> HelloReply:
+            return HelloReply(hello.job, state.generation, hello.member, accepted, reason)
+
+        if state.finished:
+            return reply(False, "the job has finished"), Decision([], "hello refused: job finished")
+        if hello.member in state.failed:
+            return reply(False, "this member was declared failed and is fenced"), Decision([], "hello refused: fenced")
+        if state.world_size == 0:
+            state.world_size = hello.world_size
+        if hello.world_size != state.world_size:
+            why = f"world size {hello.world_size} differs from the job's {state.world_size}"
+            return reply(False, why), Decision([], f"hello refused: {why}")
+        known = hello.member in state.members
+        state.last_hello_t = now
+        state.members[hello.member] = MemberInfo(
+            member=hello.member,
+            host=hello.host,
+            pid=hello.pid,
+            launcher=hello.launcher,
+            rank_hint=hello.rank_hint,
+            rendezvous_host=hello.rendezvous_host,
+            rendezvous_port=hello.rendezvous_port,
+            registered_at=state.members[hello.member].registered_at if known else now,
+        )
+        if known:
+            return reply(True, "already registered"), Decision([], "repeated hello")
+        actions: list[Action] = [Persist(state.job)]
+        if state.generation == 0:
+            decision = self._try_formation(state, now)
+            return reply(True, "registered"), Decision(actions + decision.actions, decision.reason)
+        state.spares.append(hello.member)
+        reason = f"member {hello.member} joins the spare pool ({len(state.spares)} spares)"
+        if state.open_incidents and state.pending is None:
+            decision = self._start_rebuild(state, now)
+            return reply(True, "registered as spare"), Decision(actions + decision.actions, decision.reason)
+        return reply(True, "registered as spare"), Decision(actions, reason)
+
+    def on_store_status(self, status: StoreStatus, now: float) -> Decision:
+        self.stores[status.store] = StoreInfo(
+            status.store, status.host, status.port, now, status.used_bytes, status.capacity_bytes
+        )
+        actions: list[Action] = []
+        for state in self.jobs.values():
+            if state.generation == 0 and not state.finished:
+                actions += self._try_formation(state, now).actions
+        return Decision(actions, f"store {status.store} seen")
+
+    def live_stores(self, now: float) -> list[StoreInfo]:
+        return [s for s in self.stores.values() if now - s.last_seen <= self.config.store_timeout_s]
+
+    def _try_formation(self, state: JobState, now: float) -> Decision:
+        if len(state.members) < state.world_size:
+            return Decision([], f"waiting for members: {len(state.members)} of {state.world_size} registered")
+        claimed = {m.rank_hint for m in state.members.values() if 0 <= m.rank_hint < state.world_size}
+        if len(claimed) < state.world_size and now - state.last_hello_t < self.config.formation_grace_s:
+            return Decision([], f"waiting for members asking for ranks: {len(claimed)} of {state.world_size} claimed")
+        if not self.live_stores(now):
+            return Decision([], "waiting for a snapshot store to announce itself")
+        by_preference = sorted(
+            state.members.values(),
+            key=lambda m: (m.rank_hint < 0, m.rank_hint, m.registered_at, m.member),
+        )
+        state.ranks = [m.member for m in by_preference[: state.world_size]]
+        state.spares = [m.member for m in by_preference[state.world_size :]]
+        return self._publish_rebuild(state, now, newcomers=set(state.ranks), reason="formation")
+
+    # ---------------------------------------------------------------- failures and rebuilds
+
+    def on_failure(self, failure: Failure, now: float) -> Decision:
+        state = self.jobs.get(failure.job)
+        if state is None:
+            return Decision([], f"failure for unknown job {failure.job}")
+        if state.finished:
+            return Decision([], f"failure of {failure.member} after the job finished: ignored")
+        if failure.member not in state.members:
+            return Decision([], f"failure of {failure.member}: not a live member (stale or repeated)")
+        info = state.members.pop(failure.member)
+        state.failed.append(failure.member)
+        del state.failed[:-FAILED_KEPT]
+        actions: list[Action] = [Persist(state.job)]
+        if failure.reason in FailureReason.NEEDS_FENCE:
+            actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
+        if failure.member in state.spares:
+            state.spares.remove(failure.member)
+            return Decision(actions, f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left")
+        if failure.member not in state.ranks:
+            return Decision(actions, f"member {failure.member} lost before formation ({failure.reason})")
+        rank = state.ranks.index(failure.member)
+        state.incident_seq += 1
+        state.open_incidents.append(
+            OpenIncident(
+                incident_id=f"{state.job}-{state.incident_seq}",
+                rank=rank,
+                member=failure.member,
+                host=info.host,
+                reason=failure.reason,
+                evidence=dict(failure.evidence),
+                t_fault=failure.t_fault,
+                t_detected=failure.t_detected,
+            )
+        )
+        decision = self._start_rebuild(state, now)
+        return Decision(
+            actions + decision.actions,
+            f"rank {rank} ({failure.member}) failed: {failure.reason}; {decision.reason}",
+        )
+
+    def on_fenced(self, job: str, member: str, fence_s: float) -> None:
+        state = self.jobs.get(job)
+        for incident in state.open_incidents if state else []:
+            if incident.member == member:
+                incident.fence_s = fence_s
+
+    def _start_rebuild(self, state: JobState, now: float) -> Decision:
+        vacant = [r for r, m in enumerate(state.ranks) if m not in state.members]
+        if not vacant:
+            return Decision([], "no rank is vacant")
+        if len(state.spares) < len(vacant):
+            return Decision(
+                [], f"{len(vacant)} rank(s) vacant but {len(state.spares)} spare(s) free: waiting for a spare"
+            )
+        if not self.live_stores(now):
+            return Decision([], "no snapshot store is alive: cannot place snapshots")
+        failed_hosts = {i.host for i in state.open_incidents}
+        newcomers: set[str] = set()
+        for rank in vacant:
+            spare = pick_spare(state.spares, state.members, failed_hosts)
+            assert spare is not None
+            state.spares.remove(spare)
+            state.ranks[rank] = spare
+            newcomers.add(spare)
+            for incident in state.open_incidents:
+                if incident.rank == rank:
+                    incident.replacement = spare
+        return self._publish_rebuild(state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}")
+
+    def _publish_rebuild(self, state: JobState, now: float, newcomers: set[str], reason: str) -> Decision:
+        stores = self.live_stores(now)
+        if not stores:
+            return Decision([], "no snapshot store is alive: cannot place snapshots")
+        assert len(set(state.ranks)) == len(state.ranks), "a member holds more than one rank"
+        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers)]
+        # Formation starts fresh. Every later generation restores a committed step; members ack
+        # formation only once their step-0 snapshot is sealed on its stores, so step 0 is always there.
+        state.restore_step = NO_STEP if state.generation == 0 else max(state.committed_step, 0)
+        state.generation += 1
+        state.placement = place_snapshots(state.ranks, state.members, stores, self.config.replication)
+        state.completes = {s: v for s, v in state.completes.items() if s <= state.restore_step}
+        state.done.clear()
+        command = Rebuild(
+            job=state.job,
+            generation=state.generation,
+            world_size=state.world_size,
+            ranks=list(state.ranks),
+            spares=list(state.spares),
+            rendezvous_member=rendezvous.member,
+            rendezvous_host=rendezvous.rendezvous_host,
+            rendezvous_port=rendezvous.rendezvous_port,
+            restore_step=state.restore_step,
+            stores=[StoreAddress(s.store, s.host, s.port) for s in stores],
+            placement=state.placement,
+            incident=",".join(i.incident_id for i in state.open_incidents),
+            t_decided=now,
+        )
+        command.check()
+        state.pending = PendingRebuild(command, t_sent=now)
+        for incident in state.open_incidents:
+            if incident.t_decided == 0.0:
+                incident.t_decided = now
+        return Decision(
+            [Publish("rebuild", command), Persist(state.job)],
+            f"generation {state.generation}: {reason}; restore step {state.restore_step}",
+        )
+
+    def on_ack(self, ack: RebuildAck, now: float) -> Decision:
+        state = self.jobs.get(ack.job)
+        pending = state.pending if state else None
+        if state is None or pending is None or ack.generation != pending.command.generation:
+            return Decision([], f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending")
+        if ack.member not in pending.command.ranks:
+            return Decision([], f"ack from {ack.member}, which holds no rank in generation {ack.generation}")
+        pending.acks[ack.member] = ack
+        missing = [m for m in pending.command.ranks if m not in pending.acks]
+        if missing:
+            return Decision([], f"generation {ack.generation}: waiting for {len(missing)} ack(s)")
+        state.pending = None
+        actions: list[Action] = [Persist(state.job)]
+        incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
+        state.open_incidents.clear()
+        state.incidents = (state.incidents + incidents)[-INCIDENTS_KEPT:]
+        actions += [Publish("incident", i) for i in incidents]
+        what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
+        return Decision(actions, f"generation {state.generation} {what}: every rank acked")
+
+    def _close(self, state: JobState, incident: OpenIncident, pending: PendingRebuild) -> Incident:
+        acks = list(pending.acks.values())
+        t_resumed = max(a.t_ready for a in acks)
+        survivors = [a for a in acks if a.restore_source != "store"]
+        last_completed = max((a.last_completed_step for a in survivors), default=state.restore_step)
+        phases = incident_phases(incident, acks)
+        return Incident(
+            job=state.job,
+            generation=state.generation,
+            incident_id=incident.incident_id,
+            rank=incident.rank,
+            member=incident.member,
+            replacement=incident.replacement,
+            reason=incident.reason,
+            t_fault=incident.t_fault,
+            t_detected=incident.t_detected,
+            t_decided=incident.t_decided,
+            t_resumed=t_resumed,
+            restore_step=pending.command.restore_step,
+            lost_steps=max(0, last_completed - pending.command.restore_step),
+            phases=phases,
+            evidence=incident.evidence,
+        )
+
+    def tick(self, now: float) -> Decision:
+        """Periodic work: publish again a rebuild that not every rank has acked."""
+        actions: list[Action] = []
+        for state in self.jobs.values():
+            pending = state.pending
+            if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
+                pending.t_sent = now
+                actions.append(Publish("rebuild", pending.command))
+            if state.generation == 0 and not state.finished:
+                actions += self._try_formation(state, now).actions
+        return Decision(actions, "tick")
+
+    # ---------------------------------------------------------------- commits and completion
+
+    def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
+        state = self.jobs.get(sc.job)
+        if state is None or state.generation == 0:
+            return Decision([], f"snapshot of unknown or unformed job {sc.job}")
+        if sc.generation < state.generation and sc.step > state.restore_step:
+            return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
+        if sc.step <= state.committed_step or sc.rank >= state.world_size:
+            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: already committed or no such rank")
+        state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
+        newly = [s for s in sorted(state.completes) if self._is_complete(state, s)]
+        if not newly:
+            return Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
+        step = newly[-1]
+        assert step > state.committed_step, "a committed step never goes back"
+        state.committed_step = step
+        state.completes = {s: v for s, v in state.completes.items() if s > step}
+        commit = Commit(state.job, state.generation, step)
+        return Decision([Publish("commit", commit), Persist(state.job)], f"step {step} committed")
+
+    def _is_complete(self, state: JobState, step: int) -> bool:
+        by_rank = state.completes.get(step, {})
+        for rank in range(state.world_size):
+            needed = len(state.placement[rank]) if rank < len(state.placement) else 1
+            if len(by_rank.get(rank, ())) < max(1, needed):
+                return False
+        return True
+
+    def on_done(self, done: MemberDone, now: float) -> Decision:
+        state = self.jobs.get(done.job)
+        if state is None or done.generation != state.generation or done.member not in state.ranks:
+            return Decision([], f"done from {done.member} in generation {done.generation}: stale")
+        state.done.add(done.member)
+        if len(state.done) < state.world_size or state.pending is not None:
+            return Decision([], f"{len(state.done)} of {state.world_size} ranks done")
+        state.finished = True
+        finished = JobFinished(state.job, state.generation, done.step)
+        return Decision([Publish("finished", finished), Persist(state.job)], f"job finished at step {done.step}")
+
+
+def _span(end: float, start: float) -> float:
+    return max(0.0, end - start)
+
+
+def incident_phases(incident: OpenIncident, acks: list[RebuildAck]) -> dict[str, float]:
+    """Durations of the recovery phases, from the incident's times and every rank's time marks.
+
+    detect: fault -> verdict; decide: verdict -> command; fence: kill of a possibly-alive member;
+    abort: fault -> the last survivor out of the broken collective; notify: command -> the last
+    member has it; restore / rendezvous / apply: the slowest member's state load, new process group,
+    and re-wrap with optimizer state. Phases overlap (survivors abort while the detector decides).
+    """
+
+    def slowest(end: str, start: str) -> float:
+        spans = [_span(a.marks[end], a.marks[start]) for a in acks if end in a.marks and start in a.marks]
+        return max(spans, default=0.0)
+
+    outs = [a.marks["out"] for a in acks if "out" in a.marks]
+    return {
+        "detect": _span(incident.t_detected, incident.t_fault),
+        "decide": _span(incident.t_decided, incident.t_detected),
+        "fence": incident.fence_s,
+        "abort": _span(max(outs), incident.t_fault) if outs else 0.0,
+        "notify": max(
+            (_span(a.marks.get("received", incident.t_decided), incident.t_decided) for a in acks),
+            default=0.0,
+        ),
+        "restore": slowest("restored", "begin"),
+        "rendezvous": slowest("rendezvous", "restored"),
+        "apply": slowest("ready", "rendezvous"),
+    }
