@@ -1,0 +1,218 @@
+"""The member's line to the control plane: a NATS client on its own thread and event loop.
+
+It must not share the training thread: that thread can sit inside a blocked collective for as long as
+it takes the cascade to release it, and heartbeats and the swapper's commands must keep flowing
+meanwhile. The training thread talks to it through a condition variable (commands in) and
+fire-and-forget publishes (reports out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from deadpool.member_config import MemberConfig
+from deadpool_protocol import (
+    NO_RANK,
+    Heartbeat,
+    HelloReply,
+    JobFinished,
+    JobMessage,
+    MemberHello,
+    ProtocolError,
+    Rebuild,
+    Subjects,
+    decode,
+    encode,
+)
+from deadpool_runtime import connect, subscribe_validated
+
+__all__ = ["ControlLink", "MemberRefusedError", "Progress"]
+
+CONNECT_TIMEOUT_S = 30.0
+HELLO_RETRY_S = 0.5
+
+
+class MemberRefusedError(RuntimeError):
+    """The swapper refused this member's registration (the text says why)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the heartbeat says about the training thread; replaced whole, so reads are consistent."""
+
+    generation: int = 0
+    rank: int = NO_RANK
+    step: int = -1
+    in_step: bool = False
+    step_started_t: float = 0.0
+    snapshots_skipped: int = 0
+
+
+class ControlLink:
+    def __init__(self, config: MemberConfig, log: Any, on_rebuild: Callable[[Rebuild], None] | None = None) -> None:
+        self.config = config
+        self._on_rebuild_cb = on_rebuild
+        """Called on the control thread when a newer rebuild arrives (it must be quick and thread-safe)."""
+        self.log = log
+        self.subjects = Subjects.for_job(config.job)
+        self.progress = Progress()
+        self._cond = threading.Condition()
+        self._rebuild: Rebuild | None = None
+        self._rebuild_received_t = 0.0
+        self._finished: JobFinished | None = None
+        self._refused = ""
+        self._registered = False
+        self._loop = asyncio.new_event_loop()
+        self._nc: Client | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="deadpool-control", daemon=True)
+
+    # ------------------------------------------------------------ called from the training thread
+
+    def start(self, hello: MemberHello) -> None:
+        """Connect, subscribe and register; returns once the swapper accepted us (or raises)."""
+        self._hello = hello
+        self._thread.start()
+        if not self._ready.wait(CONNECT_TIMEOUT_S):
+            raise ConnectionError(f"no NATS connection to {self.config.nats_url} within {CONNECT_TIMEOUT_S} s")
+        with self._cond:
+            while not self._registered and not self._refused:
+                self._cond.wait()
+            if self._refused:
+                raise MemberRefusedError(f"the swapper refused member {self.config.member}: {self._refused}")
+
+    def latest_rebuild(self) -> tuple[Rebuild | None, float]:
+        """The newest rebuild command seen, and when it arrived (wall clock)."""
+        with self._cond:
+            return self._rebuild, self._rebuild_received_t
+
+    def finished(self) -> JobFinished | None:
+        with self._cond:
+            return self._finished
+
+    def wait_command(self, newer_than: int, timeout_s: float | None) -> Rebuild | JobFinished | None:
+        """Block until a rebuild of a generation above `newer_than` arrives, or the job finishes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._rebuild is not None and self._rebuild.generation > newer_than:
+                    return self._rebuild
+                if self._finished is not None:
+                    return self._finished
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining if remaining is None else min(remaining, 1.0))
+
+    def server_ports(self) -> set[int]:
+        """Ports of the NATS servers this link may be connected to."""
+        nc = self._nc
+        servers = nc.servers if nc is not None else []
+        return {s.port for s in servers if s.port is not None}
+
+    def publish(self, subject: str, message: JobMessage) -> Future[None]:
+        """Send a report from any thread; returns a future the caller may wait on."""
+        return asyncio.run_coroutine_threadsafe(self._publish(subject, message), self._loop)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            return
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------ the control thread
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._main())
+
+    async def _main(self) -> None:
+        self._stop = asyncio.Event()
+        self._nc = await connect(self.config.nats_url, f"deadpool-member-{self.config.member}", self.log)
+        await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
+        await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
+        self._ready.set()
+        await self._register()
+        beat = asyncio.create_task(self._heartbeats())
+        await self._stop.wait()
+        beat.cancel()
+        await self._nc.drain()
+
+    async def _register(self) -> None:
+        assert self._nc is not None and self._stop is not None
+        while not self._stop.is_set():
+            try:
+                msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=2.0)
+                if msg.headers and msg.headers.get("Nats-Service-Error-Code"):
+                    raise ProtocolError(msg.headers.get("Nats-Service-Error", "hello rejected"))
+                reply = decode(msg.data, HelloReply)
+            except (NoRespondersError, NatsTimeoutError):
+                self.log.info("waiting for the swapper to answer hello")
+                await asyncio.sleep(HELLO_RETRY_S)
+                continue
+            except ProtocolError as exc:
+                reply = HelloReply(self.config.job, 0, self.config.member, False, str(exc))
+            with self._cond:
+                if reply.accepted:
+                    self._registered = True
+                else:
+                    self._refused = reply.reason or "no reason given"
+                self._cond.notify_all()
+            return
+
+    async def _heartbeats(self) -> None:
+        assert self._nc is not None
+        pid = os.getpid()
+        while True:
+            p = self.progress
+            beat = Heartbeat(
+                job=self.config.job,
+                generation=p.generation,
+                member=self.config.member,
+                rank=p.rank,
+                pid=pid,
+                step=p.step,
+                in_step=p.in_step,
+                step_started_t=p.step_started_t,
+                t=time.time(),
+                snapshots_skipped=p.snapshots_skipped,
+            )
+            try:
+                await self._nc.publish(self.subjects.heartbeat, encode(beat))
+            except Exception as exc:  # an outage must not kill the heartbeat task
+                self.log.warning("heartbeat not sent", error=repr(exc))
+            await asyncio.sleep(self.config.heartbeat_period_s)
+
+    async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
+        with self._cond:
+            if self._rebuild is not None and rebuild.generation <= self._rebuild.generation:
+                return  # a retransmission, or an older generation: nothing new
+            self._rebuild = rebuild
+            self._rebuild_received_t = time.time()
+            self._cond.notify_all()
+        if self._on_rebuild_cb is not None:
+            self._on_rebuild_cb(rebuild)
+
+    async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
+        with self._cond:
+            self._finished = finished
+            self._cond.notify_all()
+
+    async def _publish(self, subject: str, message: JobMessage) -> None:
+        assert self._nc is not None
+        await self._nc.publish(subject, encode(message))
+        await self._nc.flush(timeout=5)

@@ -1,0 +1,237 @@
+"""`deadpool launch`: start a host's ranks and warm spares, report their exits, fence on request.
+
+Like torchrun, it runs one process per local rank plus `spares` warm spares, all the same script with
+the same arguments; which of them end up holding ranks is the swapper's call (members started for
+rank r ask for rank r). It reports every child's exit on NATS the moment `waitpid` returns, answers
+the swapper's fence requests by SIGKILLing the member, forwards SIGINT/SIGTERM to its children, and
+optionally respawns a dead child as a new spare. Children die with it (PR_SET_PDEATHSIG), so a lost
+launcher means a lost host, never orphans that keep training.
+
+No torch here: the launcher starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from deadpool.member_config import ENV, host_name
+from deadpool_protocol import (
+    ChildExit,
+    FenceReply,
+    FenceRequest,
+    JobFinished,
+    ProtocolError,
+    Rebuild,
+    Subjects,
+    decode,
+    encode,
+)
+from deadpool_runtime import connect, publish, subscribe_validated
+
+__all__ = ["LaunchConfig", "Launcher"]
+
+PR_SET_PDEATHSIG = 1
+TERMINATE_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    nats_url: str
+    job: str
+    nproc: int
+    spares: int
+    command: Sequence[str]
+    """The script and its arguments (run with this Python)."""
+    world_size: int = 0
+    """Ranks in the whole job (all hosts); 0 means nproc (one host)."""
+    rank_offset: int = 0
+    """The first rank this host's processes ask for (node_rank * nproc on several hosts)."""
+    rendezvous_host: str = "127.0.0.1"
+    respawns: int = 0
+    """How many dead children may be replaced by a fresh spare."""
+    collective_timeout_s: float = 0.0
+    """Passed to members as DEADPOOL_PG_TIMEOUT_S; 0 keeps their default."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
+            raise ValueError("launch at least one process (--nproc and --spares)")
+        if not self.command:
+            raise ValueError("no training script given")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGKILL if the launcher dies (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Child:
+    member: str
+    rank_hint: int
+    process: asyncio.subprocess.Process
+
+
+class Launcher:
+    def __init__(self, config: LaunchConfig, log: Any) -> None:
+        self.config = config
+        self.log = log
+        self.host = host_name()
+        self.launcher_id = f"{self.host}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.subjects = Subjects.for_job(config.job)
+        self.children: dict[str, Child] = {}
+        self.exit_codes: dict[str, int] = {}
+        self.generation = 0
+        self.finished = False
+        self._alive_at_finish: set[str] = set()
+        self.respawns_left = config.respawns
+        self._serial = 0
+        self._nc: Client | None = None
+        self._all_exited = asyncio.Event()
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size or self.config.nproc
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Run the children to the end; returns the launcher's exit code (0: the job finished)."""
+        self._nc = await connect(self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log)
+        await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
+        await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
+        await self._nc.subscribe(self.subjects.fence(self.launcher_id), cb=self._on_fence)
+        await self._nc.flush()
+        for local_rank in range(self.config.nproc):
+            await self._spawn(self.config.rank_offset + local_rank)
+        for _ in range(self.config.spares):
+            await self._spawn(-1)
+        stopper = asyncio.create_task(stop.wait())
+        exited = asyncio.create_task(self._all_exited.wait())
+        await asyncio.wait({stopper, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set() and not self._all_exited.is_set():
+            await self._terminate_all()
+        stopper.cancel()
+        await self._all_exited.wait()
+        await self._nc.drain()
+        return self._exit_code()
+
+    def _exit_code(self) -> int:
+        """0 when the job finished and every member still running at that moment exited cleanly;
+        members that failed earlier were replaced and do not count against the job."""
+        if not self.finished:
+            return 1
+        return 0 if all(self.exit_codes.get(m) == 0 for m in self._alive_at_finish) else 1
+
+    async def _spawn(self, rank_hint: int) -> None:
+        self._serial += 1
+        member = f"{self.launcher_id}-{self._serial}"
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.config.rendezvous_host.startswith("127."):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback
+        env.update(
+            {
+                ENV.JOB: self.config.job,
+                ENV.NATS_URL: self.config.nats_url,
+                ENV.MEMBER: member,
+                ENV.LAUNCHER: self.launcher_id,
+                ENV.RANK_HINT: str(rank_hint),
+                ENV.WORLD_SIZE: str(self.world_size),
+                ENV.HOST: self.host,
+                ENV.RENDEZVOUS_HOST: self.config.rendezvous_host,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.config.collective_timeout_s > 0:
+            env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
+        env.update(self.config.extra_env)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, *self.config.command, env=env, preexec_fn=_die_with_parent
+        )
+        child = Child(member, rank_hint, process)
+        self.children[member] = child
+        self.log.info("member started", member=member, pid=process.pid, rank_hint=rank_hint)
+        task = asyncio.create_task(self._watch(child))
+        self._watchers.add(task)
+        task.add_done_callback(self._watchers.discard)
+
+    async def _watch(self, child: Child) -> None:
+        returncode = await child.process.wait()
+        t_exit = time.time()
+        self.exit_codes[child.member] = returncode
+        report = ChildExit(
+            self.config.job,
+            self.generation,
+            self.launcher_id,
+            child.member,
+            child.process.pid,
+            returncode,
+            t_exit,
+        )
+        assert self._nc is not None
+        try:
+            await publish(self._nc, self.subjects.child_exit, report)
+            await self._nc.flush(timeout=2)
+        except Exception as exc:
+            self.log.error("exit report not sent", member=child.member, error=repr(exc))
+        level = self.log.info if returncode == 0 else self.log.warning
+        level("member exited", member=child.member, pid=child.process.pid, returncode=returncode)
+        failed = returncode != 0 and not self.finished
+        if failed and self.respawns_left > 0:
+            self.respawns_left -= 1
+            await self._spawn(-1)
+        if all(member in self.exit_codes for member in self.children):
+            self._all_exited.set()
+
+    async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
+        self.generation = max(self.generation, rebuild.generation)
+
+    async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
+        if not self.finished:
+            self.finished = True
+            self._alive_at_finish = {m for m in self.children if m not in self.exit_codes}
+
+    async def _on_fence(self, msg: Msg) -> None:
+        try:
+            request = decode(msg.data, FenceRequest)
+        except ProtocolError as exc:
+            self.log.warning("rejected fence request", reason=str(exc))
+            return
+        child = self.children.get(request.member)
+        if child is None or child.process.returncode is not None:
+            killed, detail = False, "not running"
+        else:
+            child.process.kill()
+            await child.process.wait()
+            killed, detail = True, f"SIGKILL sent to pid {child.process.pid}"
+        self.log.warning("fence", member=request.member, reason=request.reason, killed=killed)
+        reply = FenceReply(request.job, self.generation, request.member, killed, detail, time.time())
+        await msg.respond(encode(reply))
+
+    async def _terminate_all(self) -> None:
+        """Forward a stop to the children; SIGKILL whatever is still alive after the grace period."""
+        for child in self.children.values():
+            if child.process.returncode is None:
+                child.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._all_exited.wait(), TERMINATE_GRACE_S)
+        except TimeoutError:
+            for child in self.children.values():
+                if child.process.returncode is None:
+                    child.process.kill()

@@ -1,0 +1,97 @@
+"""How a training process learns who it is: environment variables set by `deadpool launch`.
+
+No torch here: the launcher imports this module too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deadpool_protocol.names import require_name
+
+__all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
+
+
+class NotLaunchedError(RuntimeError):
+    """The process was not started by `deadpool launch`, so it has no job, member id or NATS address."""
+
+
+class ENV:
+    JOB = "DEADPOOL_JOB"
+    NATS_URL = "DEADPOOL_NATS_URL"
+    MEMBER = "DEADPOOL_MEMBER"
+    LAUNCHER = "DEADPOOL_LAUNCHER"
+    RANK_HINT = "DEADPOOL_RANK_HINT"
+    WORLD_SIZE = "DEADPOOL_WORLD_SIZE"
+    HOST = "DEADPOOL_HOST"
+    RENDEZVOUS_HOST = "DEADPOOL_RENDEZVOUS_HOST"
+    HEARTBEAT_PERIOD_S = "DEADPOOL_HEARTBEAT_PERIOD_S"
+    PG_TIMEOUT_S = "DEADPOOL_PG_TIMEOUT_S"
+    REBUILD_WAIT_S = "DEADPOOL_REBUILD_WAIT_S"
+    BACKEND = "DEADPOOL_BACKEND"
+
+
+def host_name() -> str:
+    """This host's name, reduced to the characters a DeadPool name may hold."""
+    raw = socket.gethostname().split(".")[0] or "host"
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
+
+
+@dataclass(frozen=True)
+class MemberConfig:
+    job: str
+    nats_url: str
+    member: str
+    launcher: str
+    rank_hint: int
+    world_size: int
+    host: str
+    rendezvous_host: str = "127.0.0.1"
+    heartbeat_period_s: float = 0.1
+    pg_timeout_s: float = 60.0
+    """How long a collective may block before gloo/NCCL gives up: the last line of defence. Aborting a
+    broken group releases blocked collectives at once, except one case gloo cannot interrupt (a
+    collective's send still waiting for a peer that has left, see docs/architecture.md); that member
+    stays blocked until this timeout."""
+    rebuild_wait_s: float = 300.0
+    """How long a survivor that left a broken collective waits for the swapper's rebuild command."""
+    backend: str = ""
+    """'gloo' or 'nccl'; empty means nccl when CUDA is available, else gloo."""
+    snapshot_chunk_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        require_name(self.job, "job")
+        require_name(self.member, "member")
+        if self.launcher:
+            require_name(self.launcher, "launcher")
+        if self.world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        if not (0 < self.heartbeat_period_s < self.rebuild_wait_s):
+            raise ValueError("heartbeat_period_s must be positive and below rebuild_wait_s")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MemberConfig:
+        env = os.environ if env is None else env
+        missing = [k for k in (ENV.JOB, ENV.NATS_URL, ENV.MEMBER, ENV.WORLD_SIZE) if not env.get(k)]
+        if missing:
+            raise NotLaunchedError(
+                f"{', '.join(missing)} not set: start this script with `deadpool launch --nproc N --spares S "
+                "script.py` (or set the DEADPOOL_* variables yourself)"
+            )
+        return cls(
+            job=env[ENV.JOB],
+            nats_url=env[ENV.NATS_URL],
+            member=env[ENV.MEMBER],
+            launcher=env.get(ENV.LAUNCHER, ""),
+            rank_hint=int(env.get(ENV.RANK_HINT, "-1")),
+            world_size=int(env[ENV.WORLD_SIZE]),
+            host=env.get(ENV.HOST) or host_name(),
+            rendezvous_host=env.get(ENV.RENDEZVOUS_HOST, "127.0.0.1"),
+            heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, "0.1")),
+            pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, "60")),
+            rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
+            backend=env.get(ENV.BACKEND, ""),
+        )

@@ -1,0 +1,218 @@
+"""Process groups per generation: rendezvous, creation, and dropping a broken one.
+
+Rendezvous: every member binds a listening socket at start-up and announces its address in its
+hello. When the swapper names a member as the rendezvous host of a generation, that member starts a
+TCPStore master on the already-bound socket (`master_listen_fd`), so clients that connect first simply
+wait in the kernel's backlog, and the store listens only on the configured address (a TCPStore given a
+host still listens on all interfaces). Each generation uses its own key prefix.
+
+Aborting: see `GenerationGroup`. For NCCL the communicator's own abort is used (from any thread).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deadpool_protocol import Rebuild
+
+__all__ = ["GenerationGroup", "Rendezvous", "is_collective_error", "pick_backend"]
+
+_COLLECTIVE_ERROR_MARKERS = (
+    "gloo",
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "nccl",
+    "timed out",
+    "process group",
+    "processgroup",
+)
+
+
+class Rendezvous:
+    """This member's rendezvous endpoint, bound once for the life of the process."""
+
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self.host = host
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((host, 0))
+        self._listener.listen(1024)
+        self.port: int = self._listener.getsockname()[1]
+        self._master: dist.TCPStore | None = None
+        self._client: dist.TCPStore | None = None
+        self._client_address: tuple[str, int] | None = None
+
+    def store_for(self, command: Rebuild, member: str) -> dist.Store:
+        """The key-value store of `command`'s generation, prefixed so generations never mix."""
+        if command.rendezvous_member == member:
+            if self._master is None:
+                self._master = dist.TCPStore(
+                    self.host,
+                    self.port,
+                    None,
+                    True,
+                    self.timeout,
+                    wait_for_workers=False,
+                    master_listen_fd=self._listener.detach(),
+                )
+            base: dist.Store = self._master
+        else:
+            address = (command.rendezvous_host, command.rendezvous_port)
+            if self._client is None or self._client_address != address:
+                self._client = dist.TCPStore(address[0], address[1], None, False, self.timeout)
+                self._client_address = address
+            base = self._client
+        return dist.PrefixStore(f"{command.job}/g{command.generation}/", base)
+
+
+def pick_backend(configured: str) -> str:
+    if configured:
+        return configured
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class GenerationGroup:
+    """The current generation's process group, which any thread can break.
+
+    gloo gives no way to close a group's connections while something still references it (a failed
+    collective's traceback holds DDP, which holds the group), and `ProcessGroup.abort()` leaves its
+    sockets open. So the group's sockets are found (the socket descriptors that appeared while it was
+    created) and `abort()` shuts down the connected ones: every collective of this process and of
+    every peer waiting on it fails at once, whichever thread calls it and whatever still holds the
+    group. The control thread calls it the moment a newer generation is announced; the training
+    thread calls it when a collective fails. Listening sockets are left alone (gloo's accept loop
+    treats a shut-down listener as fatal), and so are connections to or from known service ports (the
+    rendezvous store accepts its clients during the creation).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._backend = ""
+        self._sockets: dict[int, str] = {}
+
+    def create(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        generation: int,
+        service_ports: set[int],
+    ) -> Any:
+        """Create generation `generation`'s group as the default group (DDP and ZeRO find it as WORLD).
+
+        `service_ports`: ports of connections that are not the group's even if they appear meanwhile
+        (the rendezvous store, which accepts its clients during this very call; NATS; the stores).
+        """
+        before = _socket_fds()
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        created = {
+            fd: link
+            for fd, link in _socket_fds().items()
+            if before.get(fd) != link and _is_peer_connection(fd, service_ports)
+        }
+        with self._lock:
+            self._generation, self._backend, self._sockets = generation, backend, created
+        return dist.group.WORLD
+
+    def abort(self, below_generation: int | None = None) -> bool:
+        """Break the group's connections (any thread). With `below_generation`, only if the group is
+        older than that. Returns True if a live group was broken."""
+        with self._lock:
+            if not self._sockets or (below_generation is not None and self._generation >= below_generation):
+                return False
+            if self._backend == "nccl":  # pragma: no cover - needs a GPU
+                _abort_nccl()
+            else:
+                for fd, link in self._sockets.items():
+                    _shutdown_connected(fd, link)
+            self._sockets = {}
+            return True
+
+    def destroy(self) -> None:
+        """Abort, then destroy the default group (training thread)."""
+        self.abort()
+        with self._lock:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._sockets = {}
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket descriptors, with the kernel's name for each ('socket:[inode]')."""
+    found: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+def _is_peer_connection(fd: int, service_ports: set[int]) -> bool:
+    """A connected TCP socket whose ends use none of `service_ports`."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        ports = {sock.getsockname()[1], sock.getpeername()[1]}
+    except OSError:
+        return False
+    finally:
+        sock.detach()
+    return not ports & service_ports
+
+
+def _shutdown_connected(fd: int, link: str) -> None:
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") != link:
+            return  # closed and reused since: not ours any more
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()  # the descriptor stays gloo's to close
+
+
+def _abort_nccl() -> None:  # pragma: no cover - needs a GPU
+    """Abort the NCCL communicator so no kernel waits for a dead peer (safe from another thread)."""
+    group = dist.group.WORLD
+    backend = group._get_backend(torch.device("cuda")) if group is not None else None
+    abort = getattr(backend, "abort", None)
+    if callable(abort):
+        abort()
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """True for errors that mean "a peer or the network broke", as opposed to a bug in the step."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)

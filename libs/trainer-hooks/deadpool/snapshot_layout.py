@@ -1,0 +1,109 @@
+"""Where each tensor of a snapshot lives inside one flat byte buffer.
+
+A snapshot is a single contiguous byte buffer: every tensor at an aligned offset, so capture is one
+`torch._foreach_copy_` into views of the buffer, streaming is slicing it into chunks, and restore is one
+`_foreach_copy_` back. The layout travels in the snapshot's manifest, so the restoring side needs no
+knowledge of the sender beyond the tensor names.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ALIGN_BYTES", "FlatBuffer", "SnapshotLayout", "TensorSpec", "plan_layout"]
+
+ALIGN_BYTES = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SnapshotLayout:
+    specs: tuple[TensorSpec, ...]
+    total_bytes: int
+
+    def to_fields(self) -> dict[str, Any]:
+        return {
+            "total_bytes": self.total_bytes,
+            "specs": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.specs],
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> SnapshotLayout:
+        try:
+            specs = tuple(
+                TensorSpec(str(name), str(dtype), tuple(int(d) for d in shape), int(offset), int(nbytes))
+                for name, dtype, shape, offset, nbytes in fields["specs"]
+            )
+            layout = cls(specs, int(fields["total_bytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed snapshot layout: {exc}") from None
+        for s in layout.specs:
+            if s.dtype not in _DTYPES or s.offset < 0 or s.offset + s.nbytes > layout.total_bytes:
+                raise ValueError(f"malformed snapshot layout entry {s.name}")
+        return layout
+
+    def names(self) -> list[str]:
+        return [s.name for s in self.specs]
+
+
+def plan_layout(named: Sequence[tuple[str, torch.Tensor]]) -> SnapshotLayout:
+    specs = []
+    offset = 0
+    for name, tensor in named:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in _DTYPES:
+            raise TypeError(f"cannot snapshot tensor {name} of dtype {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        specs.append(TensorSpec(name, dtype, tuple(tensor.shape), offset, nbytes))
+        offset += (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+    return SnapshotLayout(tuple(specs), offset)
+
+
+class FlatBuffer:
+    """A host buffer for one layout, with a typed view per tensor (pinned when CUDA is in use)."""
+
+    def __init__(self, layout: SnapshotLayout, pin: bool = False) -> None:
+        self.layout = layout
+        size = max(layout.total_bytes, 1)
+        self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self.views: list[torch.Tensor] = [
+            self.data[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape) for s in layout.specs
+        ]
+        self.by_name = dict(zip(layout.names(), self.views, strict=True))
+
+    def bytes_view(self) -> memoryview:
+        """The buffer's bytes, zero-copy (valid while this object lives)."""
+        n = self.layout.total_bytes
+        if n == 0:
+            return memoryview(b"")
+        raw = (ctypes.c_ubyte * n).from_address(self.data.data_ptr())
+        return memoryview(raw).cast("B")

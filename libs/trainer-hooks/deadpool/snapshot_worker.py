@@ -1,0 +1,247 @@
+"""Per-step snapshots off the training thread: two ping-pong buffers, a capture, a stream.
+
+After optimizer step s the training thread calls `capture(s, …)`. If the snapshot thread is still
+streaming an earlier step, step s is skipped (training never waits on the network; the interval adapts
+by itself). Otherwise the thread copies the state into the buffer not holding the newest snapshot
+(`torch._foreach_copy_`, which releases the GIL) and then streams it to the rank's stores. The next
+optimizer step waits in `wait_captured()` (an optimizer step pre-hook) only if that copy is still
+running; it normally finished long before, during forward and backward.
+
+On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
+stream wait on the copy's event: the GPU orders the two, the CPU never blocks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
+from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
+from deadpool.training_state import SnapshotSources
+from deadpool_protocol import StoreAddress
+
+__all__ = ["CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
+
+
+@dataclass
+class SnapshotSlot:
+    """One of the two ping-pong buffers, and which step it holds (-1: nothing valid)."""
+
+    buffer: FlatBuffer | None = None
+    step: int = -1
+    meta: bytes = b""
+
+
+@dataclass
+class CaptureRequest:
+    slot: SnapshotSlot
+    key: UploadKey
+    sources: list[torch.Tensor]
+    views: list[torch.Tensor]
+    stores: list[StoreAddress]
+    cuda_event: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set when the upload to every store ended (sealed or failed)."""
+    sealed_on: list[str] = field(default_factory=list)
+
+
+class SnapshotWorker:
+    def __init__(self, log: Any, chunk_bytes: int) -> None:
+        self.log = log
+        self.chunk_bytes = chunk_bytes
+        self.slots = [SnapshotSlot(), SnapshotSlot()]
+        self.skipped = 0
+        self._busy = False
+        self._captured = threading.Event()
+        self._captured.set()
+        self._cancel_below_generation = 0
+        self._connections: dict[str, StoreConnection] = {}
+        self._requests: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
+        self._side_stream: Any = None
+        self._last_request: CaptureRequest | None = None
+        self._thread = threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ training thread
+
+    def capture(
+        self,
+        key: UploadKey,
+        layout: SnapshotLayout,
+        sources: SnapshotSources,
+        meta: bytes,
+        stores: Sequence[StoreAddress],
+    ) -> CaptureRequest | None:
+        """Start snapshot `key.step`; returns None if it was skipped because the last one is still streaming."""
+        if self._busy:
+            self.skipped += 1
+            return None
+        slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
+        if slot.buffer is None or slot.buffer.layout != layout:
+            slot.buffer = FlatBuffer(layout, pin=_on_cuda(sources.tensors))
+        slot.step = -1  # invalid until the copy is done
+        slot.meta = meta
+        views = slot.buffer.views
+        early_views = [views[i] for i in sources.early]
+        early_sources = [sources.tensors[i] for i in sources.early]
+        request = CaptureRequest(
+            slot=slot,
+            key=key,
+            sources=[sources.tensors[i] for i in sources.late],
+            views=[views[i] for i in sources.late],
+            stores=list(stores),
+        )
+        if _on_cuda(sources.tensors):
+            request.cuda_event = self._issue_cuda_copy(request, early_views, early_sources)
+        elif early_views:
+            with torch.no_grad():
+                torch._foreach_copy_(early_views, early_sources)
+        self._last_request = request
+        self._busy = True
+        self._captured.clear()
+        self._requests.put(request)
+        return request
+
+    def wait_captured(self, timeout_s: float | None = None) -> bool:
+        """Block until the last capture's copy finished (the optimizer pre-hook calls this)."""
+        return self._captured.wait(timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self._busy:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def local(self, step: int) -> SnapshotSlot | None:
+        """The local snapshot of `step`, if one of the buffers holds it."""
+        self.wait_captured()
+        for slot in self.slots:
+            if slot.step == step and slot.buffer is not None:
+                return slot
+        return None
+
+    def forget_after(self, step: int) -> None:
+        """Invalidate local snapshots newer than `step` (their timeline was abandoned)."""
+        self.wait_captured()
+        for slot in self.slots:
+            if slot.step > step:
+                slot.step = -1
+
+    def adopt(self, buffer: FlatBuffer, step: int, meta: bytes) -> None:
+        """Keep a fetched snapshot as a local one (a promoted spare's first rollback point)."""
+        self.wait_captured()
+        slot = min(self.slots, key=lambda s: s.step)
+        slot.buffer, slot.step, slot.meta = buffer, step, meta
+
+    def cancel_uploads_before(self, generation: int) -> None:
+        """Abandon uploads of older generations: their steps will be recomputed."""
+        self._cancel_below_generation = generation
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._thread.join(timeout=10)
+        for conn in self._connections.values():
+            conn.close()
+
+    # ------------------------------------------------------------ CUDA path
+
+    def _issue_cuda_copy(
+        self, request: CaptureRequest, early_views: list[torch.Tensor], early_sources: list[torch.Tensor]
+    ) -> Any:
+        """Queue the device-to-host copies on a side stream; returns the event that marks their end.
+
+        Buffers (which the next forward may change) are copied first and the compute stream waits for
+        them at once; parameters and optimizer state follow, fenced later by `fence_optimizer_step`.
+        """
+        device = request.sources[0].device if request.sources else early_sources[0].device
+        compute = torch.cuda.current_stream(device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        stream = self._side_stream
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream), torch.no_grad():
+            if early_views:
+                torch._foreach_copy_(early_views, early_sources, non_blocking=True)
+                early_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                early_done.record(stream)
+                compute.wait_event(early_done)
+            if request.views:
+                torch._foreach_copy_(request.views, request.sources, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    def fence_optimizer_step(self) -> None:
+        """The optimizer step pre-hook: the step may not change what the capture still reads.
+
+        CUDA: the compute stream waits on the copy's event (the CPU does not block). CPU: wait for the
+        snapshot thread's copy, which has normally finished during forward and backward.
+        """
+        request = self._last_request
+        if request is not None and request.cuda_event is not None:
+            device = request.sources[0].device if request.sources else None
+            torch.cuda.current_stream(device).wait_event(request.cuda_event)
+            return
+        self._captured.wait()
+
+    # ------------------------------------------------------------ snapshot thread
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            try:
+                self._copy(request)
+                self._stream(request)
+            except Exception:
+                self.log.exception("snapshot failed", step=request.key.step)
+                self._captured.set()
+            finally:
+                request.done.set()
+                self._busy = False
+
+    def _copy(self, request: CaptureRequest) -> None:
+        if request.cuda_event is not None:
+            request.cuda_event.synchronize()
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(request.views, request.sources)
+        request.slot.step = request.key.step
+        self._captured.set()
+
+    def _stream(self, request: CaptureRequest) -> None:
+        buffer = request.slot.buffer
+        assert buffer is not None
+        data = buffer.bytes_view()
+        key = request.key
+
+        def cancelled() -> bool:
+            return key.generation < self._cancel_below_generation
+
+        for address in request.stores:
+            conn = self._connections.get(address.store)
+            if conn is None or conn.address != address:
+                if conn is not None:
+                    conn.close()
+                conn = self._connections[address.store] = StoreConnection(address)
+            try:
+                conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
+                request.sealed_on.append(address.store)
+            except SnapshotCancelledError:
+                return
+            except StoreClientError as exc:
+                self.log.warning("snapshot not stored", step=key.step, store=address.store, reason=str(exc))
+
+
+def _on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
+    return bool(tensors) and tensors[0].is_cuda

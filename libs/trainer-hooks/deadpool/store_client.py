@@ -1,0 +1,157 @@
+"""The hook's end of the snapshot data plane: blocking TCP to a store, on the snapshot thread.
+
+Uploads send each chunk straight from the snapshot buffer (a memoryview, no copy) after a small
+msgpack header; fetches receive straight into the destination buffer with `recv_into` and verify
+every chunk's CRC before the caller may use the bytes.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deadpool_protocol import ProtocolError, StoreAddress
+from deadpool_protocol.dataplane import (
+    FRAME_LENGTH,
+    HEADER_BYTES_MAX,
+    Fetch,
+    FetchReply,
+    Frame,
+    PutChunk,
+    Reply,
+    Seal,
+    chunk_checksum,
+    chunk_spans,
+    decode_frame_header,
+    encode_frame,
+)
+
+__all__ = ["FetchedSnapshot", "SnapshotCancelledError", "StoreClientError", "StoreConnection", "UploadKey"]
+
+
+class StoreClientError(RuntimeError):
+    """A store refused or failed an upload or fetch; the text says which and why."""
+
+
+class SnapshotCancelledError(RuntimeError):
+    """An upload was abandoned because its snapshot became obsolete (a rebuild happened)."""
+
+
+@dataclass(frozen=True)
+class UploadKey:
+    job: str
+    generation: int
+    rank: int
+    member: str
+    step: int
+
+
+@dataclass(frozen=True)
+class FetchedSnapshot:
+    generation: int
+    member: str
+    meta: bytes
+    total_bytes: int
+
+
+class StoreConnection:
+    """One persistent connection to one store; reconnects on the next call after an error."""
+
+    def __init__(self, address: StoreAddress, timeout_s: float = 30.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def upload(
+        self, key: UploadKey, data: memoryview, chunk_bytes: int, meta: bytes, cancelled: Callable[[], bool]
+    ) -> None:
+        """Send snapshot `key` (the bytes of `data`) and wait for the store to seal it."""
+        try:
+            sock = self._connected()
+            crcs: list[int] = []
+            for offset, nbytes in chunk_spans(len(data), chunk_bytes):
+                if cancelled():
+                    raise SnapshotCancelledError(f"upload of step {key.step} cancelled")
+                chunk = data[offset : offset + nbytes]
+                crc = chunk_checksum(chunk)
+                crcs.append(crc)
+                header = PutChunk(
+                    key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, crc, len(data)
+                )
+                sock.sendall(encode_frame(header))
+                sock.sendall(chunk)
+            seal = Seal(key.job, key.generation, key.rank, key.member, key.step, len(data), chunk_bytes, crcs, meta)
+            sock.sendall(encode_frame(seal))
+            reply = self._read_frame(sock, Reply)
+        except (OSError, ProtocolError, SnapshotCancelledError) as exc:
+            self.close()  # the stream may be mid-frame: start clean next time
+            if isinstance(exc, SnapshotCancelledError):
+                raise
+            raise StoreClientError(f"upload to store {self.address.store} failed: {exc}") from exc
+        assert isinstance(reply, Reply)
+        if not reply.ok:
+            raise StoreClientError(f"store {self.address.store} refused step {key.step}: {reply.error}")
+
+    def fetch(self, job: str, rank: int, step: int, destination: Callable[[bytes, int], memoryview]) -> FetchedSnapshot:
+        """Fetch (job, rank, step). `destination(meta, total_bytes)` returns the buffer to fill.
+
+        Every chunk's checksum is verified; a mismatch raises and the buffer must not be used.
+        """
+        try:
+            sock = self._connected()
+            sock.sendall(encode_frame(Fetch(job, rank, step)))
+            reply = self._read_frame(sock, FetchReply)
+            assert isinstance(reply, FetchReply)
+            if not reply.ok:
+                raise StoreClientError(f"store {self.address.store}: {reply.error}")
+            target = destination(reply.meta, reply.total_bytes)
+            if len(target) != reply.total_bytes:
+                raise StoreClientError("destination buffer does not match the snapshot's size")
+            spans = chunk_spans(reply.total_bytes, reply.chunk_bytes)
+            if len(spans) != len(reply.crcs):
+                raise StoreClientError("fetch reply lists the wrong number of checksums")
+            for (offset, nbytes), crc in zip(spans, reply.crcs, strict=True):
+                chunk = target[offset : offset + nbytes]
+                _recv_exactly(sock, chunk)
+                if chunk_checksum(chunk) != crc:
+                    raise StoreClientError(f"store {self.address.store}: chunk at {offset} fails its checksum")
+        except (OSError, ProtocolError) as exc:
+            self.close()
+            raise StoreClientError(f"fetch from store {self.address.store} failed: {exc}") from exc
+        except StoreClientError:
+            self.close()
+            raise
+        return FetchedSnapshot(reply.generation, reply.member, reply.meta, reply.total_bytes)
+
+    @staticmethod
+    def _read_frame(sock: socket.socket, expected: type[Frame]) -> Frame:
+        head = bytearray(FRAME_LENGTH.size)
+        _recv_exactly(sock, memoryview(head))
+        (length,) = FRAME_LENGTH.unpack(head)
+        if length > HEADER_BYTES_MAX:
+            raise ProtocolError(f"frame header of {length} bytes exceeds {HEADER_BYTES_MAX}")
+        body = bytearray(length)
+        _recv_exactly(sock, memoryview(body))
+        return decode_frame_header(bytes(body), expected)
+
+
+def _recv_exactly(sock: socket.socket, into: memoryview) -> None:
+    got = 0
+    while got < len(into):
+        n = sock.recv_into(into[got:])
+        if n == 0:
+            raise ConnectionError("the store closed the connection")
+        got += n
