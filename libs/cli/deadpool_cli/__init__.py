@@ -1,0 +1,1 @@
+"""The `deadpool` command line: demo, up, launch, status, and the three services."""

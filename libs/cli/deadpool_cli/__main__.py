@@ -1,0 +1,3 @@
+from deadpool_cli.main import main
+
+main()

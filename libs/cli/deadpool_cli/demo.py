@@ -1,0 +1,293 @@
+"""`deadpool demo`: kill a rank mid-step in a real training job, watch a warm spare take over, and check
+the final weights against an uninterrupted run of the same seed.
+
+Everything is real: an embedded nats-server, the detector, swapper and two snapshot stores as separate
+processes, `deadpool launch` running the example GPT with DDP and ZeRO on gloo, and a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_cli.weights_check import compare_final_states
+from deadpool_protocol import Incident
+from deadpool_protocol.logs import get_logger
+
+__all__ = ["DemoConfig", "default_script", "run_demo"]
+
+KILL_AT_FRACTION_OF_STEP = 0.5
+"""Where inside the chosen step the kill lands: half-way, in the middle of forward/backward."""
+COLLECTIVE_TIMEOUT_S = 20.0
+"""Steps take well under a second here; a collective blocked for 20 s is stuck (see docs/architecture.md)."""
+
+
+def default_script() -> Path:
+    return Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    steps: int = 40
+    nproc: int = 4
+    spares: int = 1
+    kill_step: int = 15
+    kill_rank: int = 2
+    model_size: str = "small"
+    seed: int = 1337
+    stores: int = 2
+    report: str = ""
+    run_dir: str = ""
+    script: str = ""
+    run_timeout_s: float = 600.0
+    reference: bool = True
+
+    def check(self) -> None:
+        if not 1 <= self.kill_step < self.steps:
+            raise ValueError(f"--kill-step must be between 1 and {self.steps - 1} (the last step is {self.steps - 1})")
+        if not 0 <= self.kill_rank < self.nproc:
+            raise ValueError(f"--kill-rank must be between 0 and {self.nproc - 1}")
+        if self.spares < 1:
+            raise ValueError("the demo swaps in a spare: use --spares 1 or more")
+
+
+@dataclass
+class Kill:
+    rank: int
+    member: str
+    pid: int
+    step: int
+    t: float
+
+
+@dataclass
+class RunResult:
+    job: str
+    returncode: int
+    started_t: float
+    wall_s: float
+    finished: bool
+    incidents: list[Incident] = field(default_factory=list)
+    kill: Kill | None = None
+    log: str = ""
+
+
+async def _kill_mid_step(watch: JobWatch, rank: int, step: int) -> Kill:
+    """SIGKILL the process holding `rank` half-way through step `step` (it has completed step-1)."""
+
+    def reached() -> bool:
+        member = watch.holder_of(rank)
+        view = watch.members.get(member or "")
+        return view is not None and view.step >= step - 1 and view.in_step
+
+    await watch.wait_for(reached)
+    member = watch.holder_of(rank)
+    assert member is not None
+    view = watch.members[member]
+    target = view.step_started_t + KILL_AT_FRACTION_OF_STEP * watch.median_step_s(member)
+    await asyncio.sleep(max(0.0, target - time.time()))
+    os.kill(view.pid, signal.SIGKILL)
+    return Kill(rank, member, view.pid, view.step + 1, time.time())
+
+
+async def _train(
+    nc: Any, stack_url: str, cfg: DemoConfig, job: str, spares: int, out: Path, kill: bool, log_path: Path
+) -> RunResult:
+    watch = JobWatch(nc, job, get_logger(job=job))
+    await watch.start()
+    script = cfg.script or str(default_script())
+    launch = ["launch", "--nats", stack_url, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
+    launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
+    command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
+    started = time.time()
+    with open(log_path, "wb") as log:
+        launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT)
+    killer = asyncio.create_task(_kill_mid_step(watch, cfg.kill_rank, cfg.kill_step)) if kill else None
+    try:
+        returncode = await asyncio.wait_for(launcher.wait(), cfg.run_timeout_s)
+    except TimeoutError:
+        launcher.send_signal(signal.SIGTERM)
+        returncode = await launcher.wait()
+    result = RunResult(
+        job,
+        returncode,
+        started,
+        time.time() - started,
+        watch.finished.is_set(),
+        list(watch.incidents),
+        log=str(log_path),
+    )
+    if killer is not None:
+        if killer.done() and killer.exception() is None:
+            result.kill = killer.result()
+        else:
+            killer.cancel()
+    return result
+
+
+def _incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
+    """The incident as the demo saw it. The swapper dates the fault at the launcher's `waitpid`; the
+    demo knows the kill itself, so it adds the `exit` phase (SIGKILL -> process reaped) in front."""
+    killed = kill is not None and kill.rank == incident.rank
+    fault_t = kill.t if kill is not None and killed else incident.t_fault
+    phases = {"exit": max(0.0, incident.t_fault - fault_t), **incident.phases}
+    return {
+        "rank": incident.rank,
+        "reason": incident.reason,
+        "member": incident.member,
+        "replacement": incident.replacement,
+        "generation": incident.generation,
+        "detect_s": round(incident.t_detected - fault_t, 4),
+        "downtime_s": round(incident.t_resumed - fault_t, 4),
+        "lost_steps": incident.lost_steps,
+        "restore_step": incident.restore_step,
+        "phases": {name: round(value, 4) for name, value in phases.items()},
+        "evidence": incident.evidence,
+    }
+
+
+def _print_summary(report: dict[str, Any]) -> None:
+    w = print
+    cfg = report["config"]
+    w("")
+    w(
+        f"DeadPool demo: {cfg['nproc']} ranks + {cfg['spares']} warm spare(s), {cfg['steps']} steps, "
+        f"GPT '{cfg['model_size']}', DDP + ZeroRedundancyOptimizer on gloo"
+    )
+    swap = report["runs"]["swap"]
+    kill = swap.get("kill")
+    if kill:
+        w(
+            f"  killed rank {kill['rank']} (pid {kill['pid']}) with SIGKILL during step {kill['step']}, "
+            f"{kill['at_s']:.1f} s into the run"
+        )
+    for inc in report["incidents"]:
+        w(
+            f"  detected in {inc['detect_s'] * 1000:.0f} ms ({inc['reason']}); rank {inc['rank']} handed to spare "
+            f"{inc['replacement']}; restored step {inc['restore_step']}, lost {inc['lost_steps']} step(s)"
+        )
+        phases = "  ".join(f"{k} {v * 1000:.0f}" for k, v in inc["phases"].items())
+        w(f"  phases (ms): {phases}")
+        w(f"  downtime, kill -> every rank training again: {inc['downtime_s']:.3f} s")
+    w(
+        f"  run with the failure: {'finished' if swap['finished'] else 'DID NOT FINISH'} in {swap['wall_s']:.1f} s "
+        f"(launcher exit code {swap['returncode']})"
+    )
+    ref = report["runs"].get("reference")
+    if ref:
+        w(
+            f"  reference run without failure: {'finished' if ref['finished'] else 'DID NOT FINISH'} "
+            f"in {ref['wall_s']:.1f} s"
+        )
+        verdict = "bit-identical to" if report["bit_identical"] else "DIFFERENT from"
+        w(
+            f"  final weights and optimizer shards: {verdict} the reference "
+            f"({report['tensors_compared']} tensors, torch.equal)"
+        )
+        for diff in report["differences"][:5]:
+            w(f"    {diff}")
+    w(f"  recovered: {report['recovered']}    logs and traces: {report['run_dir']}")
+
+
+async def run_demo(cfg: DemoConfig) -> int:
+    cfg.check()
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(tempfile.mkdtemp(prefix="deadpool-demo-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(3)
+    print(f"starting NATS, detector, swapper and {cfg.stores} snapshot stores (run dir {run_dir})", flush=True)
+    stack_cfg = StackConfig(workdir=run_dir, stores=cfg.stores, trace_file=str(run_dir / "traces.jsonl"))
+    async with Stack(stack_cfg) as stack:
+        nc = await nats.connect(stack.url)
+        try:
+            print(
+                f"run 1: training with a failure at step {cfg.kill_step} (rank {cfg.kill_rank}) ...",
+                flush=True,
+            )
+            swap = await _train(
+                nc,
+                stack.url,
+                cfg,
+                f"demo-swap-{token}",
+                cfg.spares,
+                run_dir / "swap",
+                True,
+                run_dir / "logs" / "run-swap.log",
+            )
+            ref = None
+            if cfg.reference:
+                print("run 2: the same training without a failure, for reference ...", flush=True)
+                ref = await _train(
+                    nc,
+                    stack.url,
+                    cfg,
+                    f"demo-ref-{token}",
+                    0,
+                    run_dir / "ref",
+                    False,
+                    run_dir / "logs" / "run-ref.log",
+                )
+        finally:
+            await nc.close()
+
+    identical, tensors, diffs = (False, 0, ["no reference run"])
+    if ref is not None:
+        identical, tensors, diffs = compare_final_states(run_dir / "swap", run_dir / "ref")
+    kill = swap.kill
+    report: dict[str, Any] = {
+        "recovered": bool(swap.returncode == 0 and swap.finished and kill is not None and swap.incidents),
+        "bit_identical": identical,
+        "tensors_compared": tensors,
+        "differences": diffs[:20],
+        "config": {
+            k: getattr(cfg, k)
+            for k in ("steps", "nproc", "spares", "kill_step", "kill_rank", "model_size", "seed", "stores")
+        },
+        "incidents": [_incident_report(i, kill) for i in swap.incidents],
+        "runs": {
+            "swap": {
+                "job": swap.job,
+                "returncode": swap.returncode,
+                "finished": swap.finished,
+                "wall_s": round(swap.wall_s, 2),
+                "log": swap.log,
+                "kill": None
+                if kill is None
+                else {
+                    "rank": kill.rank,
+                    "member": kill.member,
+                    "pid": kill.pid,
+                    "step": kill.step,
+                    "t": kill.t,
+                    "at_s": round(kill.t - swap.started_t, 2),
+                },
+            },
+        },
+        "run_dir": str(run_dir),
+    }
+    if ref is not None:
+        report["runs"]["reference"] = {
+            "job": ref.job,
+            "returncode": ref.returncode,
+            "finished": ref.finished,
+            "wall_s": round(ref.wall_s, 2),
+            "log": ref.log,
+        }
+    _print_summary(report)
+    if cfg.report:
+        Path(cfg.report).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"  report written to {cfg.report}")
+    return 0 if report["recovered"] and (identical or not cfg.reference) else 1

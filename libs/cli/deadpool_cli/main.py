@@ -1,0 +1,226 @@
+"""The `deadpool` command: wires the parts together; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--nats", required=required, default="", help="NATS server URL, e.g. nats://127.0.0.1:4222")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deadpool", description="Hot-swap fault tolerance for PyTorch training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="kill a rank mid-step in a real job and watch a spare take over")
+    demo.add_argument("--steps", type=int, default=40)
+    demo.add_argument("--nproc", type=int, default=4, help="ranks")
+    demo.add_argument("--spares", type=int, default=1, help="warm spares")
+    demo.add_argument("--kill-step", type=int, default=15, help="the step during which a rank is killed")
+    demo.add_argument("--kill-rank", type=int, default=2)
+    demo.add_argument("--model-size", default="small", choices=["tiny", "small", "base"])
+    demo.add_argument("--seed", type=int, default=1337)
+    demo.add_argument("--stores", type=int, default=2, help="snapshot store processes")
+    demo.add_argument("--report", default="", help="write the outcome as JSON to this file")
+    demo.add_argument("--run-dir", default="", help="where logs and final states go (default: a new temp dir)")
+    demo.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
+
+    up = sub.add_parser("up", help="run NATS, detector, swapper and snapshot stores locally, in the foreground")
+    _add_nats(up, required=False)
+    up.add_argument("--stores", type=int, default=2)
+    up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
+    up.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+
+    launch = sub.add_parser("launch", help="run a training script with ranks and warm spares, like torchrun")
+    _add_nats(launch, required=False)
+    launch.add_argument("--nproc", type=int, required=True, help="ranks on this host")
+    launch.add_argument("--spares", type=int, default=1, help="warm spares on this host")
+    launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
+    launch.add_argument("--world-size", type=int, default=0, help="ranks in the whole job (default: --nproc)")
+    launch.add_argument("--rank-offset", type=int, default=0, help="first rank this host asks for")
+    launch.add_argument("--rendezvous-host", default="127.0.0.1", help="address other hosts reach this host at")
+    launch.add_argument("--respawns", type=int, default=0, help="replace up to N dead members with fresh spares")
+    launch.add_argument(
+        "--collective-timeout-s", type=float, default=0.0, help="how long a collective may block (default 60)"
+    )
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    detector = sub.add_parser("detector", help="run the failure detector")
+    _add_nats(detector)
+    detector.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+
+    swapper = sub.add_parser("swapper", help="run the swap scheduler")
+    _add_nats(swapper)
+    swapper.add_argument("--replication", type=int, default=2, help="stores each snapshot goes to")
+    swapper.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+
+    store = sub.add_parser("store", help="run a snapshot store")
+    _add_nats(store)
+    store.add_argument("--id", required=True, help="this store's name")
+    store.add_argument("--host", default="127.0.0.1", help="data-plane listen address")
+    store.add_argument("--port", type=int, default=0)
+    store.add_argument("--advertise-host", default="", help="address members connect to (default: --host)")
+    store.add_argument("--capacity-bytes", type=int, default=8 * 1024**3)
+
+    status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
+    _add_nats(status)
+    status.add_argument("job")
+    status.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    command = args.command
+    if command == "detector":
+        from deadpool_detector import DetectorServiceConfig
+        from deadpool_detector import main as detector_main
+
+        detector_main(DetectorServiceConfig(args.nats, heartbeat_timeout_s=args.heartbeat_timeout_s))
+    elif command == "swapper":
+        from deadpool_swapper import SwapperServiceConfig
+        from deadpool_swapper import main as swapper_main
+
+        swapper_main(SwapperServiceConfig(args.nats, replication=args.replication, trace_file=args.trace_file))
+    elif command == "store":
+        from deadpool_store import StoreConfig
+        from deadpool_store import main as store_main
+
+        store_main(StoreConfig(args.nats, args.id, args.host, args.port, args.advertise_host, args.capacity_bytes))
+    elif command == "launch":
+        sys.exit(_launch(args))
+    elif command == "up":
+        _up(args)
+    elif command == "status":
+        sys.exit(asyncio.run(_status(args)))
+    elif command == "demo":
+        from deadpool_cli.demo import DemoConfig, run_demo
+
+        cfg = DemoConfig(
+            steps=args.steps,
+            nproc=args.nproc,
+            spares=args.spares,
+            kill_step=args.kill_step,
+            kill_rank=args.kill_rank,
+            model_size=args.model_size,
+            seed=args.seed,
+            stores=args.stores,
+            report=args.report,
+            run_dir=args.run_dir,
+            reference=not args.no_reference,
+        )
+        try:
+            sys.exit(asyncio.run(run_demo(cfg)))
+        except ValueError as exc:
+            sys.exit(f"deadpool demo: {exc}")
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from deadpool.launcher import LaunchConfig, Launcher
+    from deadpool_cli.stack import Stack, StackConfig
+    from deadpool_protocol.logs import configure_logging, get_logger
+    from deadpool_runtime.lifecycle import run_service
+
+    configure_logging("launcher")
+    job = args.job or f"{Path(args.script).stem.replace('.', '_')}-{secrets.token_hex(3)}"
+    result = {"code": 1}
+
+    async def run(stop: asyncio.Event) -> None:
+        async def with_url(url: str) -> None:
+            config = LaunchConfig(
+                nats_url=url,
+                job=job,
+                nproc=args.nproc,
+                spares=args.spares,
+                command=[args.script, *args.script_args],
+                world_size=args.world_size,
+                rank_offset=args.rank_offset,
+                rendezvous_host=args.rendezvous_host,
+                respawns=args.respawns,
+                collective_timeout_s=args.collective_timeout_s,
+            )
+            result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
+
+        if args.nats:
+            await with_url(args.nats)
+        else:
+            workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-"))
+            async with Stack(StackConfig(workdir=workdir)) as stack:
+                print(
+                    f"deadpool: embedded NATS and services at {stack.url} (logs in {workdir / 'logs'})",
+                    flush=True,
+                )
+                await with_url(stack.url)
+
+    run_service(run)
+    return result["code"]
+
+
+def _up(args: argparse.Namespace) -> None:
+    from deadpool_cli.stack import Stack, StackConfig
+    from deadpool_runtime.lifecycle import run_service
+
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deadpool-up-"))
+
+    async def run(stop: asyncio.Event) -> None:
+        async with Stack(
+            StackConfig(workdir=workdir, nats_url=args.nats, stores=args.stores, trace_file=args.trace_file)
+        ) as stack:
+            print(
+                f"deadpool is up: NATS at {stack.url}; detector, swapper, {args.stores} store(s); "
+                f"logs in {workdir / 'logs'}"
+            )
+            print(f"  launch jobs with: deadpool launch --nats {stack.url} --nproc N --spares S train.py ...")
+            print("  Ctrl-C stops everything.", flush=True)
+            await stop.wait()
+
+    run_service(run)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    import nats
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeoutError
+
+    from deadpool_protocol import SWAPPER_STATUS
+
+    nc = await nats.connect(args.nats)
+    try:
+        msg = await nc.request(SWAPPER_STATUS, args.job.encode(), timeout=3)
+    except (NoRespondersError, NatsTimeoutError):
+        print("no swapper answered on", args.nats, file=sys.stderr)
+        return 2
+    finally:
+        await nc.close()
+    if msg.headers and msg.headers.get("Nats-Service-Error"):
+        print(msg.headers["Nats-Service-Error"], file=sys.stderr)
+        return 1
+    state = json.loads(msg.data)
+    if args.json:
+        print(json.dumps(state, indent=2))
+        return 0
+    print(
+        f"job {state['job']}: generation {state['generation']}, world size {state['world_size']}, "
+        f"committed step {state['committed_step']}{', finished' if state['finished'] else ''}"
+    )
+    for rank, member in enumerate(state["ranks"]):
+        info = state["members"].get(member, {})
+        print(f"  rank {rank}: {member} (host {info.get('host', '?')}, pid {info.get('pid', '?')})")
+    print(f"  spares: {', '.join(state['spares']) or 'none'}")
+    print(f"  stores: {', '.join(s['store'] for s in state['stores']) or 'none'}")
+    for inc in state["incidents"]:
+        print(
+            f"  incident {inc['incident_id']}: rank {inc['rank']} {inc['reason']}, downtime {inc['downtime_s']:.3f} s, "
+            f"lost {inc['lost_steps']} step(s)"
+        )
+    return 0
