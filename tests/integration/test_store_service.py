@@ -1,0 +1,126 @@
+"""A real store process: snapshots streamed over TCP are verified, announced on NATS and served back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+from nats.aio.client import Client
+
+from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
+from deadpool_protocol import Commit, SnapshotComplete, StoreAddress, StoreStatus, Subjects, decode, encode
+from deadpool_protocol.dataplane import FRAME_LENGTH, PutChunk, Reply, Seal, decode_frame_header, encode_frame
+from deadpool_protocol.subjects import STORE_STATUS
+
+from .conftest import SpawnService
+
+
+async def start_store(nc: Client, spawn_service: SpawnService, store_id: str = "s0") -> StoreAddress:
+    statuses: asyncio.Queue[StoreStatus] = asyncio.Queue()
+
+    async def on_status(msg: object) -> None:
+        await statuses.put(decode(msg.data, StoreStatus))  # type: ignore[attr-defined]
+
+    sub = await nc.subscribe(STORE_STATUS, cb=on_status)
+    spawn_service("store", "--id", store_id, "--capacity-bytes", str(64 * 1024 * 1024))
+    status = await asyncio.wait_for(statuses.get(), 30)
+    await sub.unsubscribe()
+    return StoreAddress(status.store, status.host, status.port)
+
+
+def never() -> bool:
+    return False
+
+
+async def test_a_streamed_snapshot_is_sealed_announced_and_served_back(nc: Client, spawn_service: SpawnService) -> None:
+    address = await start_store(nc, spawn_service)
+    completes: asyncio.Queue[SnapshotComplete] = asyncio.Queue()
+
+    async def on_complete(msg: object) -> None:
+        await completes.put(decode(msg.data, SnapshotComplete))  # type: ignore[attr-defined]
+
+    await nc.subscribe(Subjects.for_job("j").snapshot_complete, cb=on_complete)
+    await nc.flush()
+    data = os.urandom(5 * 1024 * 1024 + 123)
+    key = UploadKey("j", 1, 3, "member-a", 7)
+
+    def upload() -> None:
+        conn = StoreConnection(address)
+        conn.upload(key, memoryview(data), 1024 * 1024, b"layout", never)
+        conn.close()
+
+    await asyncio.to_thread(upload)
+    complete = await asyncio.wait_for(completes.get(), 10)
+    assert (complete.rank, complete.step, complete.nbytes, complete.store) == (3, 7, len(data), "s0")
+
+    received = bytearray()
+
+    def fetch() -> bytes:
+        conn = StoreConnection(address)
+
+        def destination(meta: bytes, total: int) -> memoryview:
+            assert meta == b"layout"
+            received.extend(bytes(total))
+            return memoryview(received)
+
+        got = conn.fetch("j", 3, 7, destination)
+        conn.close()
+        return got.meta
+
+    assert await asyncio.to_thread(fetch) == b"layout"
+    assert bytes(received) == data
+
+
+async def test_a_corrupted_upload_is_refused_with_its_reason_and_the_store_keeps_serving(
+    nc: Client, spawn_service: SpawnService
+) -> None:
+    address = await start_store(nc, spawn_service)
+
+    def corrupt_then_garbage() -> tuple[Reply, bytes]:
+        with socket.create_connection((address.host, address.port), timeout=10) as sock:
+            sock.sendall(encode_frame(PutChunk("j", 1, 0, "m", 1, 0, 4, 12345, 4)) + b"abcd")
+            sock.sendall(encode_frame(Seal("j", 1, 0, "m", 1, 4, 4, [12345], b"")))
+            (length,) = FRAME_LENGTH.unpack(sock.recv(FRAME_LENGTH.size, socket.MSG_WAITALL))
+            reply = decode_frame_header(sock.recv(length, socket.MSG_WAITALL), Reply)
+            sock.sendall(FRAME_LENGTH.pack(3) + b"\xc1\xc1\xc1")  # not msgpack: the store hangs up
+            return reply, sock.recv(1)  # type: ignore[return-value]
+
+    reply, after_garbage = await asyncio.to_thread(corrupt_then_garbage)
+    assert not reply.ok and "checksum" in reply.error
+    assert after_garbage == b""  # connection closed
+
+    def fetch_missing() -> str:
+        try:
+            StoreConnection(address).fetch("j", 0, 1, lambda meta, n: memoryview(bytearray(n)))
+        except StoreClientError as exc:
+            return str(exc)
+        return ""
+
+    assert "no complete snapshot" in await asyncio.to_thread(fetch_missing)
+
+
+async def test_a_commit_on_the_bus_frees_old_snapshots_and_bad_messages_are_ignored(
+    nc: Client, spawn_service: SpawnService
+) -> None:
+    address = await start_store(nc, spawn_service)
+
+    def upload(step: int) -> None:
+        conn = StoreConnection(address)
+        conn.upload(UploadKey("j", 1, 0, "m", step), memoryview(b"x" * 100), 64, b"", never)
+        conn.close()
+
+    for step in range(1, 5):
+        await asyncio.to_thread(upload, step)
+    await nc.publish(Subjects.for_job("j").commit, b"\x00not a message")
+    await nc.publish(Subjects.for_job("j").commit, encode(Commit("j", 1, 2)))
+    await nc.publish(Subjects.for_job("j").commit, encode(Commit("j", 1, 3)))
+    await nc.flush()
+    import json
+
+    async def snapshots() -> int:
+        msg = await nc.request("deadpool.store.s0.status", b"", timeout=5)
+        return int(json.loads(msg.data)["snapshots"])
+
+    # Requests travel after the commits on the same connection, so the store has applied them.
+    assert await snapshots() == 3  # steps 2 and 3 (committed) and 4 (newer); step 1 freed

@@ -1,0 +1,185 @@
+"""The wire contract: every message survives a round trip, and bad input is refused with a reason."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from deadpool_protocol import (
+    ChildExit,
+    Commit,
+    Failure,
+    FenceReply,
+    FenceRequest,
+    Heartbeat,
+    HelloReply,
+    Incident,
+    JobFinished,
+    MemberDone,
+    MemberError,
+    MemberHello,
+    Message,
+    ProtocolError,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreAddress,
+    StoreStatus,
+    Subjects,
+    decode,
+    decode_any,
+    encode,
+)
+from deadpool_protocol.dataplane import Fetch, PutChunk, Seal, chunk_checksum, decode_frame_header, encode_frame
+
+
+def rebuild(**overrides: object) -> Rebuild:
+    fields: dict[str, object] = {
+        "job": "j",
+        "generation": 2,
+        "world_size": 2,
+        "ranks": ["m0", "m1"],
+        "spares": ["m2"],
+        "rendezvous_member": "m0",
+        "rendezvous_host": "127.0.0.1",
+        "rendezvous_port": 4000,
+        "restore_step": 7,
+        "stores": [StoreAddress("s0", "127.0.0.1", 5000)],
+        "placement": [["s0"], ["s0"]],
+        "incident": "j-1",
+        "t_decided": 12.5,
+    }
+    fields.update(overrides)
+    return Rebuild(**fields)  # type: ignore[arg-type]
+
+
+EXAMPLES: list[Message] = [
+    MemberHello("j", 0, "m0", "host", 42, "l0", 0, 4, "127.0.0.1", 4000, 1.0),
+    HelloReply("j", 1, "m0", True, "registered"),
+    Heartbeat("j", 1, "m0", 0, 42, 10, True, 2.0, 3.0, 1),
+    MemberError("j", 1, "m0", 0, "boom", 1.0),
+    MemberDone("j", 1, "m0", 0, 100),
+    ChildExit("j", 1, "l0", "m0", 42, -9, 1.0),
+    Failure("j", 1, "m0", 0, "exit", {"returncode": "-9"}, 1.0, 1.1),
+    rebuild(),
+    RebuildAck("j", 2, "m0", 0, 7, 8, "local", {"out": 1.0, "ready": 2.0}, 2.0),
+    FenceRequest("j", 1, "m0", "heartbeat"),
+    FenceReply("j", 1, "m0", True, "killed", 1.0),
+    SnapshotComplete("j", 1, "s0", 0, "m0", 5, 1024),
+    Commit("j", 1, 5),
+    JobFinished("j", 1, 100),
+    Incident("j", 2, "j-1", 0, "m0", "m2", "exit", 1.0, 1.1, 1.2, 2.0, 7, 0, {"detect": 0.1}, {"pid": "1"}),
+    StoreStatus("s0", "127.0.0.1", 5000, 10, 100, 1, 1.0),
+]
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: m.KIND)
+def test_every_message_survives_a_round_trip(message: Message) -> None:
+    assert decode(encode(message), type(message)) == message
+
+
+def test_decode_refuses_garbage_bytes() -> None:
+    with pytest.raises(ProtocolError, match="not msgpack"):
+        decode_any(b"\xc1\xff\x00garbage")
+
+
+def test_decode_refuses_a_message_that_is_not_a_map() -> None:
+    with pytest.raises(ProtocolError, match="not a map"):
+        decode_any(msgpack.packb([1, 2, 3]))
+
+
+def test_decode_refuses_an_unknown_protocol_version() -> None:
+    body = msgpack.unpackb(encode(Commit("j", 1, 5)))
+    body["v"] = 99
+    with pytest.raises(ProtocolError, match="unsupported protocol version 99"):
+        decode_any(msgpack.packb(body))
+
+
+def test_decode_refuses_an_unknown_kind() -> None:
+    with pytest.raises(ProtocolError, match="unknown message kind 'teleport'"):
+        decode_any(msgpack.packb({"v": 1, "kind": "teleport"}))
+
+
+def test_decode_refuses_the_wrong_kind_for_the_subject() -> None:
+    with pytest.raises(ProtocolError, match="expected a failure message, got commit"):
+        decode(encode(Commit("j", 1, 5)), Failure)
+
+
+def test_decode_refuses_a_missing_field() -> None:
+    body = msgpack.unpackb(encode(Commit("j", 1, 5)))
+    del body["step"]
+    with pytest.raises(ProtocolError, match="missing field 'step'"):
+        decode_any(msgpack.packb(body))
+
+
+def test_decode_refuses_an_unknown_field() -> None:
+    body = msgpack.unpackb(encode(Commit("j", 1, 5)))
+    body["extra"] = 1
+    with pytest.raises(ProtocolError, match="unknown fields"):
+        decode_any(msgpack.packb(body))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("generation", "2", "expected int, got str"),
+        ("generation", True, "expected an int, got a bool"),
+        ("ranks", "m0", "expected a list"),
+        ("stores", [{"store": "s0"}], "missing field 'host'"),
+        ("t_decided", "soon", "expected a number"),
+    ],
+)
+def test_decode_refuses_wrong_types(field: str, value: object, reason: str) -> None:
+    body = msgpack.unpackb(encode(rebuild()))
+    body[field] = value
+    with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        ({"generation": -1}, "generation -1 is negative"),
+        ({"job": "bad job"}, "not a valid name"),
+        ({"ranks": ["m0", "m0"]}, "more than one rank"),
+        ({"spares": ["m1"]}, "both rank and spare"),
+        ({"rendezvous_member": "m2"}, "holds no rank"),
+        ({"placement": [["s0"], ["nowhere"]]}, "unknown store"),
+        ({"world_size": 3}, "does not hold world_size"),
+    ],
+)
+def test_decode_refuses_a_rebuild_that_breaks_the_rules(overrides: dict[str, object], reason: str) -> None:
+    body = msgpack.unpackb(encode(rebuild()))
+    body.update(overrides)
+    with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+def test_decode_refuses_an_oversized_message() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode_any(b"\x00" * (1024 * 1024 + 1))
+
+
+def test_subjects_are_scoped_by_job_and_refuse_bad_names() -> None:
+    s = Subjects.for_job("train-1")
+    assert s.rebuild == "deadpool.train-1.rebuild"
+    assert s.fence("launcher_7") == "deadpool.train-1.launcher.launcher_7.fence"
+    assert Subjects.any_job().heartbeat == "deadpool.*.member.heartbeat"
+    with pytest.raises(ValueError, match="not a valid name"):
+        Subjects.for_job("a.b")
+
+
+def test_data_plane_frames_round_trip_and_refuse_chunks_outside_the_snapshot() -> None:
+    payload = b"x" * 100
+    chunk = PutChunk("j", 1, 0, "m0", 5, 0, 100, chunk_checksum(payload), 100)
+    frame = encode_frame(chunk)
+    assert decode_frame_header(frame[4:], PutChunk) == chunk
+    seal = Seal("j", 1, 0, "m0", 5, 100, 64, [1, 2], b"meta")
+    assert decode_frame_header(encode_frame(seal)[4:]) == seal
+    bad = PutChunk("j", 1, 0, "m0", 5, 90, 20, 0, 100)
+    with pytest.raises(ProtocolError, match="outside"):
+        decode_frame_header(encode_frame(bad)[4:])
+    with pytest.raises(ProtocolError, match="expected a fetch frame"):
+        decode_frame_header(encode_frame(seal)[4:], Fetch)
+    with pytest.raises(ProtocolError, match="one checksum per chunk"):
+        decode_frame_header(encode_frame(Seal("j", 1, 0, "m0", 5, 100, 64, [1], b""))[4:])

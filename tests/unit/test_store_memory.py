@@ -1,0 +1,92 @@
+"""The store's RAM bookkeeping: verified chunks, sealed snapshots, generations, retention, capacity."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
+from deadpool_store.memory import SnapshotMemory, StoreError
+
+CHUNK = 4
+
+
+def upload(
+    memory: SnapshotMemory, step: int, data: bytes, rank: int = 0, generation: int = 1, member: str = "m0"
+) -> None:
+    crcs = []
+    for offset, n in chunk_spans(len(data), CHUNK):
+        piece = data[offset : offset + n]
+        crcs.append(chunk_checksum(piece))
+        memory.put_chunk(PutChunk("j", generation, rank, member, step, offset, n, crcs[-1], len(data)), piece)
+    memory.seal(Seal("j", generation, rank, member, step, len(data), CHUNK, crcs, b"meta"))
+
+
+def test_a_sealed_snapshot_is_served_byte_for_byte() -> None:
+    memory = SnapshotMemory(capacity_bytes=1000)
+    upload(memory, 5, b"0123456789")
+    snap = memory.get("j", 0, 5)
+    assert bytes(snap.data) == b"0123456789" and snap.meta == b"meta" and snap.sealed
+
+
+def test_a_corrupted_chunk_makes_the_seal_fail_and_nothing_is_served() -> None:
+    memory = SnapshotMemory(capacity_bytes=1000)
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, chunk_checksum(b"abcd"), 8), b"abcX")
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 4, 4, chunk_checksum(b"efgh"), 8), b"efgh")
+    with pytest.raises(StoreError, match="checksum"):
+        memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), chunk_checksum(b"efgh")], b""))
+    with pytest.raises(StoreError, match="no complete snapshot"):
+        memory.get("j", 0, 5)
+    assert memory.used_bytes == 0
+
+
+def test_a_missing_chunk_makes_the_seal_fail() -> None:
+    memory = SnapshotMemory(capacity_bytes=1000)
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, chunk_checksum(b"abcd"), 8), b"abcd")
+    with pytest.raises(StoreError, match="1 of 2 chunks missing"):
+        memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), 0], b""))
+
+
+def test_a_newer_generation_replaces_a_step_and_an_older_one_is_refused() -> None:
+    memory = SnapshotMemory(capacity_bytes=1000)
+    upload(memory, 5, b"old-timeline", generation=1)
+    upload(memory, 5, b"new-timeline", generation=2, member="m9")
+    assert bytes(memory.get("j", 0, 5).data) == b"new-timeline"
+    with pytest.raises(StoreError, match="stale"):
+        upload(memory, 5, b"late-upload!", generation=1)
+    assert bytes(memory.get("j", 0, 5).data) == b"new-timeline"
+
+
+def test_the_last_two_committed_steps_and_newer_ones_are_kept() -> None:
+    memory = SnapshotMemory(capacity_bytes=10_000, keep_committed=2)
+    for step in range(1, 7):
+        upload(memory, step, bytes([step]) * 8)
+    memory.commit("j", 3)
+    memory.commit("j", 5)
+    kept = sorted(step for step in range(1, 7) if _has(memory, step))
+    assert kept == [3, 5, 6]  # 4 was never committed and is older than the latest commit
+    assert memory.used_bytes == 3 * 8
+    assert memory.commit("j", 4) == []  # commits never go back
+
+
+def test_uncommitted_snapshots_per_rank_are_bounded() -> None:
+    memory = SnapshotMemory(capacity_bytes=10_000, uncommitted_max=2)
+    for step in range(1, 5):
+        upload(memory, step, b"x" * 8)
+    assert [s for s in range(1, 5) if _has(memory, s)] == [3, 4]
+
+
+def test_a_snapshot_that_would_exceed_capacity_is_refused_and_committed_data_stays() -> None:
+    memory = SnapshotMemory(capacity_bytes=20)
+    upload(memory, 1, b"a" * 12)
+    memory.commit("j", 1)
+    with pytest.raises(StoreError, match="store full"):
+        upload(memory, 2, b"b" * 12)
+    assert bytes(memory.get("j", 0, 1).data) == b"a" * 12
+
+
+def _has(memory: SnapshotMemory, step: int) -> bool:
+    try:
+        memory.get("j", 0, step)
+    except StoreError:
+        return False
+    return True

@@ -1,0 +1,206 @@
+"""The swapper's decisions as pure functions: formation, swaps, commits, incidents, completion."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from deadpool_protocol import (
+    Commit,
+    Failure,
+    Incident,
+    JobFinished,
+    MemberDone,
+    MemberHello,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreStatus,
+)
+from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
+
+W = 2
+
+
+def hello(member: str, hint: int, host: str = "h0", world_size: int = W) -> MemberHello:
+    return MemberHello("j", 0, member, host, 100, "l0", hint, world_size, "127.0.0.1", 4000, 0.0)
+
+
+def published(decision: Decision, kind: type[Any]) -> list[Any]:
+    return [a.message for a in decision.actions if isinstance(a, Publish) and isinstance(a.message, kind)]
+
+
+def ack(rebuild: Rebuild, member: str, t: float, source: str = "local", last: int = -1) -> RebuildAck:
+    marks = {"received": t - 0.3, "begin": t - 0.3, "restored": t - 0.2, "rendezvous": t - 0.1, "ready": t}
+    if source == "local":
+        marks["out"] = t - 0.35
+    return RebuildAck(
+        "j", rebuild.generation, member, rebuild.rank_of(member), rebuild.restore_step, last, source, marks, t
+    )
+
+
+def formed_core(stores: int = 2, spares: tuple[str, ...] = ("s",)) -> tuple[SwapperCore, Rebuild]:
+    core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9))
+    for i in range(stores):
+        core.on_store_status(StoreStatus(f"store{i}", "127.0.0.1", 5000 + i, 0, 100, 0, 0.0), 0.0)
+    decisions = [core.on_hello(hello(f"r{r}", r), 0.1)[1] for r in range(W)]
+    decisions += [core.on_hello(hello(s, -1, host="h1"), 0.2)[1] for s in spares]
+    (formation,) = [r for d in decisions for r in published(d, Rebuild)]
+    for member in formation.ranks:
+        core.on_ack(ack(formation, member, 1.0, source="fresh"), 1.0)
+    return core, formation
+
+
+def test_formation_waits_for_every_rank_and_a_store_then_starts_fresh() -> None:
+    core = SwapperCore(SwapperConfig())
+    _, first = core.on_hello(hello("r0", 0), 0.0)
+    assert "waiting for members" in first.reason
+    _, second = core.on_hello(hello("r1", 1), 0.0)
+    assert "waiting for a snapshot store" in second.reason
+    decision = core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    (rebuild,) = published(decision, Rebuild)
+    assert rebuild.generation == 1 and rebuild.ranks == ["r0", "r1"] and rebuild.restore_step == -1
+    assert rebuild.placement == [["store0"], ["store0"]]  # one store: replication falls back to 1
+
+
+def test_a_spare_that_registers_first_stays_a_spare_while_ranks_are_claimed() -> None:
+    core = SwapperCore(SwapperConfig(formation_grace_s=2.0))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    core.on_hello(hello("spare", -1), 0.0)
+    _, waiting = core.on_hello(hello("r1", 1), 0.1)
+    assert "claimed" in waiting.reason
+    _, decision = core.on_hello(hello("r0", 0), 0.2)
+    (rebuild,) = published(decision, Rebuild)
+    assert rebuild.ranks == ["r0", "r1"] and rebuild.spares == ["spare"]
+
+
+def test_without_rank_claims_formation_proceeds_after_the_grace_period() -> None:
+    core = SwapperCore(SwapperConfig(formation_grace_s=2.0))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    core.on_hello(hello("a", -1), 0.0)
+    core.on_hello(hello("b", -1), 0.5)
+    assert published(core.tick(1.0), Rebuild) == []
+    (rebuild,) = published(core.tick(2.6), Rebuild)
+    assert rebuild.ranks == ["a", "b"]
+
+
+def test_a_hello_with_another_world_size_is_refused() -> None:
+    core, _ = formed_core()
+    reply, _ = core.on_hello(hello("x", -1, world_size=8), 2.0)
+    assert not reply.accepted and "world size 8" in reply.reason
+
+
+def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_committed_step() -> None:
+    core, formation = formed_core(spares=("same-host", "other-host"))
+    core.jobs["j"].members["same-host"].host = "h0"
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
+    decision = core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02)
+    (rebuild,) = published(decision, Rebuild)
+    assert rebuild.generation == 2
+    assert rebuild.ranks == ["r0", "other-host"]
+    assert rebuild.restore_step == 4
+    assert rebuild.rendezvous_member == "r0"  # a survivor hosts the rendezvous
+    assert not [a for a in decision.actions if isinstance(a, Fence)]  # a process that exited needs no fence
+
+
+def test_a_member_that_may_still_run_is_fenced_before_the_rebuild() -> None:
+    core, _ = formed_core()
+    decision = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
+    kinds = [type(a).__name__ for a in decision.actions if type(a).__name__ != "Persist"]
+    assert kinds == ["Fence", "Publish"]
+
+
+def test_a_stale_or_repeated_failure_changes_nothing() -> None:
+    core, _ = formed_core()
+    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)
+    generation = core.jobs["j"].generation
+    again = core.on_failure(Failure("j", 1, "r1", 1, "error", {}, 5.0, 5.1), 5.1)
+    assert again.actions == [] and "not a live member" in again.reason
+    assert core.jobs["j"].generation == generation
+
+
+def test_losing_a_spare_shrinks_the_pool_without_a_new_generation() -> None:
+    core, _ = formed_core()
+    decision = core.on_failure(Failure("j", 1, "s", -1, "exit", {}, 5.0, 5.0), 5.0)
+    assert published(decision, Rebuild) == [] and core.jobs["j"].spares == []
+    assert core.jobs["j"].generation == 1
+
+
+def test_without_a_spare_the_swap_waits_for_one_to_register() -> None:
+    core, _ = formed_core(spares=())
+    decision = core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    assert published(decision, Rebuild) == [] and "waiting for a spare" in decision.reason
+    _, joined = core.on_hello(hello("late", -1), 9.0)
+    (rebuild,) = published(joined, Rebuild)
+    assert rebuild.ranks == ["late", "r1"]
+
+
+def test_an_incident_closes_when_every_rank_acked_with_its_phases_and_lost_steps() -> None:
+    core, formation = formed_core()
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10), 2.0)
+    (rebuild,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    assert published(core.on_ack(ack(rebuild, "r0", 5.6, last=4), 5.6), Incident) == []
+    (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
+    assert incident.rank == 1 and incident.replacement == "s" and incident.restore_step == 3
+    assert incident.lost_steps == 1  # r0 had completed step 4
+    assert incident.downtime_s == pytest.approx(0.7)
+    assert incident.phases["detect"] == pytest.approx(0.01)
+    assert incident.phases["abort"] == pytest.approx(0.25)  # r0 left its collective at 5.25
+    assert core.jobs["j"].pending is None
+
+
+def test_a_second_failure_during_a_rebuild_starts_a_newer_generation() -> None:
+    core, _ = formed_core(spares=("s1", "s2"))
+    (first,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (second,) = published(core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.2, 5.2), 5.2), Rebuild)
+    assert second.generation == first.generation + 1 and second.ranks[1] not in first.ranks
+    assert published(core.on_ack(ack(first, "r0", 6.0), 6.0), Incident) == []  # stale generation
+    core.on_ack(ack(second, "r0", 6.1), 6.1)
+    incidents = published(core.on_ack(ack(second, second.ranks[1], 6.2, source="store"), 6.2), Incident)
+    assert len(incidents) == 2
+
+
+def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
+    core, formation = formed_core()
+    events = [(r, s) for r in range(W) for s in ("store0", "store1")]
+    for rank, store in events[:-1]:
+        decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+        assert published(decision, Commit) == []
+    rank, store = events[-1]
+    decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+    (commit,) = published(decision, Commit)
+    assert commit.step == 6 and core.jobs["j"].committed_step == 6
+
+
+def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
+    core, formation = formed_core()
+    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # restore step 0
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            late = SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10)
+            assert "stale" in core.on_snapshot_complete(late, 5.5).reason
+    assert core.jobs["j"].committed_step == -1
+
+
+def test_the_job_finishes_when_every_rank_of_the_generation_is_done() -> None:
+    core, _ = formed_core()
+    assert published(core.on_done(MemberDone("j", 1, "r0", 0, 10), 9.0), JobFinished) == []
+    (finished,) = published(core.on_done(MemberDone("j", 1, "r1", 1, 10), 9.1), JobFinished)
+    assert finished.step == 10 and core.jobs["j"].finished
+    reply, _ = core.on_hello(hello("late", -1), 10.0)
+    assert not reply.accepted
+
+
+def test_a_silent_store_is_left_out_of_new_placements() -> None:
+    core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=5.0))
+    core.on_store_status(StoreStatus("old", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    core.on_store_status(StoreStatus("fresh", "127.0.0.1", 5001, 0, 100, 0, 9.0), 9.0)
+    core.on_hello(hello("r0", 0), 9.0)
+    _, decision = core.on_hello(hello("r1", 1), 9.0)
+    (rebuild,) = published(decision, Rebuild)
+    assert [s.store for s in rebuild.stores] == ["fresh"]

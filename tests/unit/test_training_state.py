@@ -1,0 +1,105 @@
+"""Snapshots of model and optimizer state: capture into a flat buffer and restore, bit for bit."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from deadpool.job import BucketRebuildError, check_wrapped
+from deadpool.snapshot_layout import ALIGN_BYTES, FlatBuffer, SnapshotLayout, plan_layout
+from deadpool.training_state import SnapshotMeta, collect_sources, load_module, load_optimizer, restore_rng
+
+
+def model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3, bias=False))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        x = torch.randn(4, 8)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> tuple[FlatBuffer, SnapshotMeta]:
+    sources = collect_sources(model, optimizer)
+    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+    buffer = FlatBuffer(layout)
+    torch._foreach_copy_(buffer.views, sources.tensors)
+    meta = SnapshotMeta.capture(step, layout, optimizer, sources, {"epoch": 1})
+    return buffer, SnapshotMeta.decode(meta.encode())
+
+
+def test_layout_aligns_every_tensor_and_survives_the_manifest() -> None:
+    layout = plan_layout(
+        [("a", torch.zeros(3)), ("b", torch.zeros(2, 5, dtype=torch.bfloat16)), ("c", torch.zeros(()))]
+    )
+    assert all(spec.offset % ALIGN_BYTES == 0 for spec in layout.specs)
+    assert SnapshotLayout.from_fields(layout.to_fields()) == layout
+    with pytest.raises(ValueError, match="malformed"):
+        SnapshotLayout.from_fields({"total_bytes": 4, "specs": [["a", "float32", [8], 0, 32]]})
+
+
+def test_a_restored_copy_continues_exactly_like_the_original() -> None:
+    original, original_opt = model_and_optimizer(seed=0)
+    train(original, original_opt, steps=3)
+    random.seed(5)
+    buffer, meta = capture(original, original_opt, step=3)
+    expected_python_random = random.random()
+
+    replica, replica_opt = model_and_optimizer(seed=1)  # built differently: everything must come from the snapshot
+    load_module(replica, buffer)
+    load_optimizer(replica, replica_opt, buffer, meta)
+    torch.manual_seed(123)  # RNG state must come from the snapshot too
+    restore_rng(meta.rng)
+    assert random.random() == expected_python_random
+    torch.manual_seed(7)
+    train(original, original_opt, steps=2)
+    restore_rng(meta.rng)
+    random.random()
+    torch.manual_seed(7)
+    train(replica, replica_opt, steps=2)
+    for a, b in zip(original.state_dict().values(), replica.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert meta.step == 3 and meta.extra == {"epoch": 1}
+
+
+def test_the_snapshot_buffer_is_independent_of_later_training() -> None:
+    model, optimizer = model_and_optimizer(seed=0)
+    train(model, optimizer, steps=1)
+    buffer, _ = capture(model, optimizer, step=1)
+    frozen = buffer.by_name["param.0"].clone()
+    train(model, optimizer, steps=1)
+    assert torch.equal(buffer.by_name["param.0"], frozen)
+    assert not torch.equal(next(model.parameters()).detach(), frozen)
+
+
+def test_loading_into_a_model_of_another_shape_is_refused() -> None:
+    model, optimizer = model_and_optimizer(seed=0)
+    train(model, optimizer, steps=1)
+    buffer, _ = capture(model, optimizer, step=1)
+    with pytest.raises(ValueError, match=r"does not fit|holds"):
+        load_module(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False)), buffer)
+
+
+def test_the_bytes_view_is_the_buffer_itself() -> None:
+    buffer = FlatBuffer(plan_layout([("a", torch.arange(4, dtype=torch.float32))]))
+    buffer.views[0].copy_(torch.arange(4, dtype=torch.float32))
+    view = buffer.bytes_view()
+    assert len(view) == buffer.layout.total_bytes
+    assert bytes(view[:16]) == struct.pack("=4f", 0.0, 1.0, 2.0, 3.0)
+
+
+def test_a_ddp_wrapper_that_rebuilds_buckets_is_refused(gloo_world_of_one: None) -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(BucketRebuildError, match="find_unused_parameters=True"):
+        check_wrapped(DistributedDataParallel(model))
+    check_wrapped(DistributedDataParallel(model, find_unused_parameters=True))
