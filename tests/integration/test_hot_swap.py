@@ -65,19 +65,22 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
     report = json.loads(report_path.read_text())
     assert result.returncode == 0, result.stdout + result.stderr
 
-    assert report["recovered"] is True
-    assert report["bit_identical"] is True, report["differences"]
+    context = json.dumps(report, indent=1)
+    assert report["recovered"] is True, context
+    assert report["bit_identical"] is True, context
     assert report["tensors_compared"] > 0
     (incident,) = report["incidents"]
     kill = report["runs"]["swap"]["kill"]
-    assert incident["rank"] == kill["rank"] == 2
-    assert incident["member"] == kill["member"]
-    assert incident["reason"] == "exit"
-    assert incident["replacement"] != incident["member"]
-    assert incident["lost_steps"] <= 1
-    assert incident["restore_step"] in (kill["step"] - 1, kill["step"] - 2)
-    assert 0 < incident["detect_s"] < incident["downtime_s"]
-    assert set(incident["phases"]) >= {"detect", "decide", "abort", "restore", "rendezvous", "apply"}
-    assert report["runs"]["swap"]["finished"] and report["runs"]["reference"]["finished"]
+    assert incident["rank"] == kill["rank"] == 2, context
+    assert incident["member"] == kill["member"], context
+    assert incident["reason"] == "exit", context
+    assert incident["replacement"] != incident["member"], context
+    assert incident["lost_steps"] <= 1, context
+    # kill["step"] comes from the last heartbeat before the kill (sent every 100 ms), so it is a lower
+    # bound of the step the rank was computing: the restored step is at most two behind it.
+    assert kill["step"] - 2 <= incident["restore_step"] < 10, context
+    assert 0 < incident["detect_s"] < incident["downtime_s"], context
+    assert set(incident["phases"]) >= {"exit", "detect", "decide", "abort", "restore", "rendezvous", "apply"}
+    assert report["runs"]["swap"]["finished"] and report["runs"]["reference"]["finished"], context
 
     assert processes_carrying(marker) == [], "the demo left processes behind"

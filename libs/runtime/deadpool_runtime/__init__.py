@@ -2,6 +2,6 @@
 subscriptions, and running until a signal. Stands on `deadpool_protocol`; knows no service."""
 
 from deadpool_runtime.bus import connect, publish, subscribe_validated
-from deadpool_runtime.lifecycle import run_service, stopped_within
+from deadpool_runtime.lifecycle import run_nats_service, run_service, stopped_within
 
-__all__ = ["connect", "publish", "run_service", "stopped_within", "subscribe_validated"]
+__all__ = ["connect", "publish", "run_nats_service", "run_service", "stopped_within", "subscribe_validated"]

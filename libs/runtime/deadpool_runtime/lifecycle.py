@@ -5,8 +5,16 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-__all__ = ["run_service", "stopped_within"]
+from nats.aio.client import Client
+
+from deadpool_protocol.logs import configure_logging, get_logger
+from deadpool_runtime.bus import connect
+
+__all__ = ["run_nats_service", "run_service", "stopped_within"]
+
+ServiceBody = Callable[[Client, Any, asyncio.Event], Awaitable[None]]
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -29,3 +37,19 @@ async def stopped_within(stop: asyncio.Event, period_s: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def run_nats_service(component: str, nats_url: str, client_name: str, body: ServiceBody, **log_keys: Any) -> None:
+    """The whole life of a DeadPool service process: JSON logs, a NATS connection, `body(nc, log, stop)`
+    until a signal, then a drained connection."""
+    configure_logging(component)
+    log = get_logger(**log_keys)
+
+    async def main(stop: asyncio.Event) -> None:
+        nc = await connect(nats_url, client_name, log)
+        try:
+            await body(nc, log, stop)
+        finally:
+            await nc.drain()
+
+    run_service(main)

@@ -154,14 +154,17 @@ class ControlLink:
 
     async def _register(self) -> None:
         assert self._nc is not None and self._stop is not None
+        attempts = 0
         while not self._stop.is_set():
+            attempts += 1
             try:
                 msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=2.0)
                 if msg.headers and msg.headers.get("Nats-Service-Error-Code"):
                     raise ProtocolError(msg.headers.get("Nats-Service-Error", "hello rejected"))
                 reply = decode(msg.data, HelloReply)
             except (NoRespondersError, NatsTimeoutError):
-                self.log.info("waiting for the swapper to answer hello")
+                if attempts % 20 == 1:  # every ~10 s, not every retry
+                    self.log.info("waiting for the swapper to answer hello", attempts=attempts)
                 await asyncio.sleep(HELLO_RETRY_S)
                 continue
             except ProtocolError as exc:

@@ -28,10 +28,9 @@ from deadpool_protocol import (
     Rebuild,
     Subjects,
 )
-from deadpool_protocol.logs import configure_logging, get_logger
-from deadpool_runtime import connect, publish, run_service, stopped_within, subscribe_validated
+from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
 
-__all__ = ["DetectorServiceConfig", "main", "serve"]
+__all__ = ["DetectorServiceConfig", "main"]
 
 VERSION = "0.1.0"
 
@@ -117,15 +116,10 @@ class DetectorService:
         await service.stop()
 
 
-async def serve(config: DetectorServiceConfig, stop: asyncio.Event) -> None:
-    log = get_logger()
-    nc = await connect(config.nats_url, "deadpool-detector", log)
-    try:
-        await DetectorService(config, nc, log).run(stop)
-    finally:
-        await nc.drain()
-
-
 def main(config: DetectorServiceConfig) -> None:
-    configure_logging("detector")
-    run_service(lambda stop: serve(config, stop))
+    run_nats_service(
+        "detector",
+        config.nats_url,
+        "deadpool-detector",
+        lambda nc, log, stop: DetectorService(config, nc, log).run(stop),
+    )

@@ -20,13 +20,12 @@ from nats.micro.request import Request
 
 from deadpool_protocol import Commit, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.logs import configure_logging, get_logger
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime import connect, publish, run_service, stopped_within, subscribe_validated
+from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 
-__all__ = ["StoreConfig", "main", "serve"]
+__all__ = ["StoreConfig", "main"]
 
 VERSION = "0.1.0"
 
@@ -109,15 +108,11 @@ class StoreService:
         await self.server.stop()
 
 
-async def serve(config: StoreConfig, stop: asyncio.Event) -> None:
-    log = get_logger(store=config.store_id)
-    nc = await connect(config.nats_url, f"deadpool-store-{config.store_id}", log)
-    try:
-        await StoreService(config, nc, log).run(stop)
-    finally:
-        await nc.drain()
-
-
 def main(config: StoreConfig) -> None:
-    configure_logging("store")
-    run_service(lambda stop: serve(config, stop))
+    run_nats_service(
+        "store",
+        config.nats_url,
+        f"deadpool-store-{config.store_id}",
+        lambda nc, log, stop: StoreService(config, nc, log).run(stop),
+        store=config.store_id,
+    )

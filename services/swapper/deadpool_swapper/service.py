@@ -38,14 +38,13 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.logs import configure_logging, get_logger
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime import connect, publish, run_service, stopped_within, subscribe_validated
+from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_swapper.core import Decision, Fence, Persist, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.tracing import IncidentTracer
 
-__all__ = ["SwapperServiceConfig", "main", "serve"]
+__all__ = ["SwapperServiceConfig", "main"]
 
 VERSION = "0.1.0"
 
@@ -213,16 +212,12 @@ class SwapperService:
         self.tracer.shutdown()
 
 
-async def serve(config: SwapperServiceConfig, stop: asyncio.Event) -> None:
-    log = get_logger()
-    nc = await connect(config.nats_url, "deadpool-swapper", log)
-    try:
-        records = await JobRecords.open(nc.jetstream(), log)
-        await SwapperService(config, nc, records, log).run(stop)
-    finally:
-        await nc.drain()
+async def _serve(config: SwapperServiceConfig, nc: Client, log: Any, stop: asyncio.Event) -> None:
+    records = await JobRecords.open(nc.jetstream(), log)
+    await SwapperService(config, nc, records, log).run(stop)
 
 
 def main(config: SwapperServiceConfig) -> None:
-    configure_logging("swapper")
-    run_service(lambda stop: serve(config, stop))
+    run_nats_service(
+        "swapper", config.nats_url, "deadpool-swapper", lambda nc, log, stop: _serve(config, nc, log, stop)
+    )
