@@ -28,7 +28,6 @@ from deadpool_protocol.messages import (
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
-    is_stale,
 )
 from deadpool_protocol.subjects import STORE_STATUS, SWAPPER_STATUS, Subjects
 
@@ -63,5 +62,4 @@ __all__ = [
     "decode",
     "decode_any",
     "encode",
-    "is_stale",
 ]

@@ -1,8 +1,8 @@
 """The typed messages of the control plane (NATS).
 
 Every message is a frozen dataclass with a `KIND` tag. Job-scoped messages carry `job` and the sender's
-view of the `generation`; receivers drop ones from an older generation where that matters (see
-`is_stale`). `check()` holds the semantic rules that a type annotation cannot say; the codec calls it on
+view of the `generation`; receivers drop ones from an older generation where that matters.
+`check()` holds the semantic rules that a type annotation cannot say; the codec calls it on
 every decode, so a service never acts on a message that breaks them.
 
 Time stamps (`t_*`) are wall-clock seconds (`time.time()`), so they can be compared across processes;
@@ -40,7 +40,6 @@ __all__ = [
     "SnapshotComplete",
     "StoreAddress",
     "StoreStatus",
-    "is_stale",
 ]
 
 NO_RANK = -1
@@ -76,11 +75,6 @@ def _need_name(value: str, what: str, allow_empty: bool = False) -> None:
     if allow_empty and value == "":
         return
     _need(is_valid_name(value), f"{what} {value!r} is not a valid name")
-
-
-def is_stale(message_generation: int, current_generation: int) -> bool:
-    """True when a message speaks of a generation older than the receiver's."""
-    return message_generation < current_generation
 
 
 @dataclass(frozen=True, slots=True)

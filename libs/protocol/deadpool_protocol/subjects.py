@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from deadpool_protocol.names import require_name
 
-__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects", "job_of"]
+__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects"]
 
 PREFIX = "deadpool"
 STORE_STATUS = f"{PREFIX}.store.status"
@@ -90,11 +90,3 @@ class Subjects:
     @property
     def snapshot_complete(self) -> str:
         return self._s("snapshot.complete")
-
-
-def job_of(subject: str) -> str:
-    """The job token of a job-scoped subject (`deadpool.<job>.…`), or '' if it has none."""
-    parts = subject.split(".")
-    if len(parts) < 3 or parts[0] != PREFIX:
-        return ""
-    return parts[1]

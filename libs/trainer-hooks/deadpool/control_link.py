@@ -115,7 +115,7 @@ class ControlLink:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
-                self._cond.wait(remaining if remaining is None else min(remaining, 1.0))
+                self._cond.wait(remaining)
 
     def server_ports(self) -> set[int]:
         """Ports of the NATS servers this link may be connected to."""

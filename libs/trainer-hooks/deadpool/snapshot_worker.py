@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,14 +111,6 @@ class SnapshotWorker:
     def wait_captured(self, timeout_s: float | None = None) -> bool:
         """Block until the last capture's copy finished (the optimizer pre-hook calls this)."""
         return self._captured.wait(timeout_s)
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self._busy:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.001)
-        return True
 
     def local(self, step: int) -> SnapshotSlot | None:
         """The local snapshot of `step`, if one of the buffers holds it."""
