@@ -33,6 +33,9 @@ def _compare(a: Any, b: Any, where: str, diffs: list[str]) -> int:
 
 def compare_final_states(run_a: Path, run_b: Path) -> tuple[bool, int, list[str]]:
     """Compare every `rank*.pt` of two runs. Returns (identical, tensors compared, differences)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch without numpy: harmless
     import torch
 
     files_a = sorted(p.name for p in run_a.glob("rank*.pt"))
