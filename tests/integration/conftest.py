@@ -5,9 +5,11 @@ Every process a test starts is stopped at teardown, whatever the outcome.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from nats.aio.client import Client
 
 from deadpool_cli.nats_server import NatsServer
+from deadpool_cli.stack import answers_ping
 
 pytestmark = pytest.mark.integration
 
@@ -72,19 +75,9 @@ def spawn_service(nats_url: str, tmp_path: Path) -> Iterator[SpawnService]:
 
 
 async def wait_for_micro_service(nc: Client, name: str, timeout_s: float = 30.0) -> None:
-    """Block until the `nats.micro` service `name` answers a PING (the request itself is the wait)."""
-    import asyncio
-    import time
-
-    from nats.errors import NoRespondersError
-    from nats.errors import TimeoutError as NatsTimeoutError
-
+    """Block until the `nats.micro` service `name` answers a PING."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await nc.request(f"$SRV.PING.{name}", b"", timeout=0.5)
-            return
-        except (NoRespondersError, NatsTimeoutError):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"service {name} did not come up") from None
-            await asyncio.sleep(0.1)  # no responders yet: the process is still importing
+    while not await answers_ping(nc, name, timeout_s=0.5):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"service {name} did not come up")
+        await asyncio.sleep(0.1)  # no responders yet: the process is still importing

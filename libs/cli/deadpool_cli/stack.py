@@ -25,7 +25,7 @@ from deadpool_cli.nats_server import NatsServer
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
 
-__all__ = ["Stack", "StackConfig"]
+__all__ = ["Stack", "StackConfig", "answers_ping"]
 
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
@@ -41,6 +41,15 @@ class StackConfig:
     heartbeat_timeout_s: float = 5.0
     store_capacity_bytes: int = 8 * 1024**3
     trace_file: str = ""
+
+
+async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool:
+    """Whether the `nats.micro` service `service` answers a PING (i.e. is up and subscribed)."""
+    try:
+        await nc.request(f"$SRV.PING.{service}", b"", timeout=timeout_s)
+    except (NoRespondersError, NatsTimeoutError):
+        return False
+    return True
 
 
 class Stack:
@@ -116,12 +125,7 @@ class Stack:
                     raise TimeoutError(
                         f"services not ready after {READY_TIMEOUT_S} s: {sorted(pending)}, stores {sorted(stores_seen)}"
                     )
-                for service in list(pending):
-                    try:
-                        await nc.request(f"$SRV.PING.{service}", b"", timeout=0.2)
-                        pending.discard(service)
-                    except (NoRespondersError, NatsTimeoutError):
-                        pass
+                pending = {service for service in pending if not await answers_ping(nc, service)}
                 await asyncio.sleep(0.05)
         finally:
             await nc.close()

@@ -355,7 +355,7 @@ class Job:
                     raise RuntimeError(f"generation {command.generation} could not form and none replaced it") from exc
                 latest, received = self._link.latest_rebuild()
                 command = latest or newer
-                marks = {"received": received, **({"out": marks["out"]} if "out" in marks else {})}
+                marks = {k: v for k, v in marks.items() if k == "out"} | {"received": received}
 
     def _rebuild_once(self, command: Rebuild, marks: dict[str, float]) -> bool:
         member = self.config.member
