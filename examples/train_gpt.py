@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,7 @@ SIZES = {
     "tiny": GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4),
     "small": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8),
     "base": GPTConfig(n_layer=6, n_head=6, n_embd=192, block_size=128, batch_size=8),
+    "medium": GPTConfig(n_layer=8, n_head=8, n_embd=384, block_size=128, batch_size=8),
 }
 
 
@@ -114,13 +116,18 @@ def main() -> None:
     parser.add_argument("--model-size", choices=sorted(SIZES), default="small")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--out", type=Path, default=None, help="write each rank's final state here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # CPU: denormals make backward up to 50x slower
+    device = torch.device("cpu")
+    if args.device == "cuda":  # one GPU per process where there are enough, else they share GPU 0
+        device = torch.device("cuda", int(os.environ.get("DEADPOOL_LOCAL_INDEX", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.manual_seed(args.seed)  # every member, spares too, builds the same model
     config = SIZES[args.model_size]
-    model = GPT(config)
+    model = GPT(config).to(device)
 
     job = deadpool.attach(  # (1) join the job; a spare waits in job.steps()
         model,
@@ -133,7 +140,7 @@ def main() -> None:
             for group in job.optimizer.param_groups:
                 group["lr"] = lr_at(step, args.steps)
             x, y = batch_for(step, job.rank, config, args.seed)
-            loss = job.model(x, y)  # (4) the wrapped model of the current generation
+            loss = job.model(x.to(device), y.to(device))  # (4) the wrapped model of the current generation
             loss.backward()
             job.optimizer.step()  # (5) the optimizer of the current generation
             job.optimizer.zero_grad(set_to_none=True)

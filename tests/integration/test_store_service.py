@@ -79,7 +79,7 @@ async def test_a_corrupted_upload_is_refused_with_its_reason_and_the_store_keeps
 
     def corrupt_then_garbage() -> tuple[Reply, bytes]:
         with socket.create_connection((address.host, address.port), timeout=10) as sock:
-            sock.sendall(encode_frame(PutChunk("j", 1, 0, "m", 1, 0, 4, 12345, 4)) + b"abcd")
+            sock.sendall(encode_frame(PutChunk("j", 1, 0, "m", 1, 0, 4, 4)) + b"abcd")
             sock.sendall(encode_frame(Seal("j", 1, 0, "m", 1, 4, 4, [12345], b"")))
             (length,) = FRAME_LENGTH.unpack(sock.recv(FRAME_LENGTH.size, socket.MSG_WAITALL))
             reply = decode_frame_header(sock.recv(length, socket.MSG_WAITALL), Reply)
@@ -124,3 +124,47 @@ async def test_a_commit_on_the_bus_frees_old_snapshots_and_bad_messages_are_igno
 
     # Requests travel after the commits on the same connection, so the store has applied them.
     assert await snapshots() == 3  # steps 2 and 3 (committed) and 4 (newer); step 1 freed
+
+
+async def test_a_full_store_refuses_with_a_clear_error_and_keeps_what_is_committed(
+    nc: Client, spawn_service: SpawnService
+) -> None:
+    address = await start_store(nc, spawn_service)  # capacity 64 MiB
+    first = os.urandom(40 * 1024 * 1024)
+
+    def upload(step: int, data: bytes) -> str:
+        conn = StoreConnection(address)
+        try:
+            conn.upload(UploadKey("j", 1, 0, "m", step), memoryview(data), 4 * 1024 * 1024, b"", never)
+        except StoreClientError as exc:
+            return str(exc)
+        finally:
+            conn.close()
+        return ""
+
+    assert await asyncio.to_thread(upload, 1, first) == ""
+    await nc.publish(Subjects.for_job("j").commit, encode(Commit("j", 1, 1)))
+    await nc.flush()
+    error = await asyncio.to_thread(upload, 2, bytes(30 * 1024 * 1024))
+    assert "store full" in error and "--capacity-bytes" in error
+
+    def fetch(step: int) -> bytes:
+        received = bytearray()
+
+        def destination(meta: bytes, total: int) -> memoryview:
+            received.extend(bytes(total))
+            return memoryview(received)
+
+        StoreConnection(address).fetch("j", 0, step, destination)
+        return bytes(received)
+
+    assert await asyncio.to_thread(fetch, 1) == first  # committed data survived the refusal
+    assert "no complete snapshot" in await asyncio.to_thread(lambda: _fetch_error(address, 2))
+
+
+def _fetch_error(address: StoreAddress, step: int) -> str:
+    try:
+        StoreConnection(address).fetch("j", 0, step, lambda meta, n: memoryview(bytearray(n)))
+    except StoreClientError as exc:
+        return str(exc)
+    return ""

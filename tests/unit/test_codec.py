@@ -30,7 +30,7 @@ from deadpool_protocol import (
     decode_any,
     encode,
 )
-from deadpool_protocol.dataplane import Fetch, PutChunk, Seal, chunk_checksum, decode_frame_header, encode_frame
+from deadpool_protocol.dataplane import Fetch, PutChunk, Seal, decode_frame_header, encode_frame
 
 
 def rebuild(**overrides: object) -> Rebuild:
@@ -170,13 +170,12 @@ def test_subjects_are_scoped_by_job_and_refuse_bad_names() -> None:
 
 
 def test_data_plane_frames_round_trip_and_refuse_chunks_outside_the_snapshot() -> None:
-    payload = b"x" * 100
-    chunk = PutChunk("j", 1, 0, "m0", 5, 0, 100, chunk_checksum(payload), 100)
+    chunk = PutChunk("j", 1, 0, "m0", 5, 0, 100, 100)
     frame = encode_frame(chunk)
     assert decode_frame_header(frame[4:], PutChunk) == chunk
     seal = Seal("j", 1, 0, "m0", 5, 100, 64, [1, 2], b"meta")
     assert decode_frame_header(encode_frame(seal)[4:]) == seal
-    bad = PutChunk("j", 1, 0, "m0", 5, 90, 20, 0, 100)
+    bad = PutChunk("j", 1, 0, "m0", 5, 90, 20, 100)
     with pytest.raises(ProtocolError, match="outside"):
         decode_frame_header(encode_frame(bad)[4:])
     with pytest.raises(ProtocolError, match="expected a fetch frame"):

@@ -13,12 +13,12 @@ CHUNK = 4
 def upload(
     memory: SnapshotMemory, step: int, data: bytes, rank: int = 0, generation: int = 1, member: str = "m0"
 ) -> None:
-    crcs = []
+    checksums = []
     for offset, n in chunk_spans(len(data), CHUNK):
         piece = data[offset : offset + n]
-        crcs.append(chunk_checksum(piece))
-        memory.put_chunk(PutChunk("j", generation, rank, member, step, offset, n, crcs[-1], len(data)), piece)
-    memory.seal(Seal("j", generation, rank, member, step, len(data), CHUNK, crcs, b"meta"))
+        checksums.append(chunk_checksum(piece))
+        memory.put_chunk(PutChunk("j", generation, rank, member, step, offset, n, len(data)), piece)
+    memory.seal(Seal("j", generation, rank, member, step, len(data), CHUNK, checksums, b"meta"))
 
 
 def test_a_sealed_snapshot_is_served_byte_for_byte() -> None:
@@ -30,8 +30,8 @@ def test_a_sealed_snapshot_is_served_byte_for_byte() -> None:
 
 def test_a_corrupted_chunk_makes_the_seal_fail_and_nothing_is_served() -> None:
     memory = SnapshotMemory(capacity_bytes=1000)
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, chunk_checksum(b"abcd"), 8), b"abcX")
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 4, 4, chunk_checksum(b"efgh"), 8), b"efgh")
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcX")
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 4, 4, 8), b"efgh")
     with pytest.raises(StoreError, match="checksum"):
         memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), chunk_checksum(b"efgh")], b""))
     with pytest.raises(StoreError, match="no complete snapshot"):
@@ -41,7 +41,7 @@ def test_a_corrupted_chunk_makes_the_seal_fail_and_nothing_is_served() -> None:
 
 def test_a_missing_chunk_makes_the_seal_fail() -> None:
     memory = SnapshotMemory(capacity_bytes=1000)
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, chunk_checksum(b"abcd"), 8), b"abcd")
+    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcd")
     with pytest.raises(StoreError, match="1 of 2 chunks missing"):
         memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), 0], b""))
 
@@ -82,6 +82,40 @@ def test_a_snapshot_that_would_exceed_capacity_is_refused_and_committed_data_sta
     with pytest.raises(StoreError, match="store full"):
         upload(memory, 2, b"b" * 12)
     assert bytes(memory.get("j", 0, 1).data) == b"a" * 12
+
+
+def test_a_freed_buffer_is_reused_for_the_next_snapshot_of_its_size() -> None:
+    memory = SnapshotMemory(capacity_bytes=100, keep_committed=1)
+    upload(memory, 1, b"a" * 16)
+    first = memory.get("j", 0, 1).data
+    memory.commit("j", 1)
+    upload(memory, 2, b"b" * 16)
+    memory.commit("j", 2)  # frees step 1 into the pool
+    assert memory.pooled_bytes == 16
+    upload(memory, 3, b"c" * 16)
+    assert memory.get("j", 0, 3).data is first and bytes(first) == b"c" * 16
+    assert memory.used_bytes + memory.pooled_bytes <= memory.capacity_bytes
+
+
+def test_a_buffer_still_being_served_is_not_reused() -> None:
+    memory = SnapshotMemory(capacity_bytes=100, keep_committed=1)
+    upload(memory, 1, b"a" * 16)
+    memory.commit("j", 1)
+    memory.get("j", 0, 1).readers += 1  # a fetch is sending it
+    upload(memory, 2, b"b" * 16)
+    memory.commit("j", 2)
+    assert memory.pooled_bytes == 0
+
+
+def test_pooled_buffers_give_way_to_a_snapshot_of_another_size() -> None:
+    memory = SnapshotMemory(capacity_bytes=40, keep_committed=1)
+    upload(memory, 1, b"a" * 16)
+    memory.commit("j", 1)
+    upload(memory, 2, b"b" * 16)
+    memory.commit("j", 2)
+    assert memory.pooled_bytes == 16
+    upload(memory, 3, b"c" * 24)  # 16 stored + 16 pooled + 24 > 40: the pooled buffer is dropped
+    assert memory.pooled_bytes == 0 and memory.used_bytes == 40
 
 
 def _has(memory: SnapshotMemory, step: int) -> bool:

@@ -56,8 +56,8 @@ def test_a_restored_copy_continues_exactly_like_the_original() -> None:
     expected_python_random = random.random()
 
     replica, replica_opt = model_and_optimizer(seed=1)  # built differently: everything must come from the snapshot
-    load_module(replica, buffer)
-    load_optimizer(replica, replica_opt, buffer, meta)
+    load_module(replica, [buffer])
+    load_optimizer(replica, replica_opt, [buffer], meta)
     torch.manual_seed(123)  # RNG state must come from the snapshot too
     restore_rng(meta.rng)
     assert random.random() == expected_python_random
@@ -87,7 +87,7 @@ def test_loading_into_a_model_of_another_shape_is_refused() -> None:
     train(model, optimizer, steps=1)
     buffer, _ = capture(model, optimizer, step=1)
     with pytest.raises(ValueError, match=r"does not fit|holds"):
-        load_module(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False)), buffer)
+        load_module(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 3, bias=False)), [buffer])
 
 
 def test_the_bytes_view_is_the_buffer_itself() -> None:

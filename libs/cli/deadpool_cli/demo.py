@@ -47,6 +47,7 @@ class DemoConfig:
     kill_step: int = 15
     kill_rank: int = 2
     model_size: str = "small"
+    device: str = "cpu"
     seed: int = 1337
     stores: int = 2
     report: str = ""
@@ -112,6 +113,7 @@ async def _train(
     launch = ["launch", "--nats", stack_url, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
+    train += ["--device", cfg.device]
     command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
     started = time.time()
     with open(log_path, "wb") as log:
@@ -254,7 +256,7 @@ async def run_demo(cfg: DemoConfig) -> int:
         "differences": diffs[:20],
         "config": {
             k: getattr(cfg, k)
-            for k in ("steps", "nproc", "spares", "kill_step", "kill_rank", "model_size", "seed", "stores")
+            for k in ("steps", "nproc", "spares", "kill_step", "kill_rank", "model_size", "device", "seed", "stores")
         },
         "incidents": [_incident_report(i, kill) for i in swap.incidents],
         "runs": {

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--spares", type=int, default=1, help="warm spares")
     demo.add_argument("--kill-step", type=int, default=15, help="the step during which a rank is killed")
     demo.add_argument("--kill-rank", type=int, default=2)
-    demo.add_argument("--model-size", default="small", choices=["tiny", "small", "base"])
+    demo.add_argument("--model-size", default="small", choices=["tiny", "small", "base", "medium"])
+    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the example trains")
     demo.add_argument("--seed", type=int, default=1337)
     demo.add_argument("--stores", type=int, default=2, help="snapshot store processes")
     demo.add_argument("--report", default="", help="write the outcome as JSON to this file")
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             kill_step=args.kill_step,
             kill_rank=args.kill_rank,
             model_size=args.model_size,
+            device=args.device,
             seed=args.seed,
             stores=args.stores,
             report=args.report,

@@ -45,7 +45,7 @@ def compare_final_states(run_a: Path, run_b: Path) -> tuple[bool, int, list[str]
     diffs: list[str] = []
     tensors = 0
     for name in files_a:
-        a = torch.load(run_a / name, weights_only=True)
-        b = torch.load(run_b / name, weights_only=True)
+        a = torch.load(run_a / name, weights_only=True, map_location="cpu")
+        b = torch.load(run_b / name, weights_only=True, map_location="cpu")
         tensors += _compare(a, b, name, diffs)
     return not diffs, tensors, diffs

@@ -1,8 +1,12 @@
 """The snapshot data plane: frames between a trainer hook and a snapshot store over direct TCP.
 
 A frame is a 4-byte big-endian length, a msgpack header, and for `PutChunk` (and the chunks that
-follow a `FetchReply`) raw tensor bytes. Bulk bytes never go through msgpack or NATS; each chunk carries a
-CRC-32 that the store checks on receipt and the restoring member checks before it applies anything.
+follow a `FetchReply`) raw tensor bytes. Bulk bytes never go through msgpack or NATS; the Seal lists an
+XXH3-64 checksum per chunk, which the store compares with what it received and the restoring member
+checks before it applies anything. A chunk's header does not carry its checksum, so either end
+computes it after the bytes have gone into (or come out of) the socket, overlapping with the transfer.
+(XXH3 runs at ~24 GB/s here, CRC-32 at ~4 GB/s: with CRC-32 on both ends the checksums alone held
+loopback ingest to about half the raw socket rate.)
 
     hook -> store: PutChunk+bytes ... PutChunk+bytes, Seal        store -> hook: Reply
     hook -> store: Fetch                                          store -> hook: FetchReply, bytes...
@@ -13,18 +17,19 @@ This module only encodes and decodes; the I/O lives with the hooks and the store
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import msgpack
+import xxhash
 
-from deadpool_protocol.codec import PROTOCOL_VERSION, from_fields, to_fields
+from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.messages import ProtocolError
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
     "CHUNK_BYTES_DEFAULT",
+    "DATAPLANE_VERSION",
     "FRAME_LENGTH",
     "HEADER_BYTES_MAX",
     "Fetch",
@@ -43,11 +48,13 @@ FRAME_LENGTH = struct.Struct("!I")
 HEADER_BYTES_MAX = 16 * 1024 * 1024
 """A Seal carries the snapshot's layout; a model with 10^5 tensors still fits."""
 CHUNK_BYTES_DEFAULT = 4 * 1024 * 1024
+DATAPLANE_VERSION = 2
+"""1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
 
 
 def chunk_checksum(data: memoryview | bytes | bytearray) -> int:
-    """CRC-32 of one chunk (zlib's, ~4 GB/s here; releases the GIL on large buffers)."""
-    return zlib.crc32(data) & 0xFFFFFFFF
+    """XXH3-64 of one chunk (an unsigned 64-bit integer)."""
+    return int(xxhash.xxh3_64_intdigest(data))
 
 
 def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -76,7 +83,7 @@ class Frame:
 
 @dataclass(frozen=True, slots=True)
 class PutChunk(Frame):
-    """One chunk of snapshot (job, rank, step); `nbytes` raw bytes follow the header."""
+    """One chunk of snapshot (job, rank, step); `nbytes` raw bytes follow the header (its checksum is in the Seal)."""
 
     OP: ClassVar[str] = "put_chunk"
     job: str
@@ -86,7 +93,6 @@ class PutChunk(Frame):
     step: int
     offset: int
     nbytes: int
-    crc32: int
     total_bytes: int
 
     def check(self) -> None:
@@ -99,7 +105,7 @@ class PutChunk(Frame):
 
 @dataclass(frozen=True, slots=True)
 class Seal(Frame):
-    """The manifest: every chunk was sent; `crcs[i]` is chunk i's, `meta` the snapshot's layout."""
+    """The manifest: every chunk was sent; `checksums[i]` is chunk i's, `meta` the snapshot's layout."""
 
     OP: ClassVar[str] = "seal"
     job: str
@@ -109,15 +115,15 @@ class Seal(Frame):
     step: int
     total_bytes: int
     chunk_bytes: int
-    crcs: list[int]
+    checksums: list[int]
     meta: bytes
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         if self.chunk_bytes <= 0:
             raise ProtocolError("chunk_bytes must be positive")
-        if len(self.crcs) != len(chunk_spans(self.total_bytes, self.chunk_bytes)):
-            raise ProtocolError("crcs does not hold one checksum per chunk")
+        if len(self.checksums) != len(chunk_spans(self.total_bytes, self.chunk_bytes)):
+            raise ProtocolError("checksums does not hold one checksum per chunk")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +155,7 @@ class FetchReply(Frame):
     member: str
     total_bytes: int
     chunk_bytes: int
-    crcs: list[int]
+    checksums: list[int]
     meta: bytes
 
 
@@ -160,7 +166,7 @@ F = TypeVar("F", bound=Frame)
 def encode_frame(frame: Frame) -> bytes:
     """Length prefix and msgpack header of `frame` (the raw bytes, if any, are sent after it)."""
     body = to_fields(frame)
-    body["v"] = PROTOCOL_VERSION
+    body["v"] = DATAPLANE_VERSION
     body["op"] = frame.OP
     header: bytes = msgpack.packb(body, use_bin_type=True)
     return FRAME_LENGTH.pack(len(header)) + header
@@ -174,8 +180,9 @@ def decode_frame_header(header: bytes, expected: type[F] | None = None) -> Frame
         raise ProtocolError(f"frame header is not msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise ProtocolError("frame header is not a map")
-    if body.pop("v", None) != PROTOCOL_VERSION:
-        raise ProtocolError("unsupported data-plane protocol version")
+    version = body.pop("v", None)
+    if version != DATAPLANE_VERSION:
+        raise ProtocolError(f"data-plane protocol version {version!r} is not the supported {DATAPLANE_VERSION}")
     op = body.pop("op", None)
     cls = _OPS.get(op) if isinstance(op, str) else None
     if cls is None:

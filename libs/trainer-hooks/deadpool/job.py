@@ -34,10 +34,14 @@ from torch.nn.parallel import DistributedDataParallel
 from deadpool.control_link import ControlLink, Progress
 from deadpool.member_config import MemberConfig
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
+from deadpool.replica_exchange import exchange_partitions
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
+from deadpool.step_stats import StepStats
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import (
+    WHOLE,
+    Partition,
     SnapshotMeta,
     SnapshotSources,
     collect_sources,
@@ -168,6 +172,8 @@ class Job:
         self._warm = False
         self._rendezvous = Rendezvous(config.rendezvous_host, config.pg_timeout_s)
         self._group = GenerationGroup()
+        self.stats = StepStats()
+        """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes)
         self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
         self._link.start(
@@ -221,6 +227,9 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        if self.config.stats_dir:
+            extra = {"rank": self.rank, "snapshots_skipped": self._worker.skipped}
+            self.stats.write(self.config.stats_dir, self.config.member, extra)
         self._leave_group()
         gc.collect()  # free DDP/ZeRO objects before the interpreter tears torch down
         self._worker.close()
@@ -273,22 +282,43 @@ class Job:
     # ------------------------------------------------------------------ steps and snapshots
 
     def _step_started(self) -> None:
+        entered = time.perf_counter()
+        self.stats.started(self._next_step, self.generation)
         self._link.progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
+        self.stats.stalled(time.perf_counter() - entered)
 
     def _step_completed(self) -> None:
+        entered = time.perf_counter()
         step = self._next_step + 1
         self._next_step = self._completed_step = step
-        self._capture(step)
+        every = self.config.snapshot_every
+        captured = every > 0 and step % every == 0 and self._capture(step) is not None
         self._link.progress = replace(
             self._link.progress, step=step, in_step=False, snapshots_skipped=self._worker.skipped
         )
+        self.stats.stalled(time.perf_counter() - entered)
+        self.stats.completed(captured)
+
+    def _fence_optimizer_step(self) -> None:
+        entered = time.perf_counter()
+        self._worker.fence_optimizer_step()
+        self.stats.stalled(time.perf_counter() - entered)
+
+    def _partition(self) -> Partition:
+        """Snapshot only a share of the parameters when they are replicated (data parallelism)."""
+        replicated = isinstance(self.model, DistributedDataParallel) and self.config.snapshot_partition
+        if not replicated or self.rank is None or self.world_size < 2:
+            return WHOLE
+        return Partition(self.rank, self.world_size)
 
     def _sources(self) -> tuple[SnapshotSources, SnapshotLayout]:
         local = local_optimizer(self.optimizer) if self.optimizer is not None else None
         key = (id(local), len(local.state) if local is not None else 0)
         if self._plan is None or self._plan[:2] != key:
-            sources = collect_sources(self.module, self.optimizer)
-            self._plan = (*key, sources, plan_layout(list(zip(sources.names, sources.tensors, strict=True))))
+            sources = collect_sources(self.module, self.optimizer, self._partition())
+            layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+            self._plan = (*key, sources, layout)
+            self.stats.snapshot_bytes, self.stats.snapshot_bytes_whole = layout.total_bytes, sources.whole_bytes
         return self._plan[2], self._plan[3]
 
     def _capture(self, step: int) -> Any:
@@ -307,6 +337,7 @@ class Job:
     def _recover(self, exc: Exception) -> None:
         """Leave the broken step: break the group (releasing peers), then obey the swapper's rebuild."""
         marks = {"out": time.time()}
+        self.stats.abandoned()
         self._leave_group()
         self._link.progress = replace(self._link.progress, in_step=False)
         self.log.warning(
@@ -383,7 +414,13 @@ class Job:
         source = "fresh"
         if command.restore_step != NO_STEP:
             snapshot, meta, source = self._snapshot_for(command, rank)
-            load_module(self.module, snapshot)
+            if meta.partitioned and meta.partition != Partition(rank, command.world_size):
+                raise SnapshotUnavailableError(
+                    f"snapshot of rank {rank} step {meta.step} is partition {meta.partition}, "
+                    f"not rank {rank} of {command.world_size}"
+                )
+            if not meta.partitioned:
+                load_module(self.module, [snapshot])
         marks["restored"] = time.time()
 
         service_ports = {self._rendezvous.port, command.rendezvous_port, *(a.port for a in command.stores)}
@@ -399,18 +436,24 @@ class Job:
                 command.generation,
                 service_ports,
             )
+            replicas: list[FlatBuffer] = []
+            if snapshot is not None and meta is not None:
+                replicas = exchange_partitions(snapshot, meta, rank, command.world_size, group)
         except RuntimeError as exc:  # torch's DistError family: a member never came, or the host is gone
             raise _RendezvousFailedError() from exc
+        if snapshot is not None and meta is not None and meta.partitioned:
+            load_module(self.module, [snapshot, *replicas])
         marks["rendezvous"] = time.time()
 
         self.model = self._wrap(self.module, group) if self._wrap else self.module
         check_wrapped(self.model)
         self.optimizer = self._factory(list(self.module.parameters()))
-        self.optimizer.register_step_pre_hook(lambda *_: self._worker.fence_optimizer_step())
+        self.optimizer.register_step_pre_hook(lambda *_: self._fence_optimizer_step())
         self._plan = None
         step = 0
         if snapshot is not None and meta is not None:
-            load_optimizer(self.module, self.optimizer, snapshot, meta)
+            # A fetched snapshot is ours alone: the optimizer state may live in it, uncopied.
+            load_optimizer(self.module, self.optimizer, [snapshot, *replicas], meta, take_buffers=source == "store")
             restore_rng(meta.rng)
             self.extra_state = dict(meta.extra)
             step = meta.step
@@ -419,8 +462,6 @@ class Job:
         self._placement = [stores[name] for name in command.placement[rank]]
         self._next_step = self._completed_step = step
         self._worker.forget_after(step)
-        if snapshot is not None and meta is not None and source == "store":
-            self._worker.adopt(snapshot, step, meta.encode())
         if command.restore_step == NO_STEP:
             self._seal_formation_snapshot()
         marks["ready"] = time.time()

@@ -152,6 +152,7 @@ class Launcher:
                 ENV.MEMBER: member,
                 ENV.LAUNCHER: self.launcher_id,
                 ENV.RANK_HINT: str(rank_hint),
+                ENV.LOCAL_INDEX: str(self._serial - 1),
                 ENV.WORLD_SIZE: str(self.world_size),
                 ENV.HOST: self.host,
                 ENV.RENDEZVOUS_HOST: self.config.rendezvous_host,

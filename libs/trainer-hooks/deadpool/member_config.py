@@ -32,6 +32,11 @@ class ENV:
     PG_TIMEOUT_S = "DEADPOOL_PG_TIMEOUT_S"
     REBUILD_WAIT_S = "DEADPOOL_REBUILD_WAIT_S"
     BACKEND = "DEADPOOL_BACKEND"
+    SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
+    SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
+    STATS_DIR = "DEADPOOL_STATS_DIR"
+    LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
+    """The member's index among those its launcher started (0, 1, ...): which local GPU it may use."""
 
 
 def host_name() -> str:
@@ -61,6 +66,13 @@ class MemberConfig:
     backend: str = ""
     """'gloo' or 'nccl'; empty means nccl when CUDA is available, else gloo."""
     snapshot_chunk_bytes: int = 4 * 1024 * 1024
+    snapshot_every: int = 1
+    """Capture a snapshot after every `snapshot_every`-th step; 0 turns per-step snapshots off (the
+    step-0 snapshot taken when the job forms stays, so a failure still has a step to go back to)."""
+    snapshot_partition: bool = True
+    """Under data parallelism, snapshot only this rank's share of the replicated parameters."""
+    stats_dir: str = ""
+    """If set, each member writes its per-step timings there as `<member>.json` when it closes."""
 
     def __post_init__(self) -> None:
         require_name(self.job, "job")
@@ -71,6 +83,8 @@ class MemberConfig:
             raise ValueError("world_size must be at least 1")
         if not (0 < self.heartbeat_period_s < self.rebuild_wait_s):
             raise ValueError("heartbeat_period_s must be positive and below rebuild_wait_s")
+        if self.snapshot_every < 0:
+            raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MemberConfig:
@@ -94,4 +108,7 @@ class MemberConfig:
             pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, "60")),
             rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
             backend=env.get(ENV.BACKEND, ""),
+            snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
+            snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
+            stats_dir=env.get(ENV.STATS_DIR, ""),
         )

@@ -9,10 +9,12 @@ knowledge of the sender beyond the tensor names.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import torch
 
 __all__ = ["ALIGN_BYTES", "FlatBuffer", "SnapshotLayout", "TensorSpec", "plan_layout"]
@@ -71,6 +73,22 @@ class SnapshotLayout:
                 raise ValueError(f"malformed snapshot layout entry {s.name}")
         return layout
 
+    @functools.cached_property
+    def packed(self) -> bytes:
+        """The layout as msgpack, encoded once: every snapshot's manifest carries it."""
+        data: bytes = msgpack.packb(self.to_fields(), use_bin_type=True)
+        return data
+
+    @classmethod
+    def unpack(cls, packed: bytes) -> SnapshotLayout:
+        try:
+            fields = msgpack.unpackb(packed, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ValueError(f"malformed snapshot layout: {exc}") from None
+        if not isinstance(fields, dict):
+            raise ValueError("malformed snapshot layout: not a map")
+        return cls.from_fields(fields)
+
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
 
@@ -91,17 +109,25 @@ def plan_layout(named: Sequence[tuple[str, torch.Tensor]]) -> SnapshotLayout:
 class FlatBuffer:
     """A host buffer for one layout, with a typed view per tensor (pinned when CUDA is in use)."""
 
-    def __init__(self, layout: SnapshotLayout, pin: bool = False) -> None:
+    def __init__(self, layout: SnapshotLayout, pin: bool = False, data: torch.Tensor | None = None) -> None:
+        """A new host buffer for `layout`, or views over `data` (a uint8 tensor of at least its size,
+        on any device)."""
         self.layout = layout
         size = max(layout.total_bytes, 1)
-        self.data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        if data is None:
+            data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        elif data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < layout.total_bytes:
+            raise ValueError(f"a buffer for {layout.total_bytes} bytes needs a 1-D uint8 tensor at least that long")
+        self.data = data
         self.views: list[torch.Tensor] = [
             self.data[s.offset : s.offset + s.nbytes].view(_DTYPES[s.dtype]).view(s.shape) for s in layout.specs
         ]
         self.by_name = dict(zip(layout.names(), self.views, strict=True))
 
     def bytes_view(self) -> memoryview:
-        """The buffer's bytes, zero-copy (valid while this object lives)."""
+        """The buffer's bytes, zero-copy (valid while this object lives; host buffers only)."""
+        if self.data.device.type != "cpu":
+            raise ValueError("bytes_view() needs a host buffer")
         n = self.layout.total_bytes
         if n == 0:
             return memoryview(b"")

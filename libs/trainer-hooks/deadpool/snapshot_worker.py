@@ -36,6 +36,10 @@ class SnapshotSlot:
     buffer: FlatBuffer | None = None
     step: int = -1
     meta: bytes = b""
+    early_views: list[torch.Tensor] = field(default_factory=list)
+    late_views: list[torch.Tensor] = field(default_factory=list)
+    sources: SnapshotSources | None = None
+    """The sources the two view lists were selected for (rebuilt when the plan changes)."""
 
 
 @dataclass
@@ -83,19 +87,19 @@ class SnapshotWorker:
             self.skipped += 1
             return None
         slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
-        if slot.buffer is None or slot.buffer.layout != layout:
+        if slot.buffer is None or (slot.buffer.layout is not layout and slot.buffer.layout != layout):
             slot.buffer = FlatBuffer(layout, pin=_on_cuda(sources.tensors))
+            slot.sources = None
+        if slot.sources is not sources:
+            views = slot.buffer.views
+            slot.early_views = [views[i] for i in sources.early]
+            slot.late_views = [views[i] for i in sources.late]
+            slot.sources = sources
         slot.step = -1  # invalid until the copy is done
         slot.meta = meta
-        views = slot.buffer.views
-        early_views = [views[i] for i in sources.early]
-        early_sources = [sources.tensors[i] for i in sources.early]
+        early_views, early_sources = slot.early_views, sources.early_tensors
         request = CaptureRequest(
-            slot=slot,
-            key=key,
-            sources=[sources.tensors[i] for i in sources.late],
-            views=[views[i] for i in sources.late],
-            stores=list(stores),
+            slot=slot, key=key, sources=sources.late_tensors, views=slot.late_views, stores=list(stores)
         )
         if _on_cuda(sources.tensors):
             request.cuda_event = self._issue_cuda_copy(request, early_views, early_sources)
@@ -126,12 +130,6 @@ class SnapshotWorker:
         for slot in self.slots:
             if slot.step > step:
                 slot.step = -1
-
-    def adopt(self, buffer: FlatBuffer, step: int, meta: bytes) -> None:
-        """Keep a fetched snapshot as a local one (a promoted spare's first rollback point)."""
-        self.wait_captured()
-        slot = min(self.slots, key=lambda s: s.step)
-        slot.buffer, slot.step, slot.meta = buffer, step, meta
 
     def cancel_uploads_before(self, generation: int) -> None:
         """Abandon uploads of older generations: their steps will be recomputed."""

@@ -1,8 +1,8 @@
 """The hook's end of the snapshot data plane: blocking TCP to a store, on the snapshot thread.
 
-Uploads send each chunk straight from the snapshot buffer (a memoryview, no copy) after a small
-msgpack header; fetches receive straight into the destination buffer with `recv_into` and verify
-every chunk's CRC before the caller may use the bytes.
+Uploads send each chunk straight from the snapshot buffer (a memoryview, no copy) together with its
+small msgpack header in one `sendmsg`; fetches receive straight into the destination buffer with
+`recv_into` and verify every chunk's checksum before the caller may use the bytes.
 """
 
 from __future__ import annotations
@@ -81,19 +81,17 @@ class StoreConnection:
         """Send snapshot `key` (the bytes of `data`) and wait for the store to seal it."""
         try:
             sock = self._connected()
-            crcs: list[int] = []
+            checksums: list[int] = []
             for offset, nbytes in chunk_spans(len(data), chunk_bytes):
                 if cancelled():
                     raise SnapshotCancelledError(f"upload of step {key.step} cancelled")
                 chunk = data[offset : offset + nbytes]
-                crc = chunk_checksum(chunk)
-                crcs.append(crc)
-                header = PutChunk(
-                    key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, crc, len(data)
-                )
-                sock.sendall(encode_frame(header))
-                sock.sendall(chunk)
-            seal = Seal(key.job, key.generation, key.rank, key.member, key.step, len(data), chunk_bytes, crcs, meta)
+                header = PutChunk(key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, len(data))
+                _send_all(sock, [memoryview(encode_frame(header)), chunk])
+                checksums.append(chunk_checksum(chunk))  # while the store drains the socket
+            seal = Seal(
+                key.job, key.generation, key.rank, key.member, key.step, len(data), chunk_bytes, checksums, meta
+            )
             sock.sendall(encode_frame(seal))
             reply = self._read_frame(sock, Reply)
         except (OSError, ProtocolError, SnapshotCancelledError) as exc:
@@ -121,12 +119,12 @@ class StoreConnection:
             if len(target) != reply.total_bytes:
                 raise StoreClientError("destination buffer does not match the snapshot's size")
             spans = chunk_spans(reply.total_bytes, reply.chunk_bytes)
-            if len(spans) != len(reply.crcs):
+            if len(spans) != len(reply.checksums):
                 raise StoreClientError("fetch reply lists the wrong number of checksums")
-            for (offset, nbytes), crc in zip(spans, reply.crcs, strict=True):
+            for (offset, nbytes), checksum in zip(spans, reply.checksums, strict=True):
                 chunk = target[offset : offset + nbytes]
                 _recv_exactly(sock, chunk)
-                if chunk_checksum(chunk) != crc:
+                if chunk_checksum(chunk) != checksum:
                     raise StoreClientError(f"store {self.address.store}: chunk at {offset} fails its checksum")
         except (OSError, ProtocolError) as exc:
             self.close()
@@ -146,6 +144,17 @@ class StoreConnection:
         body = bytearray(length)
         _recv_exactly(sock, memoryview(body))
         return decode_frame_header(bytes(body), expected)
+
+
+def _send_all(sock: socket.socket, pieces: list[memoryview]) -> None:
+    """Send every byte of `pieces`, gathered into as few system calls as the kernel allows."""
+    while pieces:
+        sent = sock.sendmsg(pieces)
+        while pieces and sent >= len(pieces[0]):
+            sent -= len(pieces[0])
+            pieces.pop(0)
+        if pieces and sent:
+            pieces[0] = pieces[0][sent:]
 
 
 def _recv_exactly(sock: socket.socket, into: memoryview) -> None:

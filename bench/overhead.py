@@ -1,0 +1,202 @@
+"""What per-step snapshots cost a training job: the example GPT with snapshots off and on, side by side.
+
+    .venv/bin/python bench/overhead.py [--pairs 3] [--steps 14] [--model-size medium]
+
+One control plane (embedded NATS, detector, swapper, one snapshot store, replication 1) serves every
+round. Each round launches `deadpool launch --nproc 2 --spares 0 examples/train_gpt.py` (2 ranks, one
+torch thread each, same seed, same script, same launcher) alternately with per-step snapshots off
+(`DEADPOOL_SNAPSHOT_EVERY=0`: hooks attached, heartbeats running, no capture) and on (a snapshot after
+every step, streamed to the store and committed): A B A B ... The members write their per-step
+timings (`DEADPOOL_STATS_DIR`), and the bench counts the swapper's commit notices.
+
+Reported: the median step time of each arm and their ratio (the first `--warm-up-steps` of each round
+are left out: lazy initialisation, first-touch memory), the training thread's time inside the hooks
+per step (p50, p99, max), the fraction of steps whose snapshot was committed, the bytes streamed per
+second, and snapshot bytes per rank with and without partitioning. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_protocol import Commit, decode
+from deadpool_protocol.subjects import Subjects
+
+GOALS = {"step_time_ratio_max": 1.02, "stall_ms_p50_max": 1.0, "stall_ms_p99_max": 5.0, "committed_fraction_min": 0.95}
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
+RANKS = 2
+COMMIT_GRACE_S = 3.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def run_round(
+    url: str, args: argparse.Namespace, workdir: Path, index: int, snapshots_on: bool
+) -> dict[str, Any]:
+    job = f"overhead-{index}-{'on' if snapshots_on else 'off'}"
+    stats_dir = workdir / job
+    nc = await nats.connect(url)
+    committed: set[int] = set()
+
+    async def on_commit(msg: Any) -> None:
+        committed.add(decode(msg.data, Commit).step)
+
+    await nc.subscribe(Subjects.for_job(job).commit, cb=on_commit)
+    env = {
+        **os.environ,
+        "DEADPOOL_SNAPSHOT_EVERY": "1" if snapshots_on else "0",
+        "DEADPOOL_STATS_DIR": str(stats_dir),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
+    command += ["--nproc", str(RANKS), "--spares", "0", str(SCRIPT)]
+    command += ["--steps", str(args.steps), "--model-size", args.model_size, "--device", args.device]
+    started = time.monotonic()
+    with open(workdir / f"{job}.log", "wb") as log:
+        launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        returncode = await launcher.wait()
+    wall_s = time.monotonic() - started
+    deadline = time.monotonic() + COMMIT_GRACE_S  # the last commit notice may trail the exit by a moment
+    while args.steps not in committed and snapshots_on and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await nc.close()
+    if returncode != 0:
+        raise RuntimeError(f"round {job} failed (exit {returncode}); see {workdir / f'{job}.log'}")
+    members = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("*.json"))]
+    if len(members) != RANKS:
+        raise RuntimeError(f"round {job}: {len(members)} stats files, expected {RANKS}")
+    return {"job": job, "on": snapshots_on, "wall_s": wall_s, "members": members, "committed": committed}
+
+
+def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    def samples(on: bool, key: str) -> list[float]:
+        out = []
+        for r in rounds:
+            if r["on"] != on:
+                continue
+            for member in r["members"]:
+                out += [s[key] for s in member["steps"] if s["step"] >= args.warm_up_steps]
+        return out
+
+    step_off, step_on = samples(False, "step_s"), samples(True, "step_s")
+    stall_on = [s * 1000 for s in samples(True, "stall_s")]
+    on_rounds = [r for r in rounds if r["on"]]
+    measured_steps = range(1, args.steps + 1)  # snapshot s is taken after step s-1 completes
+    committed = [sum(1 for s in measured_steps if s in r["committed"]) / len(measured_steps) for r in on_rounds]
+    captured_bytes = sum(
+        m["snapshot_bytes"] * sum(1 for s in m["steps"] if s["captured"]) for r in on_rounds for m in r["members"]
+    )
+    training_s = sum(sum(s["step_s"] for s in m["steps"]) / len(r["members"]) for r in on_rounds for m in r["members"])
+    pair_ratios = []
+    for off, on in zip(rounds[0::2], rounds[1::2], strict=False):
+
+        def median_of(r: dict[str, Any]) -> float:
+            return statistics.median(
+                float(s["step_s"]) for m in r["members"] for s in m["steps"] if s["step"] >= args.warm_up_steps
+            )
+
+        pair_ratios.append(round(median_of(on) / median_of(off), 4))
+    member = on_rounds[0]["members"][0]
+    result = {
+        "model_size": args.model_size,
+        "device": args.device,
+        "ranks": RANKS,
+        "steps_per_round": args.steps,
+        "pairs": args.pairs,
+        "step_s_off_median": round(statistics.median(step_off), 4),
+        "step_s_on_median": round(statistics.median(step_on), 4),
+        "step_time_ratio": round(statistics.median(step_on) / statistics.median(step_off), 4),
+        "pair_ratios": pair_ratios,
+        "stall_ms_p50": round(percentile(stall_on, 50), 3),
+        "stall_ms_p99": round(percentile(stall_on, 99), 3),
+        "stall_ms_max": round(max(stall_on), 3),
+        "committed_fraction": round(min(committed), 4),
+        "snapshots_skipped": sum(m.get("snapshots_skipped", 0) for r in on_rounds for m in r["members"]),
+        "streamed_mb_per_s": round(captured_bytes / training_s / 1e6, 2) if training_s else 0.0,
+        "snapshot_bytes_per_rank": member["snapshot_bytes"],
+        "snapshot_bytes_per_rank_unpartitioned": member["snapshot_bytes_whole"],
+        "goals": GOALS,
+    }
+    result["goals_met"] = (
+        result["step_time_ratio"] <= GOALS["step_time_ratio_max"]
+        and result["stall_ms_p50"] <= GOALS["stall_ms_p50_max"]
+        and result["stall_ms_p99"] <= GOALS["stall_ms_p99_max"]
+        and result["committed_fraction"] >= GOALS["committed_fraction_min"]
+    )
+    return result
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="deadpool-overhead-"))
+    print(f"work dir {workdir}", flush=True)
+    rounds = []
+    async with Stack(StackConfig(workdir=workdir, stores=1, replication=1)) as stack:
+        for index in range(2 * args.pairs):
+            on = index % 2 == 1
+            r = await run_round(stack.url, args, workdir, index, on)
+            steps = [s["step_s"] for m in r["members"] for s in m["steps"] if s["step"] >= args.warm_up_steps]
+            print(
+                f"round {index}: snapshots {'on ' if on else 'off'}  median step {statistics.median(steps):.3f} s"
+                f"  committed {len(r['committed'])}  wall {r['wall_s']:.1f} s",
+                flush=True,
+            )
+            rounds.append(r)
+    return summarise(rounds, args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=3, help="rounds with snapshots off and on, alternating")
+    parser.add_argument("--steps", type=int, default=14, help="training steps per round")
+    parser.add_argument("--warm-up-steps", type=int, default=2, help="steps of each round not measured")
+    parser.add_argument("--model-size", default="medium")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    r = result
+    print("")
+    print(
+        f"GPT '{r['model_size']}' on {r['device']}, {RANKS} ranks x 1 thread, "
+        f"{r['pairs']} pairs of rounds of {r['steps_per_round']} steps"
+    )
+    print(
+        f"  median step: off {r['step_s_off_median']:.3f} s, on {r['step_s_on_median']:.3f} s -> ratio "
+        f"{r['step_time_ratio']:.4f} (goal <= {GOALS['step_time_ratio_max']}); per pair {r['pair_ratios']}"
+    )
+    print(
+        f"  training thread inside the hooks per step: p50 {r['stall_ms_p50']:.3f} ms, p99 {r['stall_ms_p99']:.3f} ms, "
+        f"max {r['stall_ms_max']:.3f} ms (goals <= {GOALS['stall_ms_p50_max']} / {GOALS['stall_ms_p99_max']} ms)"
+    )
+    print(
+        f"  steps committed: {r['committed_fraction']:.1%} (goal >= {GOALS['committed_fraction_min']:.0%}); "
+        f"captures skipped (previous still streaming): {r['snapshots_skipped']}"
+    )
+    print(
+        f"  snapshot per rank: {r['snapshot_bytes_per_rank'] / 1e6:.2f} MB "
+        f"(without partitioning {r['snapshot_bytes_per_rank_unpartitioned'] / 1e6:.2f} MB); "
+        f"streamed {r['streamed_mb_per_s']:.1f} MB/s"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Snapshot data plane throughput: a hook streaming a 1 GB snapshot into a real store, against a plain
+socket measured in the same run, and a spare's restore (fetch + verify + load into the tensors).
+
+    .venv/bin/python bench/store_throughput.py [--gigabytes 1.0] [--repeats 3]
+
+The snapshot is the real thing: a model of large linear layers plus its AdamW state (one third
+parameters, two thirds optimizer state), laid out and copied by the hooks' own code
+(`collect_sources`, `plan_layout`, `FlatBuffer`). Three transfers, each repeated, medians reported:
+
+- baseline: `sendall` of the same bytes to a separate process doing `recv_into` into one reused
+  buffer, no framing, no checksums: what this machine's loopback can do;
+- ingest: `StoreConnection.upload` to a `deadpool store` process (embedded nats-server), timed to the
+  store's seal reply, i.e. every chunk received into the store's memory and its checksum verified;
+- restore: `StoreConnection.fetch` into a fresh `FlatBuffer` with every checksum verified, then
+  `load_module` and `load_optimizer` into a freshly built model and optimizer, exactly as a promoted
+  spare does (parameters copied; optimizer state kept in the fetched buffer, which the spare owns).
+
+Baseline and ingest are steady-state figures (after two warm-up transfers, as in training, where a rank's
+snapshot has the same size every step and the store reuses the buffers that commits free); the first,
+cold transfer of each is printed too. On this VM, memory the guest has never touched since boot costs
+~3 s per GB on first touch (host-side faults), which is why the first transfers are slow; a spare's
+restore allocates fresh buffers, so its first run is printed apart as well.
+The last line is one JSON object: ingest_gbps, baseline_gbps, ingest_ratio, restore_gbps (GB = 1e9 B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+import torch
+from nats.aio.client import Client
+from torch import nn
+
+from deadpool.snapshot_layout import FlatBuffer, plan_layout
+from deadpool.store_client import StoreConnection, UploadKey
+from deadpool.training_state import SnapshotMeta, collect_sources, load_module, load_optimizer
+from deadpool_cli.nats_server import NatsServer
+from deadpool_protocol import Commit, StoreAddress, StoreStatus, Subjects, decode, encode
+from deadpool_protocol.dataplane import CHUNK_BYTES_DEFAULT
+from deadpool_protocol.subjects import STORE_STATUS
+
+GOAL_INGEST_RATIO = 0.7
+GOAL_RESTORE_GBPS = 1.0
+JOB = "bench"
+STORE_ID = "bench-store"
+WARM_UP_ROUNDS = 3
+"""Transfers before the measured ones: the store keeps two committed steps, so the fourth upload is the
+first into a reused buffer."""
+WIDTH = 4096
+"""A 4096x4096 fp32 layer is 64 MiB: parameters + AdamW's two moments = 192 MiB per layer."""
+
+
+def build(layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer
+
+
+def initialised_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sink_main(port_file: str) -> None:
+    """The baseline's receiver: receive each transfer into one reused buffer, answer 1 byte."""
+    buffer = bytearray(0)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        Path(port_file).write_text(str(server.getsockname()[1]))
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                head = conn.recv(8, socket.MSG_WAITALL)
+                if len(head) < 8:
+                    return
+                total = int.from_bytes(head, "big")
+                if len(buffer) != total:
+                    buffer = bytearray(total)
+                view, got = memoryview(buffer), 0
+                while got < total:
+                    got += conn.recv_into(view[got:])
+                conn.sendall(b"k")
+
+
+def baseline_seconds(data: memoryview, rounds: int, workdir: Path) -> list[float]:
+    port_file = workdir / "sink-port"
+    sink = subprocess.Popen([sys.executable, __file__, "--sink", str(port_file)])
+    try:
+        while not port_file.exists() or not port_file.read_text():
+            time.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", int(port_file.read_text()))) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            times = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                sock.sendall(len(data).to_bytes(8, "big"))
+                for offset in range(0, len(data), CHUNK_BYTES_DEFAULT):
+                    sock.sendall(data[offset : offset + CHUNK_BYTES_DEFAULT])
+                assert sock.recv(1) == b"k"
+                times.append(time.perf_counter() - started)
+        return times
+    finally:
+        sink.wait(timeout=30)
+
+
+async def start_store(
+    nc: Client, nats_url: str, workdir: Path, capacity: int
+) -> tuple[subprocess.Popen[bytes], StoreAddress]:
+    statuses: list[StoreStatus] = []
+
+    async def on_status(msg: object) -> None:
+        statuses.append(decode(msg.data, StoreStatus))  # type: ignore[attr-defined]
+
+    sub = await nc.subscribe(STORE_STATUS, cb=on_status)
+    log = open(workdir / "store.log", "wb")  # noqa: SIM115 (the child owns it)
+    command = [sys.executable, "-m", "deadpool_cli", "store", "--nats", nats_url, "--id", STORE_ID]
+    store = subprocess.Popen([*command, "--capacity-bytes", str(capacity)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not statuses:
+        if store.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the store did not start; see {workdir / 'store.log'}")
+        await asyncio.sleep(0.05)
+    await sub.unsubscribe()
+    s = statuses[0]
+    return store, StoreAddress(s.store, s.host, s.port)
+
+
+async def ingest_seconds(nc: Client, address: StoreAddress, data: memoryview, meta: bytes, rounds: int) -> list[float]:
+    """Upload step after step, committing each, as training does: the store reuses freed buffers."""
+    conn = StoreConnection(address, timeout_s=120)
+    times = []
+    try:
+        for step in range(1, rounds + 1):
+            key = UploadKey(JOB, 1, 0, "hook", step)
+            started = time.perf_counter()
+            await asyncio.to_thread(conn.upload, key, data, CHUNK_BYTES_DEFAULT, meta, lambda: False)
+            times.append(time.perf_counter() - started)
+            await nc.publish(Subjects.for_job(JOB).commit, encode(Commit(JOB, 1, step)))
+            await nc.request(f"deadpool.store.{STORE_ID}.status", b"", timeout=30)  # the commit is applied
+    finally:
+        conn.close()
+    return times
+
+
+def restore_seconds(
+    address: StoreAddress, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[float, float]:
+    """A spare's restore of `step`: fetch into a fresh buffer, verify, load. Returns (fetch_s, total_s)."""
+    got: dict[str, object] = {}
+
+    def destination(meta_bytes: bytes, nbytes: int) -> memoryview:
+        meta = SnapshotMeta.decode(meta_bytes)
+        got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout)
+        return got["buffer"].bytes_view()  # type: ignore[attr-defined,no-any-return]
+
+    spare = StoreConnection(address, timeout_s=120)
+    try:
+        started = time.perf_counter()
+        spare.fetch(JOB, 0, step, destination)
+        fetched = time.perf_counter()
+        buffer, meta = got["buffer"], got["meta"]
+        assert isinstance(buffer, FlatBuffer) and isinstance(meta, SnapshotMeta)
+        load_module(model, [buffer])
+        load_optimizer(model, optimizer, [buffer], meta, take_buffers=True)  # as a promoted spare does
+        return fetched - started, time.perf_counter() - started
+    finally:
+        spare.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gigabytes", type=float, default=1.0, help="snapshot size (default 1 GB)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sink", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sink:
+        sink_main(args.sink)
+        return
+    torch.set_num_threads(1)
+    layers = max(1, round(args.gigabytes * 1e9 / (3 * WIDTH * WIDTH * 4)))
+    model, optimizer = build(layers)
+    initialised_optimizer(model, optimizer)
+    sources = collect_sources(model, optimizer)
+    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+    snapshot = FlatBuffer(layout)
+    torch._foreach_copy_(snapshot.views, sources.tensors)
+    meta = SnapshotMeta.capture(1, layout, optimizer, sources, {}).encode()
+    data = snapshot.bytes_view()
+    total = len(data)
+    print(f"snapshot: {total / 1e9:.3f} GB ({len(layout.specs)} tensors, {layers} layers of {WIDTH}x{WIDTH} + AdamW)")
+
+    workdir = Path(tempfile.mkdtemp(prefix="deadpool-throughput-"))
+    rounds = WARM_UP_ROUNDS + args.repeats
+    baseline_all = baseline_seconds(data, rounds, workdir)
+    nats_server = NatsServer(workdir / "nats")
+    url = nats_server.start()
+
+    async def against_store() -> tuple[list[float], list[float], list[float]]:
+        nc = await nats.connect(url)
+        store, address = await start_store(nc, url, workdir, capacity=4 * total)
+        try:
+            ingest = await ingest_seconds(nc, address, data, meta, rounds)
+            fresh_model, fresh_optimizer = build(layers)
+            fetch_only, restore = [], []
+            for _ in range(1 + args.repeats):  # the first one touches fresh memory; reported apart
+                fetch_s, restore_s = await asyncio.to_thread(
+                    restore_seconds, address, rounds, fresh_model, fresh_optimizer
+                )
+                fetch_only.append(fetch_s)
+                restore.append(restore_s)
+            for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+                assert torch.equal(a, b), "restored parameters differ from the snapshot's"
+            return ingest, fetch_only, restore
+        finally:
+            await nc.close()
+            store.terminate()
+            store.wait(timeout=30)
+
+    try:
+        ingest_all, fetch_all, restore_all = asyncio.run(against_store())
+    finally:
+        nats_server.stop()
+    baseline, ingest = baseline_all[WARM_UP_ROUNDS:], ingest_all[WARM_UP_ROUNDS:]
+    fetch_only, restore = fetch_all[1:], restore_all[1:]
+
+    def gbps(times: list[float]) -> float:
+        return total / statistics.median(times) / 1e9
+
+    result = {
+        "snapshot_bytes": total,
+        "repeats": args.repeats,
+        "baseline_gbps": round(gbps(baseline), 3),
+        "ingest_gbps": round(gbps(ingest), 3),
+        "ingest_ratio": round(gbps(ingest) / gbps(baseline), 3),
+        "ingest_first_gbps": round(total / ingest_all[0] / 1e9, 3),
+        "baseline_first_gbps": round(total / baseline_all[0] / 1e9, 3),
+        "restore_first_gbps": round(total / restore_all[0] / 1e9, 3),
+        "fetch_gbps": round(gbps(fetch_only), 3),
+        "restore_gbps": round(gbps(restore), 3),
+        "goals": {"ingest_ratio_min": GOAL_INGEST_RATIO, "restore_gbps_min": GOAL_RESTORE_GBPS},
+        "cpus": os.cpu_count(),
+    }
+    result["goals_met"] = result["ingest_ratio"] >= GOAL_INGEST_RATIO and result["restore_gbps"] >= GOAL_RESTORE_GBPS
+    print(f"{'transfer':<34} {'GB/s (median)':>13}  {'runs (s)'}")
+    for name, times in (
+        ("baseline, first (fresh memory)", baseline_all[:1]),
+        ("baseline: raw socket, no checks", baseline),
+        ("ingest, first (fresh memory)", ingest_all[:1]),
+        ("ingest: hook -> store, verified", ingest),
+        ("restore, first (fresh memory)", restore_all[:1]),
+        ("fetch + verify", fetch_only),
+        ("restore: fetch + verify + load", restore),
+    ):
+        print(f"{name:<34} {gbps(times):>13.2f}  {' '.join(f'{t:.3f}' for t in times)}")
+    print(
+        f"ingest ratio {result['ingest_ratio']:.2f} (goal >= {GOAL_INGEST_RATIO}); "
+        f"restore {result['restore_gbps']:.2f} GB/s (goal >= {GOAL_RESTORE_GBPS})"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Reassemble replicated state after a rebuild: every rank sends its snapshot's partition to the others.
+
+Under data parallelism each rank's snapshot holds only its partition of the parameters (see
+`training_state`). When a generation restores step s, each rank has its own snapshot of s (from its
+ping-pong buffer, or fetched from a store by a promoted spare), and the new process group carries the
+W partitions to everyone: first the small layouts (so a rank whose optimizer has no state yet knows
+the shapes), then the bytes, one broadcast per owner. The bytes are exact copies, so the result is
+bit-identical to a rank that never stopped.
+
+On NCCL the partitions travel through device memory (NCCL moves device tensors only); on gloo they
+stay in host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
+from deadpool.training_state import SnapshotMeta
+
+__all__ = ["ReplicaMismatchError", "exchange_partitions"]
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The ranks' snapshots do not belong together (different steps, or partitions of different worlds)."""
+
+
+def exchange_partitions(
+    snapshot: FlatBuffer, meta: SnapshotMeta, rank: int, world_size: int, group: Any
+) -> list[FlatBuffer]:
+    """The other ranks' replicated partitions of step `meta.step` (an empty list if `meta` is whole).
+
+    Every rank of the new group must call this with its own snapshot of the same step.
+    """
+    mine = {
+        "step": meta.step,
+        "partition": [meta.partition.rank, meta.partition.world_size],
+        "shared": meta.shared_layout().to_fields(),
+    }
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    _check_consistent(gathered, rank, world_size)
+    if not meta.partitioned:
+        return []
+    device = _exchange_device(group)
+    parts: list[FlatBuffer] = []
+    for owner, theirs in enumerate(gathered):
+        layout = SnapshotLayout.from_fields(theirs["shared"])
+        if owner == rank:
+            payload = snapshot.data[: layout.total_bytes].to(device)
+        else:
+            payload = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, device=device)
+        if layout.total_bytes:
+            dist.broadcast(payload[: layout.total_bytes], src=owner, group=group)
+        if owner != rank:
+            parts.append(FlatBuffer(layout, data=payload))
+    return parts
+
+
+def _check_consistent(gathered: list[Any], rank: int, world_size: int) -> None:
+    steps = {entry["step"] for entry in gathered}
+    if len(steps) != 1:
+        raise ReplicaMismatchError(f"ranks restored different steps: {sorted(steps)}")
+    worlds = {entry["partition"][1] for entry in gathered}
+    if worlds not in ({1}, {world_size}):
+        raise ReplicaMismatchError(
+            f"snapshots partitioned for worlds {sorted(worlds)}, the group has {world_size} ranks"
+        )
+    if worlds == {world_size}:
+        owners = [entry["partition"][0] for entry in gathered]
+        if owners != list(range(world_size)):
+            raise ReplicaMismatchError(f"rank {rank}: partitions arrived from ranks {owners}, not one per rank")
+
+
+def _exchange_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":  # pragma: no cover - needs a GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
