@@ -49,8 +49,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def run_round(
-    url: str, args: argparse.Namespace, workdir: Path, index: int, snapshots_on: bool
+    url: str, args: argparse.Namespace, workdir: Path, index: int, snapshots_on: bool, store_pid: int
 ) -> dict[str, Any]:
     job = f"overhead-{index}-{'on' if snapshots_on else 'off'}"
     stats_dir = workdir / job
@@ -71,6 +77,7 @@ async def run_round(
     command += ["--nproc", str(RANKS), "--spares", "0", str(SCRIPT)]
     command += ["--steps", str(args.steps), "--model-size", args.model_size, "--device", args.device]
     started = time.monotonic()
+    store_cpu_before = cpu_seconds(store_pid)
     with open(workdir / f"{job}.log", "wb") as log:
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT, env=env)
         returncode = await launcher.wait()
@@ -79,12 +86,20 @@ async def run_round(
     while args.steps not in committed and snapshots_on and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await nc.close()
+    store_cpu_s = cpu_seconds(store_pid) - store_cpu_before
     if returncode != 0:
         raise RuntimeError(f"round {job} failed (exit {returncode}); see {workdir / f'{job}.log'}")
     members = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("*.json"))]
     if len(members) != RANKS:
         raise RuntimeError(f"round {job}: {len(members)} stats files, expected {RANKS}")
-    return {"job": job, "on": snapshots_on, "wall_s": wall_s, "members": members, "committed": committed}
+    return {
+        "job": job,
+        "on": snapshots_on,
+        "wall_s": wall_s,
+        "members": members,
+        "committed": committed,
+        "store_cpu_s": store_cpu_s,
+    }
 
 
 def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -116,6 +131,11 @@ def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
 
         pair_ratios.append(round(median_of(on) / median_of(off), 4))
     member = on_rounds[0]["members"][0]
+    streamed = sum(m.get("snapshots_streamed", 0) for r in on_rounds for m in r["members"]) or 1
+    copy_ms = 1000 * sum(m.get("snapshot_copy_cpu_s", 0.0) for r in on_rounds for m in r["members"]) / streamed
+    stream_ms = 1000 * sum(m.get("snapshot_stream_cpu_s", 0.0) for r in on_rounds for m in r["members"]) / streamed
+    store_ms = 1000 * sum(r["store_cpu_s"] for r in on_rounds) / streamed
+    step_budget_ms = 1000 * statistics.median(step_off) * (os.cpu_count() or 1)
     result = {
         "model_size": args.model_size,
         "device": args.device,
@@ -132,6 +152,12 @@ def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
         "committed_fraction": round(min(committed), 4),
         "snapshots_skipped": sum(m.get("snapshots_skipped", 0) for r in on_rounds for m in r["members"]),
         "streamed_mb_per_s": round(captured_bytes / training_s / 1e6, 2) if training_s else 0.0,
+        "cpu_ms_per_snapshot": {
+            "copy": round(copy_ms, 2),
+            "stream": round(stream_ms, 2),
+            "store_ingest": round(store_ms, 2),
+        },
+        "snapshot_cpu_share_of_machine": round(RANKS * (copy_ms + stream_ms + store_ms) / step_budget_ms, 4),
         "snapshot_bytes_per_rank": member["snapshot_bytes"],
         "snapshot_bytes_per_rank_unpartitioned": member["snapshot_bytes_whole"],
         "goals": GOALS,
@@ -152,7 +178,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async with Stack(StackConfig(workdir=workdir, stores=1, replication=1)) as stack:
         for index in range(2 * args.pairs):
             on = index % 2 == 1
-            r = await run_round(stack.url, args, workdir, index, on)
+            r = await run_round(stack.url, args, workdir, index, on, stack.processes["store-0"].pid)
             steps = [s["step_s"] for m in r["members"] for s in m["steps"] if s["step"] >= args.warm_up_steps]
             print(
                 f"round {index}: snapshots {'on ' if on else 'off'}  median step {statistics.median(steps):.3f} s"
@@ -194,6 +220,11 @@ def main() -> None:
         f"  snapshot per rank: {r['snapshot_bytes_per_rank'] / 1e6:.2f} MB "
         f"(without partitioning {r['snapshot_bytes_per_rank_unpartitioned'] / 1e6:.2f} MB); "
         f"streamed {r['streamed_mb_per_s']:.1f} MB/s"
+    )
+    cpu = r["cpu_ms_per_snapshot"]
+    print(
+        f"  CPU per rank's snapshot: copy {cpu['copy']:.1f} ms, stream {cpu['stream']:.1f} ms, store ingest "
+        f"{cpu['store_ingest']:.1f} ms -> {r['snapshot_cpu_share_of_machine']:.1%} of this machine's CPU per step"
     )
     print(json.dumps(result))
 

@@ -72,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     store.add_argument("--port", type=int, default=0)
     store.add_argument("--advertise-host", default="", help="address members connect to (default: --host)")
     store.add_argument("--capacity-bytes", type=int, default=8 * 1024**3)
+    store.add_argument("--nice", type=int, default=0, help="added CPU niceness (e.g. 10 on hosts that also train)")
 
     status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
     _add_nats(status)
@@ -97,7 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         from deadpool_store import StoreConfig
         from deadpool_store import main as store_main
 
-        store_main(StoreConfig(args.nats, args.id, args.host, args.port, args.advertise_host, args.capacity_bytes))
+        store_main(
+            StoreConfig(
+                args.nats, args.id, args.host, args.port, args.advertise_host, args.capacity_bytes, nice=args.nice
+            )
+        )
     elif command == "launch":
         sys.exit(_launch(args))
     elif command == "up":

@@ -227,12 +227,19 @@ class Job:
         if self._closed:
             return
         self._closed = True
-        if self.config.stats_dir:
-            extra = {"rank": self.rank, "snapshots_skipped": self._worker.skipped}
-            self.stats.write(self.config.stats_dir, self.config.member, extra)
         self._leave_group()
         gc.collect()  # free DDP/ZeRO objects before the interpreter tears torch down
         self._worker.close()
+        if self.config.stats_dir:
+            worker = self._worker
+            extra = {
+                "rank": self.rank,
+                "snapshots_skipped": worker.skipped,
+                "snapshots_streamed": worker.captures,
+                "snapshot_copy_cpu_s": worker.copy_cpu_s,
+                "snapshot_stream_cpu_s": worker.stream_cpu_s,
+            }
+            self.stats.write(self.config.stats_dir, self.config.member, extra)
         self._link.close()
 
     # ------------------------------------------------------------------ joining and finishing

@@ -9,12 +9,19 @@ running; it normally finished long before, during forward and backward.
 
 On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
 stream wait on the copy's event: the GPU orders the two, the CPU never blocks.
+
+Two threads: the copy runs at normal priority (the next optimizer step may wait for it), the stream
+runs at the lowest CPU priority (nice 19): where training keeps every core busy (CPU training), it
+streams in the moments training leaves idle (waits in collectives) instead of taking cycles from it.
+The stream has a whole step to finish; if it has not, the next capture is skipped.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +33,9 @@ from deadpool.store_client import SnapshotCancelledError, StoreClientError, Stor
 from deadpool.training_state import SnapshotSources
 from deadpool_protocol import StoreAddress
 
-__all__ = ["CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
+__all__ = ["STREAM_NICE", "CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
+
+STREAM_NICE = 19
 
 
 @dataclass
@@ -67,10 +76,20 @@ class SnapshotWorker:
         self._cancel_below_generation = 0
         self._connections: dict[str, StoreConnection] = {}
         self._requests: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
+        self._uploads: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
         self._side_stream: Any = None
         self._last_request: CaptureRequest | None = None
-        self._thread = threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True)
-        self._thread.start()
+        self.captures = 0
+        self.copy_cpu_s = 0.0
+        """CPU time the copy thread spent copying, over all captures."""
+        self.stream_cpu_s = 0.0
+        """CPU time the stream thread spent streaming (socket copies, checksums), over all captures."""
+        self._threads = [
+            threading.Thread(target=self._copy_loop, name="deadpool-snapshot-copy", daemon=True),
+            threading.Thread(target=self._stream_loop, name="deadpool-snapshot-stream", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------ training thread
 
@@ -137,7 +156,8 @@ class SnapshotWorker:
 
     def close(self) -> None:
         self._requests.put(None)
-        self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
         for conn in self._connections.values():
             conn.close()
 
@@ -184,18 +204,42 @@ class SnapshotWorker:
 
     # ------------------------------------------------------------ snapshot thread
 
-    def _run(self) -> None:
+    def _copy_loop(self) -> None:
         while True:
             request = self._requests.get()
             if request is None:
+                self._uploads.put(None)
                 return
+            started = time.thread_time()
             try:
                 self._copy(request)
-                self._stream(request)
             except Exception:
-                self.log.exception("snapshot failed", step=request.key.step)
+                self.log.exception("snapshot copy failed", step=request.key.step)
                 self._captured.set()
+                request.done.set()
+                self._busy = False
+                continue
             finally:
+                self.copy_cpu_s += time.thread_time() - started
+            self._uploads.put(request)
+
+    def _stream_loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STREAM_NICE)
+        except OSError as exc:  # not fatal: the stream then competes with training at equal priority
+            self.log.warning("could not lower the snapshot stream's priority", error=str(exc))
+        while True:
+            request = self._uploads.get()
+            if request is None:
+                return
+            started = time.thread_time()
+            try:
+                self._stream(request)
+                self.captures += 1
+            except Exception:
+                self.log.exception("snapshot stream failed", step=request.key.step)
+            finally:
+                self.stream_cpu_s += time.thread_time() - started
                 request.done.set()
                 self._busy = False
 
