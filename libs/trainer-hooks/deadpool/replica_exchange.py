@@ -13,8 +13,10 @@ stay in host memory.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -40,12 +42,12 @@ def exchange_partitions(
         "partition": [meta.partition.rank, meta.partition.world_size],
         "shared": meta.shared_layout().to_fields(),
     }
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, mine, group=group)
+    device = _exchange_device(group)
+    packed = msgpack.packb(mine, use_bin_type=True)
+    gathered = [msgpack.unpackb(b, raw=False) for b in _all_gather_bytes(packed, world_size, group, device)]
     _check_consistent(gathered, rank, world_size)
     if not meta.partitioned:
         return []
-    device = _exchange_device(group)
     parts: list[FlatBuffer] = []
     for owner, theirs in enumerate(gathered):
         layout = SnapshotLayout.from_fields(theirs["shared"])
@@ -58,6 +60,22 @@ def exchange_partitions(
         if owner != rank:
             parts.append(FlatBuffer(layout, data=payload))
     return parts
+
+
+def _all_gather_bytes(data: bytes, world_size: int, group: Any, device: torch.device) -> list[bytes]:
+    """Every rank's `data` (torch's `all_gather_object` needs NumPy, which a training image may lack)."""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(max(lengths), 1)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world_size)]
+    dist.all_gather(gathered, mine.to(device), group=group)
+    host = [t.cpu() for t in gathered]
+    return [ctypes.string_at(t.data_ptr(), n) for t, n in zip(host, lengths, strict=True)]
 
 
 def _check_consistent(gathered: list[Any], rank: int, world_size: int) -> None:
