@@ -85,3 +85,110 @@ def test_an_exit_of_a_member_the_detector_never_saw_is_still_reported() -> None:
     core = DetectorCore(DetectorConfig())
     (failure,) = core.on_exit(ChildExit("j", 0, "l0", "early", 9, 1, 1.0), 1.0)
     assert failure.rank == -1 and failure.member == "early"
+
+
+HB_S = 0.1
+
+
+def train(
+    core: DetectorCore,
+    t0: float,
+    t1: float,
+    step_s: float,
+    stuck: dict[str, float] | None = None,
+    waiting: dict[str, bool] | None = None,
+    busy: dict[str, bool] | None = None,
+    step0: int = 0,
+) -> list[str]:
+    """Heartbeats of ranks m0 and m1 (and spare m2) every 0.1 s from t0 to t1, a step every `step_s`, running the
+    detector's check after each; `stuck[m]` = when m's step counter stops. Returns the declared members."""
+    declared: list[str] = []
+    t = t0
+    while t < t1:
+        for rank, member in enumerate(("m0", "m1")):
+            if member in declared:
+                continue
+            frozen_at = (stuck or {}).get(member, float("inf"))
+            step = step0 + int((min(t, frozen_at) - t0) / step_s)
+            is_waiting = (waiting or {}).get(member, False) if t >= frozen_at else False
+            in_compute = (busy or {}).get(member, True)
+            hb = Heartbeat("j", 1, member, rank, 100, step, True, t, t, waiting=is_waiting or not in_compute)
+            core.on_heartbeat(hb, t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)  # the spare
+        declared += [f.member for f in core.check(t)]
+        t = round(t + HB_S, 6)
+    return declared
+
+
+def test_a_rank_that_stops_stepping_while_its_peer_waits_on_it_is_declared_hung() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    assert train(core, 0.0, 20.0, step_s=0.5) == []  # steady training: no verdict
+    assert core.hang_threshold_s(core.jobs["j"]) == 5.0  # 10 x the 0.5 s median step
+    # m1 gets stuck in its own code at t=20; m0 blocks in the collective waiting for it.
+    declared = train(core, 20.0, 30.0, step_s=0.5, stuck={"m1": 20.0, "m0": 20.0}, waiting={"m0": True}, step0=40)
+    assert declared == ["m1"]
+    view = core.jobs["j"]
+    assert "m1" in view.declared and "m0" not in view.declared
+
+
+def test_the_hang_verdict_carries_its_threshold_and_where_the_thread_is() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 10.0, step_s=0.2)
+    for t in (10.0, 10.9, 11.8, 12.7):  # m0 stepped at t=10 and then no more, heartbeats going on
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 50, True, 10.0, t, where="train.py:88 load"), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 50, True, 10.0, t, waiting=True), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        assert core.check(t) == []
+    core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 50, True, 10.0, 13.2, where="train.py:88 load"), 13.2)
+    core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 50, True, 10.0, 13.2, waiting=True), 13.2)
+    core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, 13.2), 13.2)
+    (failure,) = core.check(13.2)  # 3 s floor (10 x 0.2 s = 2 s is below it)
+    assert (failure.member, failure.reason) == ("m0", "hang")
+    assert failure.evidence["hang_threshold_s"] == "3.000" and failure.evidence["where"] == "train.py:88 load"
+
+
+def test_a_stall_where_every_rank_waits_on_a_peer_names_no_culprit() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 10.0, step_s=0.5)
+    stuck = {"m0": 10.0, "m1": 10.0}
+    assert train(core, 10.0, 30.0, step_s=0.5, stuck=stuck, waiting={"m0": True, "m1": True}, step0=20) == []
+    assert core.stalls(30.0) == {"j": ["m0", "m1"]}
+
+
+def test_no_step_times_yet_means_the_generous_first_step_threshold() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3, first_step_s=60))
+    formed(core, 0.0)
+    # The first step takes 50 s (compilation, data loading): heartbeats, no step, no verdict.
+    assert train(core, 0.0, 50.0, step_s=1000.0) == []
+
+
+def test_a_long_evaluation_within_the_threshold_is_not_a_hang() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    # An evaluation of 4 s (8 steps' time) on both ranks, outside collectives: under the 5 s threshold.
+    assert train(core, 20.0, 24.0, step_s=0.5, stuck={"m0": 20.0, "m1": 20.0}, step0=40) == []
+    assert train(core, 24.0, 30.0, step_s=0.5, step0=41) == []
+
+
+def test_after_the_detector_missed_time_nobody_is_declared_for_the_gap() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 5.0, step_s=0.5)
+    core.grace(65.0)  # e.g. NATS restarted and the detector was cut off for a minute
+    assert core.check(65.05) == []
+    assert train(core, 65.1, 70.0, step_s=0.5, step0=200) == []
+
+
+def test_a_rank_busy_while_the_others_wait_is_reported_as_a_straggler_once() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, straggler_window=20))
+    formed(core, 0.0)
+    assert core.stragglers(0.0) == []
+    train(core, 0.0, 5.0, step_s=0.5, busy={"m0": True, "m1": False})  # m1 mostly waits on m0
+    (event,) = core.stragglers(5.0)
+    assert (event.member, event.rank) == ("m0", 0)
+    assert float(event.evidence["busy_share"]) > float(event.evidence["others_median_busy_share"])
+    assert core.stragglers(5.1) == []  # once per generation

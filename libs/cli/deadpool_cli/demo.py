@@ -35,6 +35,15 @@ COLLECTIVE_TIMEOUT_S = 20.0
 """Steps take well under a second here; a collective blocked for 20 s is stuck (see docs/architecture.md)."""
 
 
+FAULT_SIGNALS = {
+    "kill": signal.SIGKILL,
+    "stop": signal.SIGSTOP,
+    "hang": signal.SIGUSR1,
+    "exception": signal.SIGUSR2,
+}
+"""How each fault class is injected; hang and exception use `deadpool.fault_injection`'s handlers."""
+
+
 def default_script() -> Path:
     return Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
 
@@ -55,8 +64,16 @@ class DemoConfig:
     script: str = ""
     run_timeout_s: float = 600.0
     reference: bool = True
+    fault: str = "kill"
+    """kill (SIGKILL), stop (SIGSTOP: frozen, heartbeats too), hang (the training thread stuck in Python,
+    heartbeats going on), exception (raised in the training thread)."""
+    heartbeat_timeout_s: float = 2.0
+    hang_floor_s: float = 3.0
+    hang_factor: float = 10.0
 
     def check(self) -> None:
+        if self.fault not in FAULT_SIGNALS:
+            raise ValueError(f"--fault must be one of {sorted(FAULT_SIGNALS)}")
         if not 1 <= self.kill_step < self.steps:
             raise ValueError(f"--kill-step must be between 1 and {self.steps - 1} (the last step is {self.steps - 1})")
         if not 0 <= self.kill_rank < self.nproc:
@@ -72,6 +89,7 @@ class Kill:
     pid: int
     step: int
     t: float
+    fault: str = "kill"
 
 
 @dataclass
@@ -86,8 +104,8 @@ class RunResult:
     log: str = ""
 
 
-async def _kill_mid_step(watch: JobWatch, rank: int, step: int) -> Kill:
-    """SIGKILL the process holding `rank` half-way through step `step` (it has completed step-1)."""
+async def _kill_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
+    """Inject `fault` into the process holding `rank` half-way through step `step` (it has completed step-1)."""
 
     def reached() -> bool:
         member = watch.holder_of(rank)
@@ -100,8 +118,8 @@ async def _kill_mid_step(watch: JobWatch, rank: int, step: int) -> Kill:
     view = watch.members[member]
     target = view.step_started_t + KILL_AT_FRACTION_OF_STEP * watch.median_step_s(member)
     await asyncio.sleep(max(0.0, target - time.time()))
-    os.kill(view.pid, signal.SIGKILL)
-    return Kill(rank, member, view.pid, view.step + 1, time.time())
+    os.kill(view.pid, FAULT_SIGNALS[fault])
+    return Kill(rank, member, view.pid, view.step + 1, time.time(), fault)
 
 
 async def _train(
@@ -117,8 +135,9 @@ async def _train(
     command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
     started = time.time()
     with open(log_path, "wb") as log:
-        launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT)
-    killer = asyncio.create_task(_kill_mid_step(watch, cfg.kill_rank, cfg.kill_step)) if kill else None
+        env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1" if kill else "0"}
+        launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env)
+    killer = asyncio.create_task(_kill_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
     try:
         returncode = await asyncio.wait_for(launcher.wait(), cfg.run_timeout_s)
     except TimeoutError:
@@ -174,7 +193,7 @@ def _print_summary(report: dict[str, Any]) -> None:
     kill = swap.get("kill")
     if kill:
         w(
-            f"  killed rank {kill['rank']} (pid {kill['pid']}) with SIGKILL during step {kill['step']}, "
+            f"  injected '{kill['fault']}' into rank {kill['rank']} (pid {kill['pid']}) during step {kill['step']}, "
             f"{kill['at_s']:.1f} s into the run"
         )
     for inc in report["incidents"]:
@@ -211,7 +230,14 @@ async def run_demo(cfg: DemoConfig) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(3)
     print(f"starting NATS, detector, swapper and {cfg.stores} snapshot stores (run dir {run_dir})", flush=True)
-    stack_cfg = StackConfig(workdir=run_dir, stores=cfg.stores, trace_file=str(run_dir / "traces.jsonl"))
+    stack_cfg = StackConfig(
+        workdir=run_dir,
+        stores=cfg.stores,
+        trace_file=str(run_dir / "traces.jsonl"),
+        heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+        hang_floor_s=cfg.hang_floor_s,
+        hang_factor=cfg.hang_factor,
+    )
     async with Stack(stack_cfg) as stack:
         nc = await nats.connect(stack.url)
         try:
@@ -256,7 +282,21 @@ async def run_demo(cfg: DemoConfig) -> int:
         "differences": diffs[:20],
         "config": {
             k: getattr(cfg, k)
-            for k in ("steps", "nproc", "spares", "kill_step", "kill_rank", "model_size", "device", "seed", "stores")
+            for k in (
+                "steps",
+                "nproc",
+                "spares",
+                "kill_step",
+                "kill_rank",
+                "fault",
+                "model_size",
+                "device",
+                "seed",
+                "stores",
+                "heartbeat_timeout_s",
+                "hang_floor_s",
+                "hang_factor",
+            )
         },
         "incidents": [_incident_report(i, kill) for i in swap.incidents],
         "runs": {
@@ -274,6 +314,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                     "pid": kill.pid,
                     "step": kill.step,
                     "t": kill.t,
+                    "fault": kill.fault,
                     "at_s": round(kill.t - swap.started_t, 2),
                 },
             },

@@ -34,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", default="", help="write the outcome as JSON to this file")
     demo.add_argument("--run-dir", default="", help="where logs and final states go (default: a new temp dir)")
     demo.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
+    demo.add_argument(
+        "--fault",
+        default="kill",
+        choices=["kill", "stop", "hang", "exception"],
+        help="SIGKILL; SIGSTOP; the training thread stuck in Python; an exception in the step",
+    )
+    demo.add_argument("--heartbeat-timeout-s", type=float, default=2.0)
+    demo.add_argument("--hang-floor-s", type=float, default=3.0)
+    demo.add_argument("--hang-factor", type=float, default=10.0)
 
     up = sub.add_parser("up", help="run NATS, detector, swapper and snapshot stores locally, in the foreground")
     _add_nats(up, required=False)
@@ -59,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     detector = sub.add_parser("detector", help="run the failure detector")
     _add_nats(detector)
     detector.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
+    detector.add_argument("--hang-factor", type=float, default=10.0, help="hang: no step for this x the median step")
+    detector.add_argument("--hang-floor-s", type=float, default=10.0, help="hang threshold never below this")
+    detector.add_argument("--first-step-s", type=float, default=120.0, help="hang threshold before any step time")
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
     _add_nats(swapper)
@@ -87,8 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     if command == "detector":
         from deadpool_detector import DetectorServiceConfig
         from deadpool_detector import main as detector_main
+        from deadpool_detector.core import DetectorConfig
 
-        detector_main(DetectorServiceConfig(args.nats, heartbeat_timeout_s=args.heartbeat_timeout_s))
+        try:
+            detector_config = DetectorConfig(
+                heartbeat_timeout_s=args.heartbeat_timeout_s,
+                hang_factor=args.hang_factor,
+                hang_floor_s=args.hang_floor_s,
+                first_step_s=args.first_step_s,
+            )
+        except ValueError as exc:
+            sys.exit(f"deadpool detector: {exc}")
+        detector_main(DetectorServiceConfig(args.nats, detector=detector_config))
     elif command == "swapper":
         from deadpool_swapper import SwapperServiceConfig
         from deadpool_swapper import main as swapper_main
@@ -125,6 +147,10 @@ def main(argv: list[str] | None = None) -> None:
             report=args.report,
             run_dir=args.run_dir,
             reference=not args.no_reference,
+            fault=args.fault,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            hang_floor_s=args.hang_floor_s,
+            hang_factor=args.hang_factor,
         )
         try:
             sys.exit(asyncio.run(run_demo(cfg)))

@@ -39,6 +39,9 @@ class StackConfig:
     stores: int = 2
     replication: int = 2
     heartbeat_timeout_s: float = 5.0
+    hang_factor: float = 10.0
+    hang_floor_s: float = 10.0
+    first_step_s: float = 120.0
     store_capacity_bytes: int = 8 * 1024**3
     trace_file: str = ""
 
@@ -66,7 +69,12 @@ class Stack:
             if not self.url:
                 self.nats = NatsServer(self.config.workdir / "nats")
                 self.url = self.nats.start()
-            self._spawn("detector", "--heartbeat-timeout-s", str(self.config.heartbeat_timeout_s))
+            c = self.config
+            self._spawn(
+                "detector",
+                *("--heartbeat-timeout-s", str(c.heartbeat_timeout_s), "--hang-factor", str(c.hang_factor)),
+                *("--hang-floor-s", str(c.hang_floor_s), "--first-step-s", str(c.first_step_s)),
+            )
             swapper_args = ["--replication", str(self.config.replication)]
             if self.config.trace_file:
                 swapper_args += ["--trace-file", self.config.trace_file]

@@ -28,6 +28,7 @@ from deadpool_protocol.messages import (
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
+    Straggler,
 )
 from deadpool_protocol.subjects import STORE_STATUS, SWAPPER_STATUS, Subjects
 
@@ -58,6 +59,7 @@ __all__ = [
     "SnapshotComplete",
     "StoreAddress",
     "StoreStatus",
+    "Straggler",
     "Subjects",
     "decode",
     "decode_any",

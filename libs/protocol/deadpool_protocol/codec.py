@@ -34,6 +34,7 @@ from deadpool_protocol.messages import (
     RebuildAck,
     SnapshotComplete,
     StoreStatus,
+    Straggler,
 )
 
 __all__ = [
@@ -60,6 +61,7 @@ _KINDS: dict[str, type[Message]] = {
         Heartbeat,
         MemberError,
         MemberDone,
+        Straggler,
         ChildExit,
         Failure,
         Rebuild,

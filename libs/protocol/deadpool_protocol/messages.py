@@ -40,6 +40,7 @@ __all__ = [
     "SnapshotComplete",
     "StoreAddress",
     "StoreStatus",
+    "Straggler",
 ]
 
 NO_RANK = -1
@@ -61,8 +62,11 @@ class FailureReason:
     """The member reported a fatal error of its own."""
     HEARTBEAT = "heartbeat"
     """No heartbeat for longer than the timeout."""
-    ALL: ClassVar[frozenset[str]] = frozenset({EXIT, ERROR, HEARTBEAT})
-    NEEDS_FENCE: ClassVar[frozenset[str]] = frozenset({ERROR, HEARTBEAT})
+    HANG = "hang"
+    """Heartbeats go on but the member's training thread made no step for longer than the hang
+    threshold, while it was not waiting on its peers (see the detector)."""
+    ALL: ClassVar[frozenset[str]] = frozenset({EXIT, ERROR, HEARTBEAT, HANG})
+    NEEDS_FENCE: ClassVar[frozenset[str]] = frozenset({ERROR, HEARTBEAT, HANG})
     """Reasons after which the process may still be alive and must be killed before a swap."""
 
 
@@ -151,6 +155,10 @@ class Heartbeat(JobMessage):
     step_started_t: float
     t: float
     snapshots_skipped: int = 0
+    waiting: bool = False
+    """The training thread is inside torch's distributed or autograd code (waiting on peers, probably)."""
+    where: str = ""
+    """The training thread's innermost frame in user code ('file:line function'), for evidence."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -168,6 +176,22 @@ class MemberError(JobMessage):
     member: str
     rank: int
     error: str
+    t: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _check_rank(self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler(JobMessage):
+    """The detector's report of a rank that holds the others back (an event, not a failure)."""
+
+    KIND: ClassVar[str] = "straggler"
+    member: str
+    rank: int
+    evidence: dict[str, str]
     t: float
 
     def check(self) -> None:

@@ -88,5 +88,9 @@ class Subjects:
         return self._s("incident")
 
     @property
+    def straggler(self) -> str:
+        return self._s("straggler")
+
+    @property
     def snapshot_complete(self) -> str:
         return self._s("snapshot.complete")

@@ -23,6 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool.member_config import MemberConfig
+from deadpool.thread_probe import probe_thread
 from deadpool_protocol import (
     NO_RANK,
     Heartbeat,
@@ -68,6 +69,8 @@ class ControlLink:
         self.log = log
         self.subjects = Subjects.for_job(config.job)
         self.progress = Progress()
+        self.training_thread: int | None = threading.get_ident()
+        """The thread whose stack heartbeats report (the one that created this link)."""
         self._cond = threading.Condition()
         self._rebuild: Rebuild | None = None
         self._rebuild_received_t = 0.0
@@ -182,6 +185,7 @@ class ControlLink:
         pid = os.getpid()
         while True:
             p = self.progress
+            waiting, where = probe_thread(self.training_thread)
             beat = Heartbeat(
                 job=self.config.job,
                 generation=p.generation,
@@ -193,6 +197,8 @@ class ControlLink:
                 step_started_t=p.step_started_t,
                 t=time.time(),
                 snapshots_skipped=p.snapshots_skipped,
+                waiting=waiting,
+                where=where[:200],
             )
             try:
                 await self._nc.publish(self.subjects.heartbeat, encode(beat))

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import ControlLink, Progress
+from deadpool.fault_injection import arm_from_env
 from deadpool.member_config import MemberConfig
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
 from deadpool.replica_exchange import exchange_partitions
@@ -175,6 +176,8 @@ class Job:
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes)
+        if arm_from_env():
+            log.warning("fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises in it")
         self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
         self._link.start(
             MemberHello(

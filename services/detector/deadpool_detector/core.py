@@ -1,8 +1,25 @@
 """The detector's decision core: signals in, at most one `Failure` per member out. No I/O.
 
-Signals: a launcher's report that a process ended, a member's report of its own fatal error, and
-heartbeats (silence longer than `heartbeat_timeout_s` is a failure). Each function takes `now` (wall
-clock, seconds) so tests drive it with a fake clock. Every verdict carries its reason and evidence.
+Signals: a launcher's report that a process ended, a member's report of its own fatal error,
+heartbeats (silence longer than `heartbeat_timeout_s` is a failure), and step progress carried by the
+heartbeats. Each function takes `now` (wall clock, seconds) so tests drive it with a fake clock. Every
+verdict carries its reason and evidence.
+
+Hangs. A member whose heartbeats go on but whose step counter has not moved for longer than the hang
+threshold, `max(hang_floor_s, hang_factor x the job's recent median step time)` (before the job has
+step times: `max(hang_floor_s, first_step_s)`), is hung, unless its training thread is waiting on its
+peers (inside torch's distributed/autograd code, as its heartbeat says): when one rank hangs, the
+others block in the collective waiting for it, and only the one that is not waiting is to blame. If
+every stalled member is waiting, nobody is declared (the culprit is unknown; the process group's own
+timeout ends it) and `stalls` says so.
+
+Stragglers. In synchronous training every rank takes the same time per step; a slow rank shows as the
+one whose training thread is busy (not waiting on peers) while the others wait. A rank busy for
+`straggler_factor` times the median rank's share over the last `straggler_window` heartbeats, and at
+least `straggler_margin` more, is reported once per generation (an event, not a failure).
+
+No verdict from silence the detector did not see: after an outage of its own connection, or a pause of
+its own longer than half the heartbeat timeout, `grace(now)` restarts every member's clocks.
 
 A member is declared failed once, ever: member ids are unique per process and a declared member is
 fenced, so a second verdict could only be a duplicate.
@@ -10,6 +27,8 @@ fenced, so a second verdict could only be a duplicate.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
@@ -22,18 +41,37 @@ from deadpool_protocol import (
     MemberDone,
     MemberError,
     Rebuild,
+    Straggler,
 )
 
 __all__ = ["DetectorConfig", "DetectorCore", "JobView", "Watched"]
+
+STEP_TIMES_KEPT = 64
 
 
 @dataclass(frozen=True)
 class DetectorConfig:
     heartbeat_timeout_s: float = 5.0
+    hang_factor: float = 10.0
+    hang_floor_s: float = 10.0
+    first_step_s: float = 120.0
+    """The hang threshold while the job has no step times yet (its first step may compile, load data...)."""
+    straggler_factor: float = 2.0
+    straggler_margin: float = 0.2
+    straggler_window: int = 50
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be positive")
+        if self.hang_factor < 1 or self.first_step_s <= 0:
+            raise ValueError("hang_factor must be at least 1 and first_step_s positive")
+        if self.hang_floor_s <= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"hang_floor_s ({self.hang_floor_s}) must exceed heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
+                "a silent member is a heartbeat failure before it can be a hang"
+            )
+        if self.straggler_factor <= 1 or self.straggler_window < 2:
+            raise ValueError("straggler_factor must exceed 1 and straggler_window be at least 2")
 
 
 @dataclass
@@ -44,6 +82,12 @@ class Watched:
     last_step: int = -1
     pid: int = 0
     done: bool = False
+    progress_t: float = 0.0
+    """When the step counter last moved (or the member's clocks were last restarted)."""
+    waiting: bool = False
+    where: str = ""
+    busy: deque[bool] = field(default_factory=lambda: deque(maxlen=256))
+    """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
 
 @dataclass
@@ -53,6 +97,9 @@ class JobView:
     finished: bool = False
     members: dict[str, Watched] = field(default_factory=dict)
     declared: set[str] = field(default_factory=set)
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
+    """Recent step durations of the job's ranks, seconds."""
+    stragglers_reported: set[tuple[int, str]] = field(default_factory=set)
 
 
 class DetectorCore:
@@ -73,10 +120,17 @@ class DetectorCore:
         view.generation = max(view.generation, hb.generation)
         watched = view.members.get(hb.member)
         if watched is None:
-            watched = view.members[hb.member] = Watched(hb.member, hb.rank, now)
+            watched = view.members[hb.member] = Watched(hb.member, hb.rank, now, progress_t=now)
         watched.last_seen = now
+        if hb.step != watched.last_step:
+            if hb.rank >= 0 and watched.last_step >= 0 and hb.step > watched.last_step:
+                view.step_times.append((now - watched.progress_t) / (hb.step - watched.last_step))
+            watched.progress_t = now
         watched.last_step = hb.step
         watched.pid = hb.pid
+        watched.waiting = hb.waiting
+        watched.where = hb.where
+        watched.busy.append(hb.in_step and not hb.waiting)
         if hb.generation >= view.generation:
             watched.rank = hb.rank
 
@@ -85,12 +139,16 @@ class DetectorCore:
         view = self._view(rebuild.job)
         if rebuild.generation < view.generation:
             return
+        newer = rebuild.generation > view.generation
         view.generation = rebuild.generation
         for member in [*rebuild.ranks, *rebuild.spares]:
             if member not in view.members and member not in view.declared:
-                view.members[member] = Watched(member, NO_RANK, now)
+                view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
         for member, watched in view.members.items():
             watched.rank = rebuild.rank_of(member)
+            if newer:  # a new generation: rendezvous and restore take time; step clocks start again
+                watched.progress_t = now
+                watched.busy.clear()
 
     def on_done(self, done: MemberDone) -> None:
         watched = self._view(done.job).members.get(done.member)
@@ -120,8 +178,63 @@ class DetectorCore:
         evidence = {"error": error.error[:2000]}
         return [self._declare(view, error.member, error.rank, FailureReason.ERROR, evidence, error.t, now)]
 
+    def grace(self, now: float) -> None:
+        """Restart every member's clocks: the detector itself missed a stretch of time."""
+        for view in self.jobs.values():
+            for watched in view.members.values():
+                watched.last_seen = now
+                watched.progress_t = max(watched.progress_t, now)
+
+    def hang_threshold_s(self, view: JobView) -> float:
+        c = self.config
+        if not view.step_times:
+            return max(c.hang_floor_s, c.first_step_s)
+        return max(c.hang_floor_s, c.hang_factor * statistics.median(view.step_times))
+
+    def stalls(self, now: float) -> dict[str, list[str]]:
+        """Jobs whose every stalled rank waits on peers (no culprit): job -> the stalled members."""
+        found: dict[str, list[str]] = {}
+        for view in self.jobs.values():
+            stalled = self._stalled(view, now)
+            if stalled and all(w.waiting for w in stalled):
+                found[view.job] = [w.member for w in stalled]
+        return found
+
+    def _stalled(self, view: JobView, now: float) -> list[Watched]:
+        if view.finished or view.generation == 0:
+            return []
+        threshold = self.hang_threshold_s(view)
+        return [w for w in view.members.values() if w.rank >= 0 and not w.done and now - w.progress_t > threshold]
+
+    def stragglers(self, now: float) -> list[Straggler]:
+        """Ranks that hold the others back, each reported once per generation."""
+        c = self.config
+        events: list[Straggler] = []
+        for view in self.jobs.values():
+            ranked = [w for w in view.members.values() if w.rank >= 0 and len(w.busy) >= c.straggler_window]
+            if view.finished or len(ranked) < 2:
+                continue
+            shares = {w.member: sum(list(w.busy)[-c.straggler_window :]) / c.straggler_window for w in ranked}
+            for w in ranked:
+                others = [share for m, share in shares.items() if m != w.member]
+                typical = statistics.median(others)
+                share = shares[w.member]
+                key = (view.generation, w.member)
+                if share >= c.straggler_factor * typical and share - typical >= c.straggler_margin:
+                    if key in view.stragglers_reported:
+                        continue
+                    view.stragglers_reported.add(key)
+                    evidence = {
+                        "busy_share": f"{share:.2f}",
+                        "others_median_busy_share": f"{typical:.2f}",
+                        "window_heartbeats": str(c.straggler_window),
+                        "where": w.where,
+                    }
+                    events.append(Straggler(view.job, view.generation, w.member, w.rank, evidence, now))
+        return events
+
     def check(self, now: float) -> list[Failure]:
-        """Heartbeat timeouts: every member silent for longer than the timeout is declared failed."""
+        """Heartbeat timeouts, then hangs (see the module docstring)."""
         failures: list[Failure] = []
         for view in self.jobs.values():
             if view.finished:
@@ -139,6 +252,20 @@ class DetectorCore:
                 failures.append(
                     self._declare(view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, w.last_seen, now)
                 )
+            threshold = self.hang_threshold_s(view)
+            for w in self._stalled(view, now):
+                if w.waiting:
+                    continue  # blocked on a peer: the peer is the one to blame
+                del view.members[w.member]
+                evidence = {
+                    "no_step_s": f"{now - w.progress_t:.3f}",
+                    "hang_threshold_s": f"{threshold:.3f}",
+                    "median_step_s": f"{statistics.median(view.step_times):.3f}" if view.step_times else "",
+                    "last_step": str(w.last_step),
+                    "where": w.where,
+                    "pid": str(w.pid),
+                }
+                failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
         return failures
 
     def _declare(

@@ -1,4 +1,5 @@
-"""`deadpool detector`: turns exit reports, error reports and heartbeat silence into `failure` events.
+"""`deadpool detector`: turns exit reports, error reports, heartbeat silence and stalled step progress
+into `failure` events, and slow ranks into `straggler` events.
 
 Serves every job on the bus. A `nats.micro` service (`deadpool-detector`); its `status` endpoint
 answers with the members it watches.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nats.aio.client import Client
@@ -38,7 +39,7 @@ VERSION = "0.1.0"
 @dataclass(frozen=True)
 class DetectorServiceConfig:
     nats_url: str
-    heartbeat_timeout_s: float = 5.0
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
     check_period_s: float = 0.05
 
 
@@ -47,7 +48,36 @@ class DetectorService:
         self.config = config
         self.nc = nc
         self.log = log
-        self.core = DetectorCore(DetectorConfig(heartbeat_timeout_s=config.heartbeat_timeout_s))
+        self.core = DetectorCore(config.detector)
+        self._last_check = time.time()
+        self._was_connected = True
+        self._stalls_logged: dict[str, list[str]] = {}
+
+    async def _check(self) -> None:
+        """One pass: verdicts, unless the detector itself just missed time (its outage, its pause)."""
+        now = time.time()
+        connected = self.nc.is_connected
+        paused_s = now - self._last_check
+        self._last_check = now
+        if not connected:
+            self._was_connected = False
+            return  # heartbeats cannot reach us: silence means nothing now
+        if not self._was_connected or paused_s > self.config.detector.heartbeat_timeout_s / 2:
+            self._was_connected = True
+            self.core.grace(now)
+            self.log.warning("detector missed time; every member's clocks restarted", missed_s=round(paused_s, 3))
+            return
+        await self._emit(self.core.check(now))
+        for event in self.core.stragglers(now):
+            self.log.warning("straggler", job=event.job, member=event.member, rank=event.rank, evidence=event.evidence)
+            await publish(self.nc, Subjects.for_job(event.job).straggler, event)
+        stalls = self.core.stalls(now)
+        if stalls != self._stalls_logged:
+            for job, members in stalls.items():
+                self.log.warning(
+                    "job stalled; every stalled rank waits on a peer, no culprit", job=job, members=members
+                )
+            self._stalls_logged = stalls
 
     async def _emit(self, failures: list[Failure]) -> None:
         for failure in failures:
@@ -91,6 +121,8 @@ class DetectorService:
             }
             for job, view in self.core.jobs.items()
         }
+        for job, view in self.core.jobs.items():
+            body[job]["hang_threshold_s"] = round(self.core.hang_threshold_s(view), 3)
         await req.respond(json.dumps(body).encode())
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -108,9 +140,16 @@ class DetectorService:
             self.nc, name="deadpool-detector", version=VERSION, description="DeadPool failure detector"
         )
         await service.add_endpoint(name="status", subject="deadpool.detector.status", handler=self._status_endpoint)
-        self.log.info("detector ready", heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+        c = self.config.detector
+        self.log.info(
+            "detector ready",
+            heartbeat_timeout_s=c.heartbeat_timeout_s,
+            hang_factor=c.hang_factor,
+            hang_floor_s=c.hang_floor_s,
+            first_step_s=c.first_step_s,
+        )
         while True:
-            await self._emit(self.core.check(time.time()))
+            await self._check()
             if await stopped_within(stop, self.config.check_period_s):
                 break
         await service.stop()
