@@ -182,3 +182,13 @@ def test_data_plane_frames_round_trip_and_refuse_chunks_outside_the_snapshot() -
         decode_frame_header(encode_frame(seal)[4:], Fetch)
     with pytest.raises(ProtocolError, match="one checksum per chunk"):
         decode_frame_header(encode_frame(Seal("j", 1, 0, "m0", 5, 100, 64, [1], b""))[4:])
+
+
+def test_timeouts_out_of_order_are_refused_naming_each_problem() -> None:
+    from deadpool_protocol.timeouts import TimeoutHierarchy
+
+    TimeoutHierarchy(0.1, 5.0, 10.0, 60.0).check()
+    with pytest.raises(ValueError, match=r"hang floor 5\.0 s must exceed the heartbeat timeout 5\.0 s"):
+        TimeoutHierarchy(0.1, 5.0, 5.0, 60.0).check()
+    with pytest.raises(ValueError, match=r"at least 3 heartbeat periods.*collective timeout 8\.0 s must exceed"):
+        TimeoutHierarchy(1.0, 2.0, 10.0, 8.0).check()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import secrets
 import sys
 import tempfile
@@ -162,11 +163,25 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool.launcher import LaunchConfig, Launcher
     from deadpool_cli.stack import Stack, StackConfig
     from deadpool_protocol.logs import configure_logging, get_logger
+    from deadpool_protocol.timeouts import TimeoutHierarchy
     from deadpool_runtime.lifecycle import run_service
 
     configure_logging("launcher")
     job = args.job or f"{Path(args.script).stem.replace('.', '_')}-{secrets.token_hex(3)}"
     result = {"code": 1}
+    workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-")) if not args.nats else Path()
+    stack_config = StackConfig(workdir=workdir)
+    if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
+        try:
+            TimeoutHierarchy(
+                float(os.environ.get("DEADPOOL_HEARTBEAT_PERIOD_S", "0.1")),
+                stack_config.heartbeat_timeout_s,
+                stack_config.hang_floor_s,
+                args.collective_timeout_s or float(os.environ.get("DEADPOOL_PG_TIMEOUT_S", "60")),
+            ).check()
+        except ValueError as exc:
+            print(f"deadpool launch: {exc}", file=sys.stderr)
+            return 2
 
     async def run(stop: asyncio.Event) -> None:
         async def with_url(url: str) -> None:
@@ -187,8 +202,7 @@ def _launch(args: argparse.Namespace) -> int:
         if args.nats:
             await with_url(args.nats)
         else:
-            workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-"))
-            async with Stack(StackConfig(workdir=workdir)) as stack:
+            async with Stack(stack_config) as stack:
                 print(
                     f"deadpool: embedded NATS and services at {stack.url} (logs in {workdir / 'logs'})",
                     flush=True,

@@ -83,6 +83,11 @@ class MemberConfig:
             raise ValueError("world_size must be at least 1")
         if not (0 < self.heartbeat_period_s < self.rebuild_wait_s):
             raise ValueError("heartbeat_period_s must be positive and below rebuild_wait_s")
+        if self.pg_timeout_s <= 3 * self.heartbeat_period_s:
+            raise ValueError(
+                f"pg_timeout_s ({self.pg_timeout_s}) must be well above heartbeat_period_s "
+                f"({self.heartbeat_period_s}): see deadpool_protocol.timeouts"
+            )
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
 
