@@ -108,9 +108,45 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
 
 def test_a_member_that_may_still_run_is_fenced_before_the_rebuild() -> None:
     core, _ = formed_core()
-    decision = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
+    decision = core.on_failure(Failure("j", 1, "r0", 0, "hang", {}, 5.0, 6.0), 6.0)
     kinds = [type(a).__name__ for a in decision.actions if type(a).__name__ != "Persist"]
     assert kinds == ["Fence", "Publish"]
+
+
+def two_hosts_core() -> SwapperCore:
+    """Ranks 0, 1 on host a; ranks 2, 3 on host b; spares s0, s1 on host b."""
+    core = SwapperCore(SwapperConfig(replication=1, store_timeout_s=1e9, host_loss_window_s=0.3))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    decisions = [core.on_hello(hello(f"r{r}", r, host="a" if r < 2 else "b", world_size=4), 0.1)[1] for r in range(4)]
+    decisions += [core.on_hello(hello(s, -1, host="b", world_size=4), 0.2)[1] for s in ("s0", "s1")]
+    (formation,) = [r for d in decisions for r in published(d, Rebuild)]
+    for member in formation.ranks:
+        core.on_ack(ack(formation, member, 1.0, source="fresh"), 1.0)
+    return core
+
+
+def test_a_lost_host_is_swapped_in_one_generation() -> None:
+    core = two_hosts_core()
+    first = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
+    assert published(first, Rebuild) == [] and "held" in first.reason  # r1, on the same host, may be gone too
+    second = core.on_failure(Failure("j", 1, "r1", 1, "heartbeat", {}, 5.05, 6.08), 6.08)
+    (rebuild,) = published(second, Rebuild)  # nobody is left on host a: no need to wait any longer
+    assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
+
+
+def test_a_silent_member_whose_host_lives_on_is_swapped_after_the_window() -> None:
+    core = two_hosts_core()
+    held = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
+    assert published(held, Rebuild) == []
+    assert published(core.tick(6.2), Rebuild) == []
+    (rebuild,) = published(core.tick(6.31), Rebuild)
+    assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
+
+
+def test_an_exit_is_swapped_at_once_even_with_other_members_on_its_host() -> None:
+    core = two_hosts_core()
+    (rebuild,) = published(core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    assert rebuild.ranks[0] == "s0"
 
 
 def test_a_stale_or_repeated_failure_changes_nothing() -> None:

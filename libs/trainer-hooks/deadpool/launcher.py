@@ -92,7 +92,7 @@ class Launcher:
     def __init__(self, config: LaunchConfig, log: Any) -> None:
         self.config = config
         self.log = log
-        self.host = host_name()
+        self.host = os.environ.get(ENV.HOST) or host_name()  # DEADPOOL_HOST: e.g. several 'hosts' on one machine
         self.launcher_id = f"{self.host}-{os.getpid()}-{secrets.token_hex(2)}"
         self.subjects = Subjects.for_job(config.job)
         self.children: dict[str, Child] = {}

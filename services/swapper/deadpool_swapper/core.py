@@ -57,6 +57,10 @@ class SwapperConfig:
     formation_grace_s: float = 2.0
     """Formation waits this long after the last hello for members asking for the ranks still unclaimed
     (launchers start ranks and spares together; a spare that registers first should stay a spare)."""
+    host_loss_window_s: float = 0.3
+    """After a heartbeat failure, how long to wait for the other members on the same host before
+    rebuilding, so that a lost host is swapped in one generation. Their heartbeats stop together but
+    cross the timeout up to a heartbeat period apart. Not waited when the host has no other member."""
 
     def __post_init__(self) -> None:
         if self.replication < 1:
@@ -138,6 +142,8 @@ class JobState:
     finished: bool = False
     incident_seq: int = 0
     last_hello_t: float = 0.0
+    hold_until: float = 0.0
+    """A rebuild is held until then, waiting to see whether a silent member's whole host is gone."""
 
 
 class SwapperCore:
@@ -235,7 +241,11 @@ class SwapperCore:
             actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
         if failure.member in state.spares:
             state.spares.remove(failure.member)
-            return Decision(actions, f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left")
+            why = f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left"
+            if state.hold_until and not self._held_hosts_alive(state):
+                decision = self._start_rebuild(state, now)  # the rest of the host is gone: no need to wait
+                return Decision(actions + decision.actions, f"{why}; {decision.reason}")
+            return Decision(actions, why)
         if failure.member not in state.ranks:
             return Decision(actions, f"member {failure.member} lost before formation ({failure.reason})")
         rank = state.ranks.index(failure.member)
@@ -252,11 +262,21 @@ class SwapperCore:
                 t_detected=failure.t_detected,
             )
         )
-        decision = self._start_rebuild(state, now)
+        if failure.reason == FailureReason.HEARTBEAT and any(m.host == info.host for m in state.members.values()):
+            state.hold_until = max(state.hold_until, now + self.config.host_loss_window_s)
+        if state.hold_until and now < state.hold_until and self._held_hosts_alive(state):
+            decision = Decision([], f"rebuild held until the rest of host {info.host} is seen alive or gone")
+        else:
+            decision = self._start_rebuild(state, now)
         return Decision(
             actions + decision.actions,
             f"rank {rank} ({failure.member}) failed: {failure.reason}; {decision.reason}",
         )
+
+    def _held_hosts_alive(self, state: JobState) -> bool:
+        """Whether a member is still alive on a host where a member went silent."""
+        silent_hosts = {i.host for i in state.open_incidents if i.reason == FailureReason.HEARTBEAT}
+        return any(m.host in silent_hosts for m in state.members.values())
 
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
@@ -265,6 +285,7 @@ class SwapperCore:
                 incident.fence_s = fence_s
 
     def _start_rebuild(self, state: JobState, now: float) -> Decision:
+        state.hold_until = 0.0
         vacant = [r for r, m in enumerate(state.ranks) if m not in state.members]
         if not vacant:
             return Decision([], "no rank is vacant")
@@ -379,6 +400,8 @@ class SwapperCore:
                 actions.append(Publish("rebuild", pending.command))
             if state.generation == 0 and not state.finished:
                 actions += self._try_formation(state, now).actions
+            if state.hold_until and now >= state.hold_until:
+                actions += self._start_rebuild(state, now).actions
         return Decision(actions, "tick")
 
     # ---------------------------------------------------------------- commits and completion

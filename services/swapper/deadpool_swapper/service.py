@@ -54,7 +54,7 @@ class SwapperServiceConfig:
     nats_url: str
     replication: int = 2
     fence_timeout_s: float = 5.0
-    tick_period_s: float = 0.25
+    tick_period_s: float = 0.05
     trace_file: str = ""
 
 

@@ -1,0 +1,78 @@
+"""A whole host lost: its launcher and every process on it SIGKILLed at once, no exit reports.
+
+Two launchers play two hosts (`DEADPOOL_HOST`): host a runs ranks 0 and 1, host b runs ranks 2 and 3
+and two warm spares. Killing host a's launcher takes its children with it (PDEATHSIG). The detector
+sees only heartbeat silence; both ranks must be swapped in one generation, and the final weights must
+equal an uninterrupted run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import nats
+
+from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_cli.weights_check import compare_final_states
+from deadpool_protocol.logs import get_logger
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+RUN_TIMEOUT_S = 180.0
+STEPS = 30
+
+
+async def launch(
+    url: str, job: str, host: str, rank_offset: int, spares: int, out: Path, log: Path
+) -> asyncio.subprocess.Process:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+    command += ["--world-size", "4", "--rank-offset", str(rank_offset), "--spares", str(spares)]
+    command += ["--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny"]
+    command += ["--out", str(out)]
+    env = {**os.environ, "DEADPOOL_HOST": host}
+    with open(log, "wb") as sink:
+        return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink, env=env)
+
+
+async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_identical(tmp_path: Path) -> None:
+    config = StackConfig(workdir=tmp_path, stores=2, heartbeat_timeout_s=1.0, hang_floor_s=3.0)
+    async with Stack(config) as stack:
+        nc = await nats.connect(stack.url)
+        watch = JobWatch(nc, "lost-host", get_logger(test="lost-host"))
+        await watch.start()
+        out = tmp_path / "swap"
+        host_a = await launch(stack.url, "lost-host", "hosta", 0, 0, out, tmp_path / "a.log")
+        host_b = await launch(stack.url, "lost-host", "hostb", 2, 2, out, tmp_path / "b.log")
+        try:
+            await asyncio.wait_for(watch.wait_for(lambda: min_rank_step(watch) >= 8), 120)
+            host_a.send_signal(signal.SIGKILL)  # the host is gone: no exit report will come
+            returncode = await asyncio.wait_for(host_b.wait(), RUN_TIMEOUT_S)
+        finally:
+            for process in (host_a, host_b):
+                if process.returncode is None:
+                    process.kill()
+        assert returncode == 0, (tmp_path / "b.log").read_text(errors="replace")[-3000:]
+        assert sorted(i.rank for i in watch.incidents) == [0, 1]
+        assert {i.reason for i in watch.incidents} == {"heartbeat"}
+        assert len({i.generation for i in watch.incidents}) == 1, "both ranks should move in one generation"
+        assert all(i.lost_steps <= 1 for i in watch.incidents)
+
+        reference = tmp_path / "reference"
+        solo = await launch(stack.url, "lost-host-ref", "hosta", 0, 0, reference, tmp_path / "ref-a.log")
+        solo_b = await launch(stack.url, "lost-host-ref", "hostb", 2, 0, reference, tmp_path / "ref-b.log")
+        assert await asyncio.wait_for(solo.wait(), RUN_TIMEOUT_S) == 0
+        assert await asyncio.wait_for(solo_b.wait(), RUN_TIMEOUT_S) == 0
+        await nc.close()
+    identical, tensors, differences = compare_final_states(out, reference)
+    assert identical and tensors > 0, differences[:5]
+
+
+def min_rank_step(watch: JobWatch) -> int:
+    if watch.rebuild is None:
+        return -1
+    steps = [watch.members[m].step for m in watch.rebuild.ranks if m in watch.members]
+    return min(steps) if len(steps) == len(watch.rebuild.ranks) else -1
