@@ -192,3 +192,24 @@ def test_a_rank_busy_while_the_others_wait_is_reported_as_a_straggler_once() -> 
     assert (event.member, event.rank) == ("m0", 0)
     assert float(event.evidence["busy_share"]) > float(event.evidence["others_median_busy_share"])
     assert core.stragglers(5.1) == []  # once per generation
+
+
+def test_a_long_evaluation_in_a_named_section_is_not_a_hang_but_silence_still_is() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 10.0, step_s=0.5)
+    t = 10.0
+    while t < 40.0:  # a 30 s evaluation, both ranks in the section, no step
+        for rank, member in enumerate(("m0", "m1")):
+            core.on_heartbeat(Heartbeat("j", 1, member, rank, 100, 20, False, 9.5, t, section="evaluation"), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        assert core.check(t) == []
+        t = round(t + HB_S, 6)
+    assert train(core, 40.0, 42.0, step_s=0.5, step0=20) == []  # back to steps: the clock restarted
+    # In a section, a frozen process is still caught by heartbeat silence.
+    core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 24, False, 41.0, 42.0, section="checkpoint"), 42.0)
+    for t in (42.5, 43.2):
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 24, True, 42.0, t, waiting=True), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+    (failure,) = core.check(43.2)
+    assert (failure.member, failure.reason) == ("m1", "heartbeat")

@@ -159,6 +159,8 @@ class Heartbeat(JobMessage):
     """The training thread is inside torch's distributed or autograd code (waiting on peers, probably)."""
     where: str = ""
     """The training thread's innermost frame in user code ('file:line function'), for evidence."""
+    section: str = ""
+    """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected."""
 
     def check(self) -> None:
         JobMessage.check(self)

@@ -59,6 +59,7 @@ class Progress:
     in_step: bool = False
     step_started_t: float = 0.0
     snapshots_skipped: int = 0
+    section: str = ""
 
 
 class ControlLink:
@@ -199,6 +200,7 @@ class ControlLink:
                 snapshots_skipped=p.snapshots_skipped,
                 waiting=waiting,
                 where=where[:200],
+                section=p.section[:64],
             )
             try:
                 await self._nc.publish(self.subjects.heartbeat, encode(beat))

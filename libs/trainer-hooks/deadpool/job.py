@@ -17,6 +17,7 @@ sharded optimizer needs the generation's process group (and a spare has none unt
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import time
@@ -224,6 +225,24 @@ class Job:
         if self.rank is None:
             raise RuntimeError("step() outside steps(): this member holds no rank")
         return _StepContext(self)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Mark work between steps that takes long and is not stuck (an evaluation, a checkpoint):
+        the detector expects no step progress inside it. Heartbeats go on, so a process that dies
+        or freezes inside a section is still caught; only the hang rule is suspended.
+
+            if step % 1000 == 0:
+                with job.section("evaluation"):
+                    evaluate(job.model)
+        """
+        if not name:
+            raise ValueError("a section needs a name (it appears in the detector's evidence)")
+        self._link.progress = replace(self._link.progress, section=name)
+        try:
+            yield
+        finally:
+            self._link.progress = replace(self._link.progress, section="")
 
     def close(self) -> None:
         """Release wrappers, the process group and the background threads (also runs at exit)."""

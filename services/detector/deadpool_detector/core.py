@@ -13,6 +13,9 @@ others block in the collective waiting for it, and only the one that is not wait
 every stalled member is waiting, nobody is declared (the culprit is unknown; the process group's own
 timeout ends it) and `stalls` says so.
 
+Work the user marks as a section (`job.section("evaluation")`) suspends the hang rule for that member:
+the step clock restarts when the section ends. Heartbeat silence is still a failure inside a section.
+
 Stragglers. In synchronous training every rank takes the same time per step; a slow rank shows as the
 one whose training thread is busy (not waiting on peers) while the others wait. A rank busy for
 `straggler_factor` times the median rank's share over the last `straggler_window` heartbeats, and at
@@ -86,6 +89,7 @@ class Watched:
     """When the step counter last moved (or the member's clocks were last restarted)."""
     waiting: bool = False
     where: str = ""
+    section: str = ""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=256))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
@@ -130,6 +134,9 @@ class DetectorCore:
         watched.pid = hb.pid
         watched.waiting = hb.waiting
         watched.where = hb.where
+        if hb.section or watched.section:
+            watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
+        watched.section = hb.section
         watched.busy.append(hb.in_step and not hb.waiting)
         if hb.generation >= view.generation:
             watched.rank = hb.rank
