@@ -28,7 +28,15 @@ from deadpool_protocol import Incident
 from deadpool_protocol.logs import get_logger
 from deadpool_protocol.timeouts import TimeoutHierarchy
 
-__all__ = ["DemoConfig", "default_script", "run_demo"]
+__all__ = [
+    "FAULT_SIGNALS",
+    "DemoConfig",
+    "Kill",
+    "default_script",
+    "incident_report",
+    "inject_fault_mid_step",
+    "run_demo",
+]
 
 KILL_AT_FRACTION_OF_STEP = 0.5
 """Where inside the chosen step the kill lands: half-way, in the middle of forward/backward."""
@@ -108,7 +116,7 @@ class RunResult:
     log: str = ""
 
 
-async def _kill_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
+async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
     """Inject `fault` into the process holding `rank` half-way through step `step` (it has completed step-1)."""
 
     def reached() -> bool:
@@ -141,7 +149,9 @@ async def _train(
     with open(log_path, "wb") as log:
         env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1" if kill else "0"}
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env)
-    killer = asyncio.create_task(_kill_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
+    killer = (
+        asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
+    )
     try:
         returncode = await asyncio.wait_for(launcher.wait(), cfg.run_timeout_s)
     except TimeoutError:
@@ -164,7 +174,7 @@ async def _train(
     return result
 
 
-def _incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
+def incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
     """The incident as the demo saw it. The swapper dates the fault at the launcher's `waitpid`; the
     demo knows the kill itself, so it adds the `exit` phase (SIGKILL -> process reaped) in front."""
     killed = kill is not None and kill.rank == incident.rank
@@ -302,7 +312,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 "hang_factor",
             )
         },
-        "incidents": [_incident_report(i, kill) for i in swap.incidents],
+        "incidents": [incident_report(i, kill) for i in swap.incidents],
         "runs": {
             "swap": {
                 "job": swap.job,
