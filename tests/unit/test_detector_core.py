@@ -213,3 +213,16 @@ def test_a_long_evaluation_in_a_named_section_is_not_a_hang_but_silence_still_is
         core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
     (failure,) = core.check(43.2)
     assert (failure.member, failure.reason) == ("m1", "heartbeat")
+
+
+def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0)
+    for t in (0.0, 0.1, 0.2):
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 3, True, t, t, host="a"), t)
+    core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 3, True, 0.25, 0.25, host="a"), 0.25)  # a beat later
+    for t in (0.2, 0.7, 1.2, 1.25):
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t, host="b"), t)
+    failures = core.check(1.25)  # m0 silent for 1.05 s, m1 for 1.0 s: both, together
+    assert sorted(f.member for f in failures) == ["m0", "m1"]
+    assert all(f.evidence["host_members_silent"] == "2" and f.evidence["host"] == "a" for f in failures)

@@ -127,17 +127,24 @@ def two_hosts_core() -> SwapperCore:
 
 def test_a_lost_host_is_swapped_in_one_generation() -> None:
     core = two_hosts_core()
-    first = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
-    assert published(first, Rebuild) == [] and "held" in first.reason  # r1, on the same host, may be gone too
-    second = core.on_failure(Failure("j", 1, "r1", 1, "heartbeat", {}, 5.05, 6.08), 6.08)
-    (rebuild,) = published(second, Rebuild)  # nobody is left on host a: no need to wait any longer
+    lost = {"host": "a", "host_members_silent": "2"}  # the detector saw the whole host go silent
+    first = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", lost, 5.0, 6.0), 6.0)
+    assert published(first, Rebuild) == [] and "waiting for its other failures" in first.reason
+    second = core.on_failure(Failure("j", 1, "r1", 1, "heartbeat", lost, 5.05, 6.001), 6.001)
+    (rebuild,) = published(second, Rebuild)  # every announced member is in: no need to wait any longer
     assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
 
 
-def test_a_silent_member_whose_host_lives_on_is_swapped_after_the_window() -> None:
+def test_a_single_silent_member_is_swapped_at_once() -> None:
     core = two_hosts_core()
-    held = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0)
-    assert published(held, Rebuild) == []
+    (rebuild,) = published(core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0), Rebuild)
+    assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
+
+
+def test_a_lost_host_whose_second_failure_is_lost_is_swapped_after_the_window() -> None:
+    core = two_hosts_core()
+    lost = {"host": "a", "host_members_silent": "2"}
+    assert published(core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", lost, 5.0, 6.0), 6.0), Rebuild) == []
     assert published(core.tick(6.2), Rebuild) == []
     (rebuild,) = published(core.tick(6.31), Rebuild)
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]

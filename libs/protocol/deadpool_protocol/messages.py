@@ -161,6 +161,8 @@ class Heartbeat(JobMessage):
     """The training thread's innermost frame in user code ('file:line function'), for evidence."""
     section: str = ""
     """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected."""
+    host: str = ""
+    """The member's host, so that the detector can tell a lost host from a lost process."""
 
     def check(self) -> None:
         JobMessage.check(self)

@@ -201,6 +201,7 @@ class ControlLink:
                 waiting=waiting,
                 where=where[:200],
                 section=p.section[:64],
+                host=self.config.host,
             )
             try:
                 await self._nc.publish(self.subjects.heartbeat, encode(beat))

@@ -21,6 +21,10 @@ one whose training thread is busy (not waiting on peers) while the others wait. 
 `straggler_factor` times the median rank's share over the last `straggler_window` heartbeats, and at
 least `straggler_margin` more, is reported once per generation (an event, not a failure).
 
+A lost host: when a silent member's host-mates are all silent for half the timeout too, they are declared
+in the same pass, each failure saying how many members of the host went silent, so the swapper can
+replace them in one generation.
+
 No verdict from silence the detector did not see: after an outage of its own connection, or a pause of
 its own longer than half the heartbeat timeout, `grace(now)` restarts every member's clocks.
 
@@ -90,6 +94,7 @@ class Watched:
     waiting: bool = False
     where: str = ""
     section: str = ""
+    host: str = ""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=256))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
@@ -137,6 +142,7 @@ class DetectorCore:
         if hb.section or watched.section:
             watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
         watched.section = hb.section
+        watched.host = hb.host
         watched.busy.append(hb.in_step and not hb.waiting)
         if hb.generation >= view.generation:
             watched.rank = hb.rank
@@ -249,6 +255,7 @@ class DetectorCore:
             silent = [
                 w for w in view.members.values() if not w.done and now - w.last_seen > self.config.heartbeat_timeout_s
             ]
+            silent += self._silent_host_mates(view, silent, now)
             for w in silent:
                 del view.members[w.member]
                 evidence = {
@@ -256,6 +263,10 @@ class DetectorCore:
                     "last_step": str(w.last_step),
                     "pid": str(w.pid),
                 }
+                lost_host = [m for m in silent if w.host and m.host == w.host]
+                if len(lost_host) > 1:
+                    evidence["host"] = w.host
+                    evidence["host_members_silent"] = str(len(lost_host))
                 failures.append(
                     self._declare(view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, w.last_seen, now)
                 )
@@ -274,6 +285,19 @@ class DetectorCore:
                 }
                 failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
         return failures
+
+    def _silent_host_mates(self, view: JobView, silent: list[Watched], now: float) -> list[Watched]:
+        """Members sharing a host with a silent member, and silent for half the timeout themselves,
+        when every member of that host is: the host is gone, and all of it is declared in one pass
+        (their heartbeats stopped together but cross the timeout up to a period apart)."""
+        declared = {w.member for w in silent}
+        extra: list[Watched] = []
+        for host in {w.host for w in silent if w.host}:
+            mates = [w for w in view.members.values() if w.host == host and not w.done and w.member not in declared]
+            half = self.config.heartbeat_timeout_s / 2
+            if mates and all(now - w.last_seen > half for w in mates):
+                extra += mates
+        return extra
 
     def _declare(
         self,

@@ -58,9 +58,9 @@ class SwapperConfig:
     """Formation waits this long after the last hello for members asking for the ranks still unclaimed
     (launchers start ranks and spares together; a spare that registers first should stay a spare)."""
     host_loss_window_s: float = 0.3
-    """After a heartbeat failure, how long to wait for the other members on the same host before
-    rebuilding, so that a lost host is swapped in one generation. Their heartbeats stop together but
-    cross the timeout up to a heartbeat period apart. Not waited when the host has no other member."""
+    """When the detector says a host went silent (`host_members_silent` > 1 in a failure's evidence),
+    the rebuild waits for that many failures, at most this long, so the host moves in one generation.
+    The detector publishes them back to back; the bound only covers a lost message."""
 
     def __post_init__(self) -> None:
         if self.replication < 1:
@@ -143,7 +143,8 @@ class JobState:
     incident_seq: int = 0
     last_hello_t: float = 0.0
     hold_until: float = 0.0
-    """A rebuild is held until then, waiting to see whether a silent member's whole host is gone."""
+    """A rebuild is held until then, waiting for the other failures of a lost host."""
+    lost_spares_by_host: dict[str, int] = field(default_factory=dict)
 
 
 class SwapperCore:
@@ -242,8 +243,11 @@ class SwapperCore:
         if failure.member in state.spares:
             state.spares.remove(failure.member)
             why = f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left"
-            if state.hold_until and not self._held_hosts_alive(state):
-                decision = self._start_rebuild(state, now)  # the rest of the host is gone: no need to wait
+            host = failure.evidence.get("host", "")
+            if host:
+                state.lost_spares_by_host[host] = state.lost_spares_by_host.get(host, 0) + 1
+            if state.hold_until and not self._host_failures_missing(state):
+                decision = self._start_rebuild(state, now)  # every announced member of the host is in
                 return Decision(actions + decision.actions, f"{why}; {decision.reason}")
             return Decision(actions, why)
         if failure.member not in state.ranks:
@@ -262,10 +266,11 @@ class SwapperCore:
                 t_detected=failure.t_detected,
             )
         )
-        if failure.reason == FailureReason.HEARTBEAT and any(m.host == info.host for m in state.members.values()):
-            state.hold_until = max(state.hold_until, now + self.config.host_loss_window_s)
-        if state.hold_until and now < state.hold_until and self._held_hosts_alive(state):
-            decision = Decision([], f"rebuild held until the rest of host {info.host} is seen alive or gone")
+        expected = _int(failure.evidence.get("host_members_silent", "1"))
+        if expected > 1 and not state.hold_until:
+            state.hold_until = now + self.config.host_loss_window_s
+        if state.hold_until and now < state.hold_until and self._host_failures_missing(state):
+            decision = Decision([], f"host {info.host} lost: waiting for its other failures")
         else:
             decision = self._start_rebuild(state, now)
         return Decision(
@@ -273,10 +278,17 @@ class SwapperCore:
             f"rank {rank} ({failure.member}) failed: {failure.reason}; {decision.reason}",
         )
 
-    def _held_hosts_alive(self, state: JobState) -> bool:
-        """Whether a member is still alive on a host where a member went silent."""
-        silent_hosts = {i.host for i in state.open_incidents if i.reason == FailureReason.HEARTBEAT}
-        return any(m.host in silent_hosts for m in state.members.values())
+    def _host_failures_missing(self, state: JobState) -> bool:
+        """Whether a lost host announced more silent members than failures arrived so far."""
+        by_host: dict[str, int] = {}
+        expected: dict[str, int] = {}
+        for incident in state.open_incidents:
+            host = incident.evidence.get("host", "")
+            if host:
+                by_host[host] = by_host.get(host, 0) + 1
+                expected[host] = max(expected.get(host, 0), _int(incident.evidence.get("host_members_silent", "1")))
+        lost_spares = state.lost_spares_by_host
+        return any(by_host[h] + lost_spares.get(h, 0) < n for h, n in expected.items())
 
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
@@ -286,6 +298,7 @@ class SwapperCore:
 
     def _start_rebuild(self, state: JobState, now: float) -> Decision:
         state.hold_until = 0.0
+        state.lost_spares_by_host.clear()
         vacant = [r for r, m in enumerate(state.ranks) if m not in state.members]
         if not vacant:
             return Decision([], "no rank is vacant")
@@ -443,6 +456,13 @@ class SwapperCore:
         state.finished = True
         finished = JobFinished(state.job, state.generation, done.step)
         return Decision([Publish("finished", finished), Persist(state.job)], f"job finished at step {done.step}")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return 1
 
 
 def _span(end: float, start: float) -> float:
