@@ -79,6 +79,8 @@ Wrapper = Callable[[nn.Module, Any], nn.Module]
 FORMATION_SNAPSHOT_WAIT_S = 120.0
 FINISH_WAIT_S = 300.0
 ERROR_REPORT_WAIT_S = 2.0
+GROUP_RETIRE_MARGIN_S = 5.0
+"""A dropped process group is freed this long after its collective timeout (see `GenerationGroup`)."""
 
 
 class MemberFencedError(RuntimeError):
@@ -173,7 +175,7 @@ class Job:
         self._closed = False
         self._warm = False
         self._rendezvous = Rendezvous(config.rendezvous_host, config.pg_timeout_s)
-        self._group = GenerationGroup()
+        self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes)

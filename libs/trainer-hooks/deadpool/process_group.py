@@ -15,6 +15,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -92,12 +93,24 @@ class GenerationGroup:
     thread calls it when a collective fails. Listening sockets are left alone (gloo's accept loop
     treats a shut-down listener as fatal), and so are connections to or from known service ports (the
     rendezvous store accepts its clients during the creation).
+
+    A dropped group is not freed at once but **retired**: kept referenced until its collective timeout
+    has passed. Freeing a gloo group joins its worker threads, and a worker whose send still waits on
+    a departed peer (the case no socket error wakes) only returns at that timeout. Freed by the
+    garbage collector on the training thread, at whatever line happened to allocate, that froze
+    training for the whole timeout after an otherwise finished recovery (seen: 20 s, once in six
+    demos, and a hang verdict against every rank). Retired groups are released on a later rebuild or
+    at close, once nothing in them can still be waiting.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, retire_s: float = 0.0) -> None:
         self._lock = threading.Lock()
         self._generation = 0
         self._backend = ""
+        self._group: Any = None
+        self._retire_s = retire_s
+        self._retired: list[tuple[float, Any]] = []
+        """(monotonic time dropped, process group) of earlier generations, oldest first."""
         self._sockets: dict[int, str] = {}
 
     def create(
@@ -126,6 +139,7 @@ class GenerationGroup:
         }
         with self._lock:
             self._generation, self._backend, self._sockets = generation, backend, created
+            self._group = dist.group.WORLD
         return dist.group.WORLD
 
     def abort(self, below_generation: int | None = None) -> bool:
@@ -143,12 +157,26 @@ class GenerationGroup:
             return True
 
     def destroy(self) -> None:
-        """Abort, then destroy the default group (training thread)."""
+        """Abort, then destroy the default group and retire it (training thread)."""
         self.abort()
         with self._lock:
             if dist.is_initialized():
                 dist.destroy_process_group()
             self._sockets = {}
+            if self._group is not None:
+                self._retired.append((time.monotonic(), self._group))
+                self._group = None
+        self.release_retired()
+
+    def release_retired(self) -> int:
+        """Drop the retired groups whose collective timeout has passed; returns how many stay retired."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [(t, g) for t, g in self._retired if now - t >= self._retire_s]
+            self._retired = [(t, g) for t, g in self._retired if now - t < self._retire_s]
+            still = len(self._retired)
+        del expired  # the groups' destructors run here, outside the lock
+        return still
 
 
 def _socket_fds() -> dict[int, str]:
