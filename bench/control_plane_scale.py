@@ -12,7 +12,9 @@ holding ranks go silent one at a time; each silence must become a `failure` and 
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, the swapper's failure -> rebuild time (as this bench receives
 them, and on the swapper's own clock) p50/p99, detector and swapper CPU (% of one core over the
-measurement window), and heartbeat messages per second. The last line is one JSON object.
+measurement window), and heartbeat messages per second. By default the members' heartbeats travel in batches of their
+(simulated) host's 8 members, one message per period, as `deadpool launch` sends them; `--no-batching`
+has every member publish its own. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from deadpool_protocol import (
     FenceReply,
     FenceRequest,
     Heartbeat,
+    HeartbeatBatch,
     HelloReply,
     MemberHello,
     Rebuild,
@@ -71,7 +74,7 @@ class SimulatedMember:
         self.last_beat = 0.0
 
 
-async def worker_main(url: str, index: int, members: list[tuple[str, int]], world_size: int) -> None:
+async def worker_main(url: str, index: int, members: list[tuple[str, int]], world_size: int, batching: bool) -> None:
     nc = await nats.connect(url, max_reconnect_attempts=-1)
     subjects = Subjects.for_job(JOB)
     launcher = f"worker-{index}"
@@ -165,7 +168,43 @@ async def worker_main(url: str, index: int, members: list[tuple[str, int]], worl
             member.sent += 1
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 
-    tasks = [asyncio.create_task(beat(m)) for m in sim.values()]
+    async def beat_host(host: str, members: list[SimulatedMember]) -> None:
+        """A launcher's batching: the beats of its (non-silent) members, one message per period."""
+        await asyncio.sleep(random.random() * HEARTBEAT_PERIOD_S)
+        started = time.monotonic()
+        while any(not m.silent_at for m in members):
+            now = time.time()
+            beats = []
+            for member in members:
+                if member.silent_at:
+                    continue
+                member.step = int((time.monotonic() - started) / STEP_PERIOD_S)
+                beats.append(
+                    Heartbeat(
+                        JOB,
+                        member.generation,
+                        member.name,
+                        member.rank,
+                        os.getpid(),
+                        member.step,
+                        True,
+                        now,
+                        now,
+                        host=host,
+                    )
+                )
+                member.last_beat = now
+                member.sent += 1
+            await nc.publish(subjects.heartbeat_batch, encode(HeartbeatBatch(JOB, 0, f"l-{host}", beats)))
+            await asyncio.sleep(HEARTBEAT_PERIOD_S)
+
+    if batching:
+        by_host: dict[str, list[SimulatedMember]] = {}
+        for member in sim.values():
+            by_host.setdefault(hosts[member.name], []).append(member)
+        tasks = [asyncio.create_task(beat_host(h, ms)) for h, ms in by_host.items()]
+    else:
+        tasks = [asyncio.create_task(beat(m)) for m in sim.values()]
 
     async def report() -> None:
         while True:
@@ -313,6 +352,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "detector_cpu_pct": round(100 * (cpu1[0] - cpu0[0]) / window, 1),
         "swapper_cpu_pct": round(100 * (cpu1[1] - cpu0[1]) / window, 1),
         "heartbeats_per_s": round((sent1 - sent0) / window),
+        "heartbeat_messages_per_s": round((sent1 - sent0) / window / (1 if args.no_batching else 8)),
+        "batching": not args.no_batching,
         "window_s": round(window, 1),
     }
 
@@ -353,6 +394,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4, help="worker processes simulating members")
     parser.add_argument("--warm-s", type=float, default=3.0)
     parser.add_argument("--gap-s", type=float, default=0.3, help="pause after each detected failure")
+    parser.add_argument(
+        "--no-batching", action="store_true", help="every member publishes its own heartbeats (no launcher batching)"
+    )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
@@ -360,7 +404,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker >= 0:
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
-        asyncio.run(worker_main(args.url, args.worker, members, args.world_size))
+        asyncio.run(worker_main(args.url, args.worker, members, args.world_size, not args.no_batching))
         return
     result = asyncio.run(main_async(args))
     print(json.dumps(result))

@@ -135,10 +135,10 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
             values = [t[key] for t in rows]
             summary[f"{key}_p50"] = round(statistics.median(values), 4)
             summary[f"{key}_p95"] = round(percentile(values, 95), 4)
-        for phase in PHASES:
+        for phase in PHASES:  # "phase_detect" is the detector's own share: verdict - fault as it dates it
             values = [t["phases"][phase] for t in rows]
-            summary[f"{phase}_s_p50"] = round(statistics.median(values), 4)
-            summary[f"{phase}_s_p95"] = round(percentile(values, 95), 4)
+            summary[f"phase_{phase}_s_p50"] = round(statistics.median(values), 4)
+            summary[f"phase_{phase}_s_p95"] = round(percentile(values, 95), 4)
         summary["lost_steps_max"] = max(t["lost_steps"] for t in rows)
         summary["generations_per_fault_max"] = max(len(t["generations"]) for t in rows)
         summary["reasons"] = sorted({r for t in rows for r in t["reasons"]})

@@ -14,7 +14,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from deadpool_protocol import Failure, Heartbeat, Incident, JobFinished, Rebuild, Subjects
+from deadpool_protocol import Failure, Heartbeat, HeartbeatBatch, Incident, JobFinished, Rebuild, Subjects
 from deadpool_runtime import subscribe_validated
 
 __all__ = ["JobWatch"]
@@ -45,6 +45,7 @@ class JobWatch:
     async def start(self) -> None:
         s = Subjects.for_job(self.job)
         await subscribe_validated(self.nc, s.heartbeat, Heartbeat, self._on_heartbeat, self.log)
+        await subscribe_validated(self.nc, s.heartbeat_batch, HeartbeatBatch, self._on_batch, self.log)
         await subscribe_validated(self.nc, s.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self.nc, s.failure, Failure, self._on_failure, self.log)
         await subscribe_validated(self.nc, s.incident, Incident, self._on_incident, self.log)
@@ -54,6 +55,10 @@ class JobWatch:
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
+
+    async def _on_batch(self, batch: HeartbeatBatch, msg: Msg) -> None:
+        for hb in batch.beats:
+            await self._on_heartbeat(hb, msg)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         view = self.members.setdefault(hb.member, MemberView())

@@ -26,6 +26,7 @@ __all__ = [
     "FenceReply",
     "FenceRequest",
     "Heartbeat",
+    "HeartbeatBatch",
     "HelloReply",
     "Incident",
     "JobFinished",
@@ -186,6 +187,31 @@ class MemberError(JobMessage):
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatBatch(JobMessage):
+    """The heartbeats a launcher received from its members during one period, sent as one message.
+
+    At a thousand members the detector's cost is per NATS message, not per heartbeat: batching by
+    host divides it by the members per host. Only beats received in the period are included, so a
+    frozen member goes silent in the batches too.
+    """
+
+    KIND: ClassVar[str] = "heartbeat_batch"
+    launcher: str
+    beats: list[Heartbeat]
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.launcher, "launcher")
+        _need(len(self.beats) <= HEARTBEATS_PER_BATCH_MAX, f"{len(self.beats)} beats in one batch")
+        for beat in self.beats:
+            _need(beat.job == self.job, f"a beat of job {beat.job!r} in a batch of job {self.job!r}")
+            beat.check()
+
+
+HEARTBEATS_PER_BATCH_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)

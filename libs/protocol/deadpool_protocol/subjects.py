@@ -62,6 +62,15 @@ class Subjects:
     def child_exit(self) -> str:
         return self._s("launcher.exit")
 
+    @property
+    def heartbeat_batch(self) -> str:
+        """A launcher's batch of its members' heartbeats (one message per host per period)."""
+        return self._s("launcher.heartbeats")
+
+    def launcher_heartbeat(self, launcher: str) -> str:
+        """Where a launched member sends its heartbeats: to its launcher, which batches them."""
+        return self._s(f"launcher.{require_name(launcher, 'launcher')}.heartbeat")
+
     def fence(self, launcher: str) -> str:
         """Request/reply: the swapper asks one launcher to SIGKILL a member."""
         return self._s(f"launcher.{require_name(launcher, 'launcher')}.fence")

@@ -182,6 +182,10 @@ class ControlLink:
             return
 
     async def _heartbeats(self) -> None:
+        via_launcher = self.config.heartbeat_via_launcher and self.config.launcher
+        heartbeat_subject = (
+            self.subjects.launcher_heartbeat(self.config.launcher) if via_launcher else self.subjects.heartbeat
+        )
         assert self._nc is not None
         pid = os.getpid()
         while True:
@@ -204,7 +208,7 @@ class ControlLink:
                 host=self.config.host,
             )
             try:
-                await self._nc.publish(self.subjects.heartbeat, encode(beat))
+                await self._nc.publish(heartbeat_subject, encode(beat))
             except Exception as exc:  # an outage must not kill the heartbeat task
                 self.log.warning("heartbeat not sent", error=repr(exc))
             await asyncio.sleep(self.config.heartbeat_period_s)

@@ -31,6 +31,8 @@ from deadpool_protocol import (
     ChildExit,
     FenceReply,
     FenceRequest,
+    Heartbeat,
+    HeartbeatBatch,
     JobFinished,
     ProtocolError,
     Rebuild,
@@ -44,6 +46,8 @@ __all__ = ["LaunchConfig", "Launcher"]
 
 PR_SET_PDEATHSIG = 1
 TERMINATE_GRACE_S = 10.0
+HEARTBEAT_BATCH_PERIOD_S = 0.1
+"""As the members' heartbeat period: a beat waits at most this long in the launcher."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class LaunchConfig:
     collective_timeout_s: float = 0.0
     """Passed to members as DEADPOOL_PG_TIMEOUT_S; 0 keeps their default."""
     extra_env: dict[str, str] = field(default_factory=dict)
+    batch_heartbeats: bool = True
+    """Members send heartbeats to this launcher, which forwards them in one message per period."""
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
@@ -105,6 +111,7 @@ class Launcher:
         self._nc: Client | None = None
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
+        self._beats: dict[str, Heartbeat] = {}
 
     @property
     def world_size(self) -> int:
@@ -116,6 +123,10 @@ class Launcher:
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
         await self._nc.subscribe(self.subjects.fence(self.launcher_id), cb=self._on_fence)
+        await subscribe_validated(
+            self._nc, self.subjects.launcher_heartbeat(self.launcher_id), Heartbeat, self._on_heartbeat, self.log
+        )
+        batcher = asyncio.create_task(self._send_heartbeat_batches(stop))
         await self._nc.flush()
         for local_rank in range(self.config.nproc):
             await self._spawn(self.config.rank_offset + local_rank)
@@ -128,6 +139,7 @@ class Launcher:
             await self._terminate_all()
         stopper.cancel()
         await self._all_exited.wait()
+        batcher.cancel()
         await self._nc.drain()
         return self._exit_code()
 
@@ -152,6 +164,7 @@ class Launcher:
                 ENV.MEMBER: member,
                 ENV.LAUNCHER: self.launcher_id,
                 ENV.RANK_HINT: str(rank_hint),
+                ENV.HEARTBEAT_VIA_LAUNCHER: "1" if self.config.batch_heartbeats else "0",
                 ENV.LOCAL_INDEX: str(self._serial - 1),
                 ENV.WORLD_SIZE: str(self.world_size),
                 ENV.HOST: self.host,
@@ -202,6 +215,24 @@ class Launcher:
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         self.generation = max(self.generation, rebuild.generation)
+
+    async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
+        if hb.member in self.children:  # only our own members' beats travel in our batches
+            self._beats[hb.member] = hb
+
+    async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
+        """Every heartbeat period, the beats received since the last batch, in one message."""
+        assert self._nc is not None
+        while not stop.is_set():
+            await asyncio.sleep(HEARTBEAT_BATCH_PERIOD_S)
+            if not self._beats:
+                continue
+            beats, self._beats = list(self._beats.values()), {}
+            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, beats)
+            try:
+                await self._nc.publish(self.subjects.heartbeat_batch, encode(batch))
+            except Exception as exc:  # an outage must not end the batching
+                self.log.warning("heartbeat batch not sent", error=repr(exc))
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         if not self.finished:

@@ -35,6 +35,7 @@ class ENV:
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
     STATS_DIR = "DEADPOOL_STATS_DIR"
+    HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
     """The member's index among those its launcher started (0, 1, ...): which local GPU it may use."""
 
@@ -71,6 +72,8 @@ class MemberConfig:
     step-0 snapshot taken when the job forms stays, so a failure still has a step to go back to)."""
     snapshot_partition: bool = True
     """Under data parallelism, snapshot only this rank's share of the replicated parameters."""
+    heartbeat_via_launcher: bool = False
+    """Send heartbeats to the launcher, which batches its members' beats (set by `deadpool launch`)."""
     stats_dir: str = ""
     """If set, each member writes its per-step timings there as `<member>.json` when it closes."""
 
@@ -116,4 +119,5 @@ class MemberConfig:
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
             snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
             stats_dir=env.get(ENV.STATS_DIR, ""),
+            heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
         )

@@ -23,6 +23,7 @@ from deadpool_protocol import (
     ChildExit,
     Failure,
     Heartbeat,
+    HeartbeatBatch,
     JobFinished,
     MemberDone,
     MemberError,
@@ -34,6 +35,8 @@ from deadpool_runtime import publish, run_nats_service, stopped_within, subscrib
 __all__ = ["DetectorServiceConfig", "main"]
 
 VERSION = "0.1.0"
+REVIEW_PERIOD_S = 1.0
+"""Stragglers and culprit-less stalls are reviewed this often (verdicts run every check period)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class DetectorService:
         self._last_check = time.time()
         self._was_connected = True
         self._stalls_logged: dict[str, list[str]] = {}
+        self._last_review = 0.0
 
     async def _check(self) -> None:
         """One pass: verdicts, unless the detector itself just missed time (its outage, its pause)."""
@@ -68,6 +72,9 @@ class DetectorService:
             self.log.warning("detector missed time; every member's clocks restarted", missed_s=round(paused_s, 3))
             return
         await self._emit(self.core.check(now))
+        if now - self._last_review < REVIEW_PERIOD_S:
+            return
+        self._last_review = now
         for event in self.core.stragglers(now):
             self.log.warning("straggler", job=event.job, member=event.member, rank=event.rank, evidence=event.evidence)
             await publish(self.nc, Subjects.for_job(event.job).straggler, event)
@@ -95,6 +102,11 @@ class DetectorService:
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         self.core.on_heartbeat(hb, time.time())
+
+    async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
+        now = time.time()
+        for hb in batch.beats:
+            self.core.on_heartbeat(hb, now)
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         self.core.on_rebuild(rebuild, time.time())
@@ -129,6 +141,7 @@ class DetectorService:
         s = Subjects.any_job()
         for subject, kind, handler in (
             (s.heartbeat, Heartbeat, self._on_heartbeat),
+            (s.heartbeat_batch, HeartbeatBatch, self._on_heartbeat_batch),
             (s.rebuild, Rebuild, self._on_rebuild),
             (s.child_exit, ChildExit, self._on_exit),
             (s.member_error, MemberError, self._on_error),
