@@ -157,8 +157,9 @@ class DetectorCore:
         for member in [*rebuild.ranks, *rebuild.spares]:
             if member not in view.members and member not in view.declared:
                 view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
+        rank_of = {member: rank for rank, member in enumerate(rebuild.ranks)}  # O(n): thousands of members
         for member, watched in view.members.items():
-            watched.rank = rebuild.rank_of(member)
+            watched.rank = rank_of.get(member, NO_RANK)
             if newer:  # a new generation: rendezvous and restore take time; step clocks start again
                 watched.progress_t = now
                 watched.busy.clear()

@@ -117,6 +117,10 @@ class PendingRebuild:
     command: Rebuild
     t_sent: float
     acks: dict[str, RebuildAck] = field(default_factory=dict)
+    rank_members: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.rank_members = frozenset(self.command.ranks)
 
 
 @dataclass
@@ -364,12 +368,12 @@ class SwapperCore:
         pending = state.pending if state else None
         if state is None or pending is None or ack.generation != pending.command.generation:
             return Decision([], f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending")
-        if ack.member not in pending.command.ranks:
+        if ack.member not in pending.rank_members:
             return Decision([], f"ack from {ack.member}, which holds no rank in generation {ack.generation}")
         pending.acks[ack.member] = ack
-        missing = [m for m in pending.command.ranks if m not in pending.acks]
+        missing = len(pending.rank_members) - len(pending.acks)  # O(1): thousands of acks per generation
         if missing:
-            return Decision([], f"generation {ack.generation}: waiting for {len(missing)} ack(s)")
+            return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)")
         state.pending = None
         actions: list[Action] = [Persist(state.job)]
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
