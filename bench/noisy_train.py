@@ -66,9 +66,11 @@ def main() -> None:
             assert job.optimizer is not None and job.rank is not None
             if step == 0:
                 time.sleep(args.first_step_s)
-            if args.slow_every and step % args.slow_every == args.slow_every - 1:
+            # Per-rank noise, staggered (one rank pauses while its peers wait on it, the case that looks
+            # most like a hang); job-wide noise (the first step, evaluations) hits every rank at once.
+            if args.slow_every and step % args.slow_every == (7 * job.rank) % args.slow_every:
                 time.sleep(args.slow_s)
-            if args.gc_every and step % args.gc_every == args.gc_every - 1:
+            if args.gc_every and step % args.gc_every == (3 + job.rank) % args.gc_every:
                 gc_pause(args.gc_objects)
             for group in job.optimizer.param_groups:
                 group["lr"] = train_gpt.lr_at(step, args.steps)

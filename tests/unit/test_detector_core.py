@@ -226,3 +226,12 @@ def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
     failures = core.check(1.25)  # m0 silent for 1.05 s, m1 for 1.0 s: both, together
     assert sorted(f.member for f in failures) == ["m0", "m1"]
     assert all(f.evidence["host_members_silent"] == "2" and f.evidence["host"] == "a" for f in failures)
+
+
+def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 10.0, step_s=0.5)
+    # A 6 s stretch where both ranks sit in their own code (a collective GC pause, an evaluation
+    # without a section): no waiting peer names a culprit, so nobody is declared.
+    assert train(core, 10.0, 16.0, step_s=0.5, stuck={"m0": 10.0, "m1": 10.0}, step0=20) == []

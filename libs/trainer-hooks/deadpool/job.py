@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import ControlLink, Progress
-from deadpool.fault_injection import arm_from_env
+from deadpool.fault_injection import arm_from_env, step_delay_s
 from deadpool.member_config import MemberConfig
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
 from deadpool.replica_exchange import exchange_partitions
@@ -317,6 +317,8 @@ class Job:
         self.stats.started(self._next_step, self.generation)
         self._link.progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
         self.stats.stalled(time.perf_counter() - entered)
+        if delay := step_delay_s():  # an injected straggler (tests and benchmarks only)
+            time.sleep(delay)
 
     def _step_completed(self) -> None:
         entered = time.perf_counter()

@@ -9,9 +9,12 @@ Hangs. A member whose heartbeats go on but whose step counter has not moved for 
 threshold, `max(hang_floor_s, hang_factor x the job's recent median step time)` (before the job has
 step times: `max(hang_floor_s, first_step_s)`), is hung, unless its training thread is waiting on its
 peers (inside torch's distributed/autograd code, as its heartbeat says): when one rank hangs, the
-others block in the collective waiting for it, and only the one that is not waiting is to blame. If
-every stalled member is waiting, nobody is declared (the culprit is unknown; the process group's own
-timeout ends it) and `stalls` says so.
+others block in the collective waiting for it, and only the one that is not waiting is to blame. A
+culprit needs a waiting peer: if every stalled rank is busy in its own code at once (all in a long
+evaluation, a GC pause, a slow shared filesystem), that is a job-wide pause, not W hangs, and nobody is
+declared (a bench run showed all four ranks fenced for one slow step). If every stalled member is
+waiting, nobody is declared either (the culprit is unknown; the process group's own timeout ends it)
+and `stalls` says so.
 
 Work the user marks as a section (`job.section("evaluation")`) suspends the hang rule for that member:
 the step clock restarts when the section ends. Heartbeat silence is still a failure inside a section.
@@ -145,6 +148,8 @@ class DetectorCore:
         watched.host = hb.host
         watched.busy.append(hb.in_step and not hb.waiting)
         if hb.generation >= view.generation:
+            if watched.rank != hb.rank:
+                watched.progress_t = now  # a spare that just got a rank: its step clock starts now
             watched.rank = hb.rank
 
     def on_rebuild(self, rebuild: Rebuild, now: float) -> None:
@@ -272,7 +277,11 @@ class DetectorCore:
                     self._declare(view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, w.last_seen, now)
                 )
             threshold = self.hang_threshold_s(view)
-            for w in self._stalled(view, now):
+            stalled = self._stalled(view, now)
+            ranked = sum(1 for w in view.members.values() if w.rank >= 0)
+            if ranked > 1 and not any(w.waiting for w in stalled):
+                stalled = []  # every stalled rank busy in its own code: a job-wide pause, not a culprit
+            for w in stalled:
                 if w.waiting:
                     continue  # blocked on a peer: the peer is the one to blame
                 del view.members[w.member]
