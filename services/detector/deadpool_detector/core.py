@@ -57,6 +57,7 @@ from deadpool_protocol import (
 __all__ = ["DetectorConfig", "DetectorCore", "JobView", "Watched"]
 
 STEP_TIMES_KEPT = 64
+BUSY_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ class DetectorConfig:
     """The hang threshold while the job has no step times yet (its first step may compile, load data...)."""
     straggler_factor: float = 2.0
     straggler_margin: float = 0.2
-    straggler_window: int = 50
+    straggler_window: int = 300
+    """Heartbeats (30 s at 10 Hz): long enough that a rank's GC pause or slow batch is not a straggler."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0:
@@ -80,8 +82,8 @@ class DetectorConfig:
                 f"hang_floor_s ({self.hang_floor_s}) must exceed heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
                 "a silent member is a heartbeat failure before it can be a hang"
             )
-        if self.straggler_factor <= 1 or self.straggler_window < 2:
-            raise ValueError("straggler_factor must exceed 1 and straggler_window be at least 2")
+        if self.straggler_factor <= 1 or not 2 <= self.straggler_window <= BUSY_KEPT:
+            raise ValueError(f"straggler_factor must exceed 1 and straggler_window be 2 to {BUSY_KEPT}")
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Watched:
     where: str = ""
     section: str = ""
     host: str = ""
-    busy: deque[bool] = field(default_factory=lambda: deque(maxlen=256))
+    busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
 
