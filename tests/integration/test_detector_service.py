@@ -26,7 +26,7 @@ async def failures_of(nc: Client) -> asyncio.Queue[Failure]:
 
 
 async def test_each_dead_member_yields_exactly_one_failure(nc: Client, spawn_service: SpawnService) -> None:
-    spawn_service("detector", "--heartbeat-timeout-s", "30")
+    spawn_service("detector", "--heartbeat-timeout-s", "30", "--hang-floor-s", "60")
     await wait_for_micro_service(nc, "deadpool-detector")
     failures = await failures_of(nc)
     now = time.time()
@@ -58,7 +58,7 @@ async def test_a_member_whose_heartbeats_stop_is_declared_failed(nc: Client, spa
 async def test_malformed_messages_are_rejected_and_the_detector_keeps_working(
     nc: Client, spawn_service: SpawnService
 ) -> None:
-    spawn_service("detector", "--heartbeat-timeout-s", "30")
+    spawn_service("detector", "--heartbeat-timeout-s", "30", "--hang-floor-s", "60")
     await wait_for_micro_service(nc, "deadpool-detector")
     failures = await failures_of(nc)
     await nc.publish(S.child_exit, b"\x93garbage")
