@@ -180,7 +180,7 @@ class Job:
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes)
         if arm_from_env():
-            log.warning("fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises in it")
+            log.warning("fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, SIGWINCH slows")
         self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
         self._link.start(
             MemberHello(
