@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from measures import cpu_seconds, percentile
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -217,14 +218,6 @@ async def worker_main(url: str, index: int, members: list[tuple[str, int]], worl
 
 
 # ----------------------------------------------------------------------------- controller
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
 
 
 async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:

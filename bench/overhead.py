@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from measures import cpu_seconds, percentile
 
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import Commit, decode
@@ -39,20 +40,6 @@ GOALS = {"step_time_ratio_max": 1.02, "stall_ms_p50_max": 1.0, "stall_ms_p99_max
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 RANKS = 2
 COMMIT_GRACE_S = 3.0
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def run_round(

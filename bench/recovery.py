@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+from measures import percentile
 from nats.aio.client import Client
 
 from deadpool_cli.demo import Kill, default_script, incident_report, inject_fault_mid_step
@@ -49,11 +50,6 @@ TRIAL_TIMEOUT_S = 180.0
 CLASSES = ("crash", "hang", "host")
 PHASES = ("detect", "decide", "fence", "abort", "notify", "restore", "rendezvous", "apply")
 GOALS = {"crash_downtime_s_p50_max": 1.0, "hang_downtime_over_threshold_s_p50_max": 1.0, "lost_steps_max": 1}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))] if ordered else float("nan")
 
 
 async def launch(
