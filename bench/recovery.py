@@ -40,7 +40,7 @@ from deadpool_cli.demo import Kill, default_script, incident_report, inject_faul
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol.logs import get_logger
-from deadpool_protocol.timeouts import TimeoutHierarchy
+from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
 
 HEARTBEAT_TIMEOUT_S = 2.0
 HANG_FLOOR_S = 3.0
@@ -153,7 +153,7 @@ def summarise(trials: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    TimeoutHierarchy(0.1, HEARTBEAT_TIMEOUT_S, HANG_FLOOR_S, COLLECTIVE_TIMEOUT_S).check()
+    TimeoutHierarchy(HEARTBEAT_PERIOD_S_DEFAULT, HEARTBEAT_TIMEOUT_S, HANG_FLOOR_S, COLLECTIVE_TIMEOUT_S).check()
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-recovery-"))
     print(f"work dir {workdir}", flush=True)
     config = StackConfig(

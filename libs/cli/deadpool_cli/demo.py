@@ -26,7 +26,7 @@ from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import Incident
 from deadpool_protocol.logs import get_logger
-from deadpool_protocol.timeouts import TimeoutHierarchy
+from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
 
 __all__ = [
     "FAULT_SIGNALS",
@@ -40,8 +40,6 @@ __all__ = [
 
 KILL_AT_FRACTION_OF_STEP = 0.5
 """Where inside the chosen step the kill lands: half-way, in the middle of forward/backward."""
-HEARTBEAT_PERIOD_S = 0.1
-"""The members' default (`MemberConfig.heartbeat_period_s`)."""
 COLLECTIVE_TIMEOUT_S = 20.0
 """Steps take well under a second here; a collective blocked for 20 s is stuck (see docs/architecture.md)."""
 
@@ -83,7 +81,9 @@ class DemoConfig:
     hang_factor: float = 10.0
 
     def check(self) -> None:
-        TimeoutHierarchy(HEARTBEAT_PERIOD_S, self.heartbeat_timeout_s, self.hang_floor_s, COLLECTIVE_TIMEOUT_S).check()
+        TimeoutHierarchy(
+            HEARTBEAT_PERIOD_S_DEFAULT, self.heartbeat_timeout_s, self.hang_floor_s, COLLECTIVE_TIMEOUT_S
+        ).check()
         if self.fault not in FAULT_SIGNALS:
             raise ValueError(f"--fault must be one of {sorted(FAULT_SIGNALS)}")
         if not 1 <= self.kill_step < self.steps:

@@ -161,9 +161,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from deadpool.launcher import LaunchConfig, Launcher
+    from deadpool.member_config import ENV
     from deadpool_cli.stack import Stack, StackConfig
     from deadpool_protocol.logs import configure_logging, get_logger
-    from deadpool_protocol.timeouts import TimeoutHierarchy
+    from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
     from deadpool_runtime.lifecycle import run_service
 
     configure_logging("launcher")
@@ -174,10 +175,10 @@ def _launch(args: argparse.Namespace) -> int:
     if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
         try:
             TimeoutHierarchy(
-                float(os.environ.get("DEADPOOL_HEARTBEAT_PERIOD_S", "0.1")),
+                float(os.environ.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
                 stack_config.heartbeat_timeout_s,
                 stack_config.hang_floor_s,
-                args.collective_timeout_s or float(os.environ.get("DEADPOOL_PG_TIMEOUT_S", "60")),
+                args.collective_timeout_s or float(os.environ.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
             ).check()
         except ValueError as exc:
             print(f"deadpool launch: {exc}", file=sys.stderr)

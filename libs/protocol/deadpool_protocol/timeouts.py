@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HEARTBEATS_PER_TIMEOUT_MIN", "TimeoutHierarchy"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S_DEFAULT",
+    "HEARTBEATS_PER_TIMEOUT_MIN",
+    "HEARTBEAT_PERIOD_S_DEFAULT",
+    "TimeoutHierarchy",
+]
+
+HEARTBEAT_PERIOD_S_DEFAULT = 0.1
+"""How often a member beats (`DEADPOOL_HEARTBEAT_PERIOD_S`), and how often a launcher sends its batch."""
+COLLECTIVE_TIMEOUT_S_DEFAULT = 60.0
+"""How long a collective may block (`DEADPOOL_PG_TIMEOUT_S`, `deadpool launch --collective-timeout-s`)."""
 
 HEARTBEATS_PER_TIMEOUT_MIN = 3
 """A heartbeat timeout must span at least this many periods (one lost or late beat is not a death)."""

@@ -40,13 +40,14 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime import connect, publish, subscribe_validated
 
 __all__ = ["LaunchConfig", "Launcher"]
 
 PR_SET_PDEATHSIG = 1
 TERMINATE_GRACE_S = 10.0
-HEARTBEAT_BATCH_PERIOD_S = 0.1
+HEARTBEAT_BATCH_PERIOD_S = HEARTBEAT_PERIOD_S_DEFAULT
 """As the members' heartbeat period: a beat waits at most this long in the launcher."""
 
 

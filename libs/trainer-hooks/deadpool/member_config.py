@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deadpool_protocol.names import require_name
+from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT
 
 __all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
 
@@ -56,8 +57,8 @@ class MemberConfig:
     world_size: int
     host: str
     rendezvous_host: str = "127.0.0.1"
-    heartbeat_period_s: float = 0.1
-    pg_timeout_s: float = 60.0
+    heartbeat_period_s: float = HEARTBEAT_PERIOD_S_DEFAULT
+    pg_timeout_s: float = COLLECTIVE_TIMEOUT_S_DEFAULT
     """How long a collective may block before gloo/NCCL gives up: the last line of defence. Aborting a
     broken group releases blocked collectives at once, except one case gloo cannot interrupt (a
     collective's send still waiting for a peer that has left, see docs/architecture.md); that member
@@ -112,8 +113,8 @@ class MemberConfig:
             world_size=int(env[ENV.WORLD_SIZE]),
             host=env.get(ENV.HOST) or host_name(),
             rendezvous_host=env.get(ENV.RENDEZVOUS_HOST, "127.0.0.1"),
-            heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, "0.1")),
-            pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, "60")),
+            heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
+            pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
             rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
             backend=env.get(ENV.BACKEND, ""),
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
