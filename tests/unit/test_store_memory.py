@@ -10,6 +10,12 @@ from deadpool_store.memory import SnapshotMemory, StoreError
 CHUNK = 4
 
 
+def put_chunk(memory: SnapshotMemory, chunk: PutChunk, payload: bytes) -> None:
+    """What the data-plane server does: receive into the chunk's target, then verify in place."""
+    memory.chunk_target(chunk)[:] = payload
+    memory.chunk_received(chunk)
+
+
 def upload(
     memory: SnapshotMemory, step: int, data: bytes, rank: int = 0, generation: int = 1, member: str = "m0"
 ) -> None:
@@ -17,7 +23,7 @@ def upload(
     for offset, n in chunk_spans(len(data), CHUNK):
         piece = data[offset : offset + n]
         checksums.append(chunk_checksum(piece))
-        memory.put_chunk(PutChunk("j", generation, rank, member, step, offset, n, len(data)), piece)
+        put_chunk(memory, PutChunk("j", generation, rank, member, step, offset, n, len(data)), piece)
     memory.seal(Seal("j", generation, rank, member, step, len(data), CHUNK, checksums, b"meta"))
 
 
@@ -30,8 +36,8 @@ def test_a_sealed_snapshot_is_served_byte_for_byte() -> None:
 
 def test_a_corrupted_chunk_makes_the_seal_fail_and_nothing_is_served() -> None:
     memory = SnapshotMemory(capacity_bytes=1000)
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcX")
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 4, 4, 8), b"efgh")
+    put_chunk(memory, PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcX")
+    put_chunk(memory, PutChunk("j", 1, 0, "m0", 5, 4, 4, 8), b"efgh")
     with pytest.raises(StoreError, match="checksum"):
         memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), chunk_checksum(b"efgh")], b""))
     with pytest.raises(StoreError, match="no complete snapshot"):
@@ -41,7 +47,7 @@ def test_a_corrupted_chunk_makes_the_seal_fail_and_nothing_is_served() -> None:
 
 def test_a_missing_chunk_makes_the_seal_fail() -> None:
     memory = SnapshotMemory(capacity_bytes=1000)
-    memory.put_chunk(PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcd")
+    put_chunk(memory, PutChunk("j", 1, 0, "m0", 5, 0, 4, 8), b"abcd")
     with pytest.raises(StoreError, match="1 of 2 chunks missing"):
         memory.seal(Seal("j", 1, 0, "m0", 5, 8, 4, [chunk_checksum(b"abcd"), 0], b""))
 

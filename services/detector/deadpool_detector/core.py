@@ -216,15 +216,14 @@ class DetectorCore:
         """Jobs whose every stalled rank waits on peers (no culprit): job -> the stalled members."""
         found: dict[str, list[str]] = {}
         for view in self.jobs.values():
-            stalled = self._stalled(view, now)
+            stalled = self._stalled(view, now, self.hang_threshold_s(view))
             if stalled and all(w.waiting for w in stalled):
                 found[view.job] = [w.member for w in stalled]
         return found
 
-    def _stalled(self, view: JobView, now: float) -> list[Watched]:
+    def _stalled(self, view: JobView, now: float, threshold: float) -> list[Watched]:
         if view.finished or view.generation == 0:
             return []
-        threshold = self.hang_threshold_s(view)
         return [w for w in view.members.values() if w.rank >= 0 and not w.done and now - w.progress_t > threshold]
 
     def stragglers(self, now: float) -> list[Straggler]:
@@ -279,7 +278,7 @@ class DetectorCore:
                     self._declare(view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, w.last_seen, now)
                 )
             threshold = self.hang_threshold_s(view)
-            stalled = self._stalled(view, now)
+            stalled = self._stalled(view, now, threshold)
             ranked = sum(1 for w in view.members.values() if w.rank >= 0)
             if ranked > 1 and not any(w.waiting for w in stalled):
                 stalled = []  # every stalled rank busy in its own code: a job-wide pause, not a culprit

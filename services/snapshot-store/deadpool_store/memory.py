@@ -99,16 +99,6 @@ class SnapshotMemory:
             memoryview(snap.data)[chunk.offset : chunk.offset + chunk.nbytes]
         )
 
-    def put_chunk(self, chunk: PutChunk, payload: bytes | memoryview) -> None:
-        """Store one chunk from a buffer (`chunk_target` + copy + `chunk_received`)."""
-        target = self.chunk_target(chunk)
-        if len(payload) != chunk.nbytes:
-            snap = self._snapshots[(chunk.job, chunk.rank, chunk.step)]
-            snap.error = snap.error or f"chunk at {chunk.offset}: got {len(payload)} bytes, header says {chunk.nbytes}"
-            return
-        target[:] = payload
-        self.chunk_received(chunk)
-
     def seal(self, seal: Seal) -> StoredSnapshot:
         key = (seal.job, seal.rank, seal.step)
         snap = self._snapshots.get(key)
