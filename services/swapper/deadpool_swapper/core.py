@@ -148,7 +148,8 @@ class JobState:
     last_hello_t: float = 0.0
     hold_until: float = 0.0
     """A rebuild is held until then, waiting for the other failures of a lost host."""
-    lost_spares_by_host: dict[str, int] = field(default_factory=dict)
+    silent_hosts: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """host -> (failures arrived, members the detector said went silent) while a rebuild is held."""
 
 
 class SwapperCore:
@@ -244,12 +245,14 @@ class SwapperCore:
         actions: list[Action] = [Persist(state.job)]
         if failure.reason in FailureReason.NEEDS_FENCE:
             actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
+        if host := failure.evidence.get("host", ""):  # the detector saw this member's whole host go silent
+            arrived, announced = state.silent_hosts.get(host, (0, 0))
+            announced = max(announced, _int(failure.evidence.get("host_members_silent", "1")))
+            state.silent_hosts[host] = (arrived + 1, announced)
+            state.hold_until = state.hold_until or now + self.config.host_loss_window_s
         if failure.member in state.spares:
             state.spares.remove(failure.member)
             why = f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left"
-            host = failure.evidence.get("host", "")
-            if host:
-                state.lost_spares_by_host[host] = state.lost_spares_by_host.get(host, 0) + 1
             if state.hold_until and not self._host_failures_missing(state):
                 decision = self._start_rebuild(state, now)  # every announced member of the host is in
                 return Decision(actions + decision.actions, f"{why}; {decision.reason}")
@@ -270,9 +273,6 @@ class SwapperCore:
                 t_detected=failure.t_detected,
             )
         )
-        expected = _int(failure.evidence.get("host_members_silent", "1"))
-        if expected > 1 and not state.hold_until:
-            state.hold_until = now + self.config.host_loss_window_s
         if state.hold_until and now < state.hold_until and self._host_failures_missing(state):
             decision = Decision([], f"host {info.host} lost: waiting for its other failures")
         else:
@@ -282,17 +282,10 @@ class SwapperCore:
             f"rank {rank} ({failure.member}) failed: {failure.reason}; {decision.reason}",
         )
 
-    def _host_failures_missing(self, state: JobState) -> bool:
+    @staticmethod
+    def _host_failures_missing(state: JobState) -> bool:
         """Whether a lost host announced more silent members than failures arrived so far."""
-        by_host: dict[str, int] = {}
-        expected: dict[str, int] = {}
-        for incident in state.open_incidents:
-            host = incident.evidence.get("host", "")
-            if host:
-                by_host[host] = by_host.get(host, 0) + 1
-                expected[host] = max(expected.get(host, 0), _int(incident.evidence.get("host_members_silent", "1")))
-        lost_spares = state.lost_spares_by_host
-        return any(by_host[h] + lost_spares.get(h, 0) < n for h, n in expected.items())
+        return any(arrived < announced for arrived, announced in state.silent_hosts.values())
 
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
@@ -302,7 +295,7 @@ class SwapperCore:
 
     def _start_rebuild(self, state: JobState, now: float) -> Decision:
         state.hold_until = 0.0
-        state.lost_spares_by_host.clear()
+        state.silent_hosts.clear()
         vacant = [r for r, m in enumerate(state.ranks) if m not in state.members]
         if not vacant:
             return Decision([], "no rank is vacant")
