@@ -7,26 +7,11 @@ floor 3 s (the demo's defaults: 0.1 s heartbeat period < 2 s < 3 s < 20 s collec
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-DEMO_TIMEOUT_S = 240.0
-
-
-def run_demo(tmp_path: Path, fault: str) -> dict:  # type: ignore[type-arg]
-    report_path = tmp_path / "report.json"
-    command = [sys.executable, "-m", "deadpool_cli", "demo", "--model-size", "tiny", "--steps", "24"]
-    command += ["--kill-step", "8", "--kill-rank", "2", "--fault", fault, "--report", str(report_path)]
-    command += ["--run-dir", str(tmp_path / "run")]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, check=False)
-    assert report_path.exists(), result.stdout + result.stderr
-    report: dict = json.loads(report_path.read_text())  # type: ignore[type-arg]
-    assert result.returncode == 0, result.stdout + result.stderr
-    return report
+from tests.integration.demo_runs import DemoRun
 
 
 @pytest.mark.parametrize(
@@ -40,13 +25,18 @@ def run_demo(tmp_path: Path, fault: str) -> dict:  # type: ignore[type-arg]
 def test_a_failure_class_is_detected_fenced_and_swapped_bit_identically(
     tmp_path: Path, fault: str, reason: str, detect_max_s: float
 ) -> None:
-    report = run_demo(tmp_path, fault)
-    context = json.dumps(report, indent=1)
+    args = ["--model-size", "tiny", "--steps", "24", "--kill-step", "8", "--kill-rank", "2", "--fault", fault]
+    run = DemoRun(tmp_path, args)
+    report, context = run.report, run.context()
+    assert run.result.returncode == 0, context
     assert report["recovered"] is True and report["bit_identical"] is True, context
     (incident,) = report["incidents"]
     assert incident["rank"] == 2 and incident["reason"] == reason, context
     assert incident["replacement"] != incident["member"], context
     assert incident["lost_steps"] <= 1, context
+    # Every step is snapshotted: the job goes back at most to the step before the one the fault hit
+    # (the fault's step comes from the last heartbeat before it, so it may be one behind).
+    assert report["runs"]["swap"]["kill"]["step"] - 2 <= incident["restore_step"], context
     assert incident["detect_s"] < detect_max_s, context
     if reason == "hang":
         evidence = incident["evidence"]

@@ -7,14 +7,11 @@ Runs `deadpool demo` as a real command: nats-server, detector, swapper and two s
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
-DEMO_TIMEOUT_S = 600
+from tests.integration.demo_runs import DemoRun
 
 
 def processes_carrying(marker: str) -> list[int]:
@@ -33,42 +30,16 @@ def processes_carrying(marker: str) -> list[int]:
 
 
 def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Path) -> None:
-    report_path = tmp_path / "report.json"
     marker = f"DEADPOOL_TEST_MARK={uuid.uuid4().hex}"
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deadpool_cli",
-            "demo",
-            "--model-size",
-            "tiny",
-            "--steps",
-            "10",
-            "--kill-step",
-            "4",
-            "--kill-rank",
-            "2",
-            "--report",
-            str(report_path),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT_S,
-        check=False,
-    )
-    assert report_path.exists(), result.stdout + result.stderr
-    report = json.loads(report_path.read_text())
-    assert result.returncode == 0, result.stdout + result.stderr
+    args = ["--model-size", "tiny", "--steps", "10", "--kill-step", "4", "--kill-rank", "2"]
+    run = DemoRun(tmp_path, args, env=env)
+    report, context = run.report, run.context()
+    assert run.result.returncode == 0, context
 
-    context = json.dumps(report, indent=1)
     assert report["recovered"] is True, context
     assert report["bit_identical"] is True, context
-    assert report["tensors_compared"] > 0
+    assert report["tensors_compared"] > 0, context
     (incident,) = report["incidents"]
     kill = report["runs"]["swap"]["kill"]
     assert incident["rank"] == kill["rank"] == 2, context
@@ -80,7 +51,7 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
     # bound of the step the rank was computing: the restored step is at most two behind it.
     assert kill["step"] - 2 <= incident["restore_step"] < 10, context
     assert 0 < incident["detect_s"] < incident["downtime_s"], context
-    assert set(incident["phases"]) >= {"exit", "detect", "decide", "abort", "restore", "rendezvous", "apply"}
+    assert set(incident["phases"]) >= {"exit", "detect", "decide", "abort", "restore", "rendezvous", "apply"}, context
     assert report["runs"]["swap"]["finished"] and report["runs"]["reference"]["finished"], context
 
     assert processes_carrying(marker) == [], "the demo left processes behind"

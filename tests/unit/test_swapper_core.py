@@ -197,6 +197,19 @@ def test_an_incident_closes_when_every_rank_acked_with_its_phases_and_lost_steps
     assert core.jobs["j"].pending is None
 
 
+def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
+    """A survivor whose own buffers no longer hold the restore step fetches it: its completed steps
+    are lost all the same (this once reported 0 lost steps for a recovery that went back 6)."""
+    core, formation = formed_core()
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 1, 10), 2.0)
+    (rebuild,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    core.on_ack(ack(rebuild, "r0", 5.6, source="store", last=7), 5.6)
+    (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
+    assert incident.restore_step == 1 and incident.lost_steps == 6
+
+
 def test_a_second_failure_during_a_rebuild_starts_a_newer_generation() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
     (first,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)

@@ -114,6 +114,8 @@ class RunResult:
     incidents: list[Incident] = field(default_factory=list)
     kill: Kill | None = None
     log: str = ""
+    stuck: list[str] = field(default_factory=list)
+    """If the run timed out: each member's last heartbeat, then the failures the detector declared."""
 
 
 async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
@@ -152,9 +154,15 @@ async def _train(
     killer = (
         asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
     )
+    stuck: list[str] = []
     try:
         returncode = await asyncio.wait_for(launcher.wait(), cfg.run_timeout_s)
     except TimeoutError:
+        stuck = watch.describe_members(time.time())
+        stuck += [f"declared: {f.member} rank {f.rank} ({f.reason}) {f.evidence}" for f in watch.failures]
+        print(f"run did not finish within {cfg.run_timeout_s} s; stopping it. Last heartbeats:", flush=True)
+        for line in stuck:
+            print(f"  {line}", flush=True)
         launcher.send_signal(signal.SIGTERM)
         returncode = await launcher.wait()
     result = RunResult(
@@ -165,6 +173,7 @@ async def _train(
         watch.finished.is_set(),
         list(watch.incidents),
         log=str(log_path),
+        stuck=stuck,
     )
     if killer is not None:
         if killer.done() and killer.exception() is None:
@@ -320,6 +329,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 "finished": swap.finished,
                 "wall_s": round(swap.wall_s, 2),
                 "log": swap.log,
+                "stuck": swap.stuck,
                 "kill": None
                 if kill is None
                 else {
@@ -342,6 +352,7 @@ async def run_demo(cfg: DemoConfig) -> int:
             "finished": ref.finished,
             "wall_s": round(ref.wall_s, 2),
             "log": ref.log,
+            "stuck": ref.stuck,
         }
     _print_summary(report)
     if cfg.report:

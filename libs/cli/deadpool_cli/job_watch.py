@@ -23,9 +23,14 @@ __all__ = ["JobWatch"]
 @dataclass
 class MemberView:
     pid: int = 0
+    rank: int = -1
+    generation: int = 0
     step: int = -1
     in_step: bool = False
     step_started_t: float = 0.0
+    waiting: bool = False
+    where: str = ""
+    beat_t: float = 0.0
     step_times: list[float] = field(default_factory=list)
     _last_step_t: float = 0.0
 
@@ -66,11 +71,13 @@ class JobWatch:
             view.step_times.append((hb.t - view._last_step_t) / (hb.step - view.step))
         if hb.step != view.step:
             view._last_step_t = hb.t
-        view.pid, view.step, view.in_step, view.step_started_t = (
-            hb.pid,
-            hb.step,
+        view.pid, view.rank, view.generation, view.step = hb.pid, hb.rank, hb.generation, hb.step
+        view.in_step, view.step_started_t, view.waiting, view.where, view.beat_t = (
             hb.in_step,
             hb.step_started_t,
+            hb.waiting,
+            hb.where,
+            hb.t,
         )
         await self._notify()
 
@@ -98,6 +105,18 @@ class JobWatch:
     def median_step_s(self, member: str) -> float:
         times = self.members.get(member, MemberView()).step_times
         return statistics.median(times) if times else 0.0
+
+    def describe_members(self, now: float) -> list[str]:
+        """One line per member from its last heartbeat: what a run that never finished was doing."""
+        lines = []
+        for member, v in sorted(self.members.items(), key=lambda kv: (kv[1].rank < 0, kv[1].rank, kv[0])):
+            state = "in a step" if v.in_step else "between steps"
+            lines.append(
+                f"{member} (pid {v.pid}): rank {v.rank}, generation {v.generation}, step {v.step}, {state}, "
+                f"{'waiting on peers' if v.waiting else 'busy'} at {v.where or '?'}; "
+                f"last heartbeat {now - v.beat_t:.1f} s ago"
+            )
+        return lines
 
     async def wait_for(self, predicate: Any) -> None:
         async with self.changed:

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--heartbeat-timeout-s", type=float, default=2.0)
     demo.add_argument("--hang-floor-s", type=float, default=3.0)
     demo.add_argument("--hang-factor", type=float, default=10.0)
+    demo.add_argument(
+        "--run-timeout-s", type=float, default=600.0, help="stop a run that has not finished by then, saying why"
+    )
 
     up = sub.add_parser("up", help="run NATS, detector, swapper and snapshot stores locally, in the foreground")
     _add_nats(up, required=False)
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             hang_floor_s=args.hang_floor_s,
             hang_factor=args.hang_factor,
+            run_timeout_s=args.run_timeout_s,
         )
         try:
             sys.exit(asyncio.run(run_demo(cfg)))

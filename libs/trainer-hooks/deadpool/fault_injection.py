@@ -1,11 +1,18 @@
-"""Faults on demand, for tests and benchmarks: `DEADPOOL_FAULT_INJECTION=1` arms two signals.
+"""Faults on demand, for tests and benchmarks: `DEADPOOL_FAULT_INJECTION=1` arms three signals.
 
-- SIGUSR1: the training thread hangs where it is, in Python, its heartbeats going on (as a rank
-  stuck in a data loader or on a lock would): the detector must find it from step progress.
-- SIGUSR2: the training thread raises `InjectedFaultError` where it is (as a bug or a CUDA error
-  would): the member reports the error and exits.
+- SIGUSR1: the training thread hangs, in Python, its heartbeats going on (as a rank stuck in a data
+  loader or on a lock would): the detector must find it from step progress.
+- SIGUSR2: the training thread raises `InjectedFaultError` (as a bug or a CUDA error would): the
+  member reports the error and exits.
 - SIGWINCH: from now on every step of this rank starts `SLOW_STEP_S` late (as a rank on a throttled
   GPU or a slow data shard would): a straggler, which the detector reports and nobody swaps.
+
+The hang and the exception do not happen inside the signal handler, which Python runs wherever the
+main thread happens to be: an exception raised there can land in a `__del__` or a library's
+`except Exception` and vanish (the step goes on as if nothing happened), or leave a library's
+bookkeeping half done (DDP's, ours) and turn one failure into another. The handler only records the
+fault; the job carries it out at a fixed point inside the next step, `act_on_pending_fault()` in
+its optimizer step pre-hook, where a failing optimizer step (or a CUDA error it surfaces) would.
 
 SIGKILL (a crash) and SIGSTOP (the whole process frozen, heartbeats too) need no arming. Never armed
 unless the variable is set.
@@ -19,12 +26,21 @@ import threading
 import time
 from types import FrameType
 
-__all__ = ["ENV_FAULT_INJECTION", "SLOW_STEP_S", "InjectedFaultError", "arm_from_env", "step_delay_s"]
+__all__ = [
+    "ENV_FAULT_INJECTION",
+    "SLOW_STEP_S",
+    "InjectedFaultError",
+    "act_on_pending_fault",
+    "arm_from_env",
+    "step_delay_s",
+]
 
 ENV_FAULT_INJECTION = "DEADPOOL_FAULT_INJECTION"
 HANG_POLL_S = 0.05
 SLOW_STEP_S = 0.2
 _delay_s = 0.0
+_pending = ""
+"""The fault recorded by a signal and not yet carried out: '', 'hang' or 'raise'."""
 
 
 def step_delay_s() -> float:
@@ -36,13 +52,29 @@ class InjectedFaultError(RuntimeError):
     """A fault injected with SIGUSR2."""
 
 
-def _hang(signum: int, frame: FrameType | None) -> None:
-    while True:  # stuck for good: only a fence (SIGKILL) ends it
+def act_on_pending_fault() -> None:
+    """Carry out the fault a signal recorded: hang for good, or raise. Does nothing if none is pending.
+
+    Called by the training thread inside each step; costs one global read when nothing is pending.
+    """
+    global _pending
+    if not _pending:
+        return
+    fault, _pending = _pending, ""
+    if fault == "raise":
+        raise InjectedFaultError("fault injected with SIGUSR2")
+    while True:  # 'hang': stuck for good, only a fence (SIGKILL) ends it
         time.sleep(HANG_POLL_S)
 
 
-def _raise(signum: int, frame: FrameType | None) -> None:
-    raise InjectedFaultError("fault injected with SIGUSR2")
+def _record_hang(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = "hang"
+
+
+def _record_raise(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = "raise"
 
 
 def _slow_down(signum: int, frame: FrameType | None) -> None:
@@ -54,7 +86,7 @@ def arm_from_env() -> bool:
     """Install the handlers if `DEADPOOL_FAULT_INJECTION=1` (main thread only). Returns whether armed."""
     if os.environ.get(ENV_FAULT_INJECTION) != "1" or threading.current_thread() is not threading.main_thread():
         return False
-    signal.signal(signal.SIGUSR1, _hang)
-    signal.signal(signal.SIGUSR2, _raise)
+    signal.signal(signal.SIGUSR1, _record_hang)
+    signal.signal(signal.SIGUSR2, _record_raise)
     signal.signal(signal.SIGWINCH, _slow_down)
     return True

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import ControlLink, Progress
-from deadpool.fault_injection import arm_from_env, step_delay_s
+from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
 from deadpool.member_config import MemberConfig
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
 from deadpool.replica_exchange import exchange_partitions
@@ -178,7 +178,7 @@ class Job:
         self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
-        self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes)
+        self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes, config.snapshot_stream_nice)
         if arm_from_env():
             log.warning("fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, SIGWINCH slows")
         self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
@@ -333,6 +333,7 @@ class Job:
         self.stats.completed(captured)
 
     def _fence_optimizer_step(self) -> None:
+        act_on_pending_fault()  # an injected hang or exception (tests and benchmarks only)
         entered = time.perf_counter()
         self._worker.fence_optimizer_step()
         self.stats.stalled(time.perf_counter() - entered)

@@ -35,6 +35,7 @@ class ENV:
     BACKEND = "DEADPOOL_BACKEND"
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
+    SNAPSHOT_STREAM_NICE = "DEADPOOL_SNAPSHOT_STREAM_NICE"
     STATS_DIR = "DEADPOOL_STATS_DIR"
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
@@ -73,6 +74,10 @@ class MemberConfig:
     step-0 snapshot taken when the job forms stays, so a failure still has a step to go back to)."""
     snapshot_partition: bool = True
     """Under data parallelism, snapshot only this rank's share of the replicated parameters."""
+    snapshot_stream_nice: int = 0
+    """CPU niceness of the thread that streams snapshots (0-19; 0: like training). Raise it only where
+    training saturates the CPU and step time matters more than snapshot freshness: see
+    `deadpool.snapshot_worker`."""
     heartbeat_via_launcher: bool = False
     """Send heartbeats to the launcher, which batches its members' beats (set by `deadpool launch`)."""
     stats_dir: str = ""
@@ -94,6 +99,8 @@ class MemberConfig:
             )
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
+        if not 0 <= self.snapshot_stream_nice <= 19:
+            raise ValueError(f"snapshot_stream_nice must be 0 to 19, not {self.snapshot_stream_nice}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MemberConfig:
@@ -119,6 +126,7 @@ class MemberConfig:
             backend=env.get(ENV.BACKEND, ""),
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
             snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
+            snapshot_stream_nice=int(env.get(ENV.SNAPSHOT_STREAM_NICE, "0")),
             stats_dir=env.get(ENV.STATS_DIR, ""),
             heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
         )

@@ -10,10 +10,14 @@ running; it normally finished long before, during forward and backward.
 On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
 stream wait on the copy's event: the GPU orders the two, the CPU never blocks.
 
-Two threads: the copy runs at normal priority (the next optimizer step may wait for it), the stream
-runs at the lowest CPU priority (nice 19): where training keeps every core busy (CPU training), it
-streams in the moments training leaves idle (waits in collectives) instead of taking cycles from it.
-The stream has a whole step to finish; if it has not, the next capture is skipped.
+Two threads: the copy (the next optimizer step may wait for it) and the stream. The stream has a
+whole step to finish; if it has not, the next capture is skipped. Both run at normal priority by
+default. `stream_nice` lowers the stream's priority, for CPU training that keeps every core busy:
+the stream then runs in the moments training leaves idle, which took the GPT-medium step-time ratio
+from 1.056 to 1.023 on 2 cores. The price, on a saturated host: snapshots fall behind by several
+steps (at nice 19 a 4-rank tiny-GPT job that failed after step 7 went back to step 1), and a
+SIGKILLed member takes 1.5 s to die, because its low-priority thread must be scheduled to exit
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -33,9 +37,7 @@ from deadpool.store_client import SnapshotCancelledError, StoreClientError, Stor
 from deadpool.training_state import SnapshotSources
 from deadpool_protocol import StoreAddress
 
-__all__ = ["STREAM_NICE", "CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
-
-STREAM_NICE = 19
+__all__ = ["CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
 
 
 @dataclass
@@ -65,9 +67,10 @@ class CaptureRequest:
 
 
 class SnapshotWorker:
-    def __init__(self, log: Any, chunk_bytes: int) -> None:
+    def __init__(self, log: Any, chunk_bytes: int, stream_nice: int = 0) -> None:
         self.log = log
         self.chunk_bytes = chunk_bytes
+        self.stream_nice = stream_nice
         self.slots = [SnapshotSlot(), SnapshotSlot()]
         self.skipped = 0
         self._busy = False
@@ -224,10 +227,11 @@ class SnapshotWorker:
             self._uploads.put(request)
 
     def _stream_loop(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), STREAM_NICE)
-        except OSError as exc:  # not fatal: the stream then competes with training at equal priority
-            self.log.warning("could not lower the snapshot stream's priority", error=str(exc))
+        if self.stream_nice > 0:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.stream_nice)
+            except OSError as exc:  # not fatal: the stream then competes with training at equal priority
+                self.log.warning("could not lower the snapshot stream's priority", error=str(exc))
         while True:
             request = self._uploads.get()
             if request is None:

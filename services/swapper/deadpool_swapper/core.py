@@ -379,8 +379,10 @@ class SwapperCore:
     def _close(self, state: JobState, incident: OpenIncident, pending: PendingRebuild) -> Incident:
         acks = list(pending.acks.values())
         t_resumed = max(a.t_ready for a in acks)
-        survivors = [a for a in acks if a.restore_source != "store"]
-        last_completed = max((a.last_completed_step for a in survivors), default=state.restore_step)
+        # Every member that held a rank before reports the last step it completed, wherever it
+        # restores from (a survivor whose own buffers no longer hold the restore step fetches too).
+        last_completed = max((a.last_completed_step for a in acks), default=NO_STEP)
+        last_completed = max(last_completed, state.restore_step)
         phases = incident_phases(incident, acks)
         return Incident(
             job=state.job,
