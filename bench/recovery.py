@@ -1,4 +1,4 @@
-"""Recovery per failure class, phase by phase: crash, hang and lost host, N faults each.
+"""Recovery per failure class, phase by phase: crash, hang, lost host and broken group, N faults each.
 
     .venv/bin/python bench/recovery.py --trials 5
 
@@ -10,7 +10,9 @@ One control plane (embedded NATS, detector, swapper, two stores; heartbeat timeo
 - hang: rank 2's training thread stuck in Python (`DEADPOOL_FAULT_INJECTION`, SIGUSR1), heartbeats
   going on: found from step progress, fenced (SIGKILL by its launcher), then swapped;
 - host: two launchers play two hosts (ranks 0-1 on one, ranks 2-3 and the spares on the other); the
-  first launcher is SIGKILLed with its children: heartbeat silence only, both ranks swapped together.
+  first launcher is SIGKILLed with its children: heartbeat silence only, both ranks swapped together;
+- group: rank 2's process-group connections reset (SIGURG), every process alive: every rank leaves
+  its step, and after the heartbeat timeout the same members regroup (no spare, no fence).
 
 Per class: p50/p95 of detect_s (fault -> verdict), of each phase, and of downtime_s (fault -> every rank
 training again), and the maximum of lost_steps. The last line is one JSON object.
@@ -47,7 +49,9 @@ HANG_FLOOR_S = 3.0
 HANG_FACTOR = 10.0
 COLLECTIVE_TIMEOUT_S = 20.0
 TRIAL_TIMEOUT_S = 180.0
-CLASSES = ("crash", "hang", "host")
+CLASSES = ("crash", "hang", "host", "group")
+INJECTED = {"crash": "kill", "hang": "hang", "group": "reset"}
+"""The demo's fault for each class injected into one rank (a lost host is its launcher's SIGKILL)."""
 PHASES = ("detect", "decide", "fence", "abort", "notify", "restore", "rendezvous", "apply")
 GOALS = {"crash_downtime_s_p50_max": 1.0, "hang_downtime_over_threshold_s_p50_max": 1.0, "lost_steps_max": 1}
 
@@ -84,7 +88,7 @@ async def run_trial(
             kill = Kill(0, "hosta", lost.pid, args.fault_step, time.time(), "host")
             expected = 2
         else:
-            fault = "kill" if kind == "crash" else "hang"
+            fault = INJECTED[kind]
             kill = await asyncio.wait_for(inject_fault_mid_step(watch, 2, args.fault_step, fault), TRIAL_TIMEOUT_S)
             expected = 1
         await asyncio.wait_for(watch.wait_for(lambda: len(watch.incidents) >= expected), TRIAL_TIMEOUT_S)

@@ -1,4 +1,5 @@
-"""Each failure class, injected into a real job, is detected, fenced and swapped, bit-identically.
+"""Each failure class, injected into a real job, is detected, fenced and swapped (or, with every rank
+alive, regrouped), bit-identically.
 
 `deadpool demo --fault F` trains the tiny GPT on 4 ranks + 1 warm spare, injects F into rank 2 mid-step
 and compares the final weights with an uninterrupted run. Thresholds: heartbeat timeout 2 s, hang
@@ -43,3 +44,20 @@ def test_a_failure_class_is_detected_fenced_and_swapped_bit_identically(
         assert float(evidence["hang_threshold_s"]) >= 3.0, context
         assert float(evidence["no_step_s"]) >= float(evidence["hang_threshold_s"]), context  # never sooner
     assert incident["phases"]["fence"] > 0, context  # the member was still alive: killed before the swap
+
+
+def test_a_group_broken_with_every_rank_alive_is_regrouped_bit_identically(tmp_path: Path) -> None:
+    """Rank 2's process-group connections are reset mid-step (as by the network): every rank's
+    collective fails, nobody dies. After the heartbeat timeout (2 s, so a silent death would have
+    been declared first) the same members form a new generation; no spare is used, nobody fenced."""
+    args = ["--model-size", "tiny", "--steps", "24", "--kill-step", "8", "--kill-rank", "2", "--fault", "reset"]
+    run = DemoRun(tmp_path, args)
+    report, context = run.report, run.context()
+    assert run.result.returncode == 0, context
+    assert report["recovered"] is True and report["bit_identical"] is True, context
+    (incident,) = report["incidents"]
+    assert incident["reason"] == "group" and incident["replacement"] == incident["member"], context
+    assert incident["phases"]["fence"] == 0, context
+    assert 2.0 <= incident["detect_s"] < 2.0 + 2.0, context
+    assert incident["lost_steps"] <= 1, context
+    assert report["runs"]["swap"]["kill"]["step"] - 2 <= incident["restore_step"], context

@@ -11,6 +11,7 @@ from deadpool_protocol import (
     Failure,
     FenceReply,
     FenceRequest,
+    GroupBroken,
     Heartbeat,
     HelloReply,
     Incident,
@@ -70,6 +71,7 @@ EXAMPLES: list[Message] = [
     JobFinished("j", 1, 100),
     Incident("j", 2, "j-1", 0, "m0", "m2", "exit", 1.0, 1.1, 1.2, 2.0, 7, 0, {"detect": 0.1}, {"pid": "1"}),
     StoreStatus("s0", "127.0.0.1", 5000, 10, 100, 1, 1.0),
+    GroupBroken("j", 1, ["m0", "m1"], {"first_to_leave": "m0"}, 1.0, 3.0),
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from deadpool_detector.core import DetectorConfig, DetectorCore
-from deadpool_protocol import ChildExit, Heartbeat, JobFinished, MemberDone, MemberError, StoreAddress
+from deadpool_protocol import ChildExit, GroupBroken, Heartbeat, JobFinished, MemberDone, MemberError, StoreAddress
 from deadpool_protocol import Rebuild as RebuildMessage
 
 
@@ -11,11 +11,11 @@ def beat(member: str, t: float, step: int = 3, rank: int = 0, generation: int = 
     return Heartbeat("j", generation, member, rank, 100, step, True, t, t)
 
 
-def formed(core: DetectorCore, now: float) -> None:
+def formed(core: DetectorCore, now: float, generation: int = 1) -> None:
     core.on_rebuild(
         RebuildMessage(
             "j",
-            1,
+            generation,
             2,
             ["m0", "m1"],
             ["m2"],
@@ -235,3 +235,53 @@ def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None
     # A 6 s stretch where both ranks sit in their own code (a collective GC pause, an evaluation
     # without a section): no waiting peer names a culprit, so nobody is declared.
     assert train(core, 10.0, 16.0, step_s=0.5, stuck={"m0": 10.0, "m1": 10.0}, step0=20) == []
+
+
+def awaiting_beats(core: DetectorCore, t0: float, t1: float, awaiting: dict[str, float]) -> list[object]:
+    """m0 and m1 stuck at step 40; `awaiting[m]` = when m left its step to await a rebuild. Returns
+    the failures and broken-group verdicts of each check, in order."""
+    verdicts: list[object] = []
+    t = t0
+    while t < t1:
+        for rank, member in enumerate(("m0", "m1")):
+            left = t >= awaiting.get(member, float("inf"))
+            hb = Heartbeat("j", 1, member, rank, 100, 40, not left, 1.0, t, waiting=not left, awaiting_rebuild=left)
+            core.on_heartbeat(hb, t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        verdicts += [*core.check(t), *core.broken_groups(t)]
+        t = round(t + HB_S, 6)
+    return verdicts
+
+
+def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_once() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    # m1's connections reset at t=20.05: both leave the collective, m1 first, and await a rebuild.
+    verdicts = awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05, "m0": 20.25})
+    (broken,) = verdicts  # no hang verdict however long they await: they wait on the control plane
+    assert isinstance(broken, GroupBroken)
+    assert broken.members == ["m1", "m0"] and broken.evidence["first_to_leave"] == "m1"
+    assert broken.t_broken == 20.1  # m1's first heartbeat awaiting
+    assert 21.3 <= broken.t_detected <= 21.4  # the last to leave, m0 (20.3), plus the 1 s heartbeat timeout
+
+
+def test_a_rank_awaiting_a_rebuild_is_never_the_culprit_of_a_peer_still_in_its_collective() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    # m1 left for a rebuild; m0 is still inside its collective (a rebuild under way would free it).
+    # Neither is hung (m1 once was: stalled and "not waiting" next to a waiting peer), and the group
+    # is not broken while m0 is in it.
+    assert awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05}) == []
+
+
+def test_a_new_generation_restarts_the_regroup_clock() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, regroup_after_s=2))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    assert awaiting_beats(core, 20.0, 21.5, awaiting={"m0": 20.0, "m1": 20.0}) == []  # 2 s not reached
+    formed(core, 21.5, generation=2)  # a rebuild under way, which they carry out: the clock restarts
+    assert awaiting_beats(core, 21.5, 23.4, awaiting={"m0": 20.0, "m1": 20.0}) == []
+    (broken,) = awaiting_beats(core, 23.4, 23.7, awaiting={"m0": 20.0, "m1": 20.0})
+    assert isinstance(broken, GroupBroken) and broken.generation == 2

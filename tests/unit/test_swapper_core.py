@@ -9,6 +9,7 @@ import pytest
 from deadpool_protocol import (
     Commit,
     Failure,
+    GroupBroken,
     Incident,
     JobFinished,
     MemberDone,
@@ -208,6 +209,30 @@ def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
     core.on_ack(ack(rebuild, "r0", 5.6, source="store", last=7), 5.6)
     (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
     assert incident.restore_step == 1 and incident.lost_steps == 6
+
+
+def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> None:
+    core, formation = formed_core()
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 5, 10), 2.0)
+    broken = GroupBroken("j", 1, ["r1", "r0"], {"first_to_leave": "r1"}, 5.0, 7.0)
+    (rebuild,) = published(core.on_group_broken(broken, 7.0), Rebuild)
+    assert rebuild.generation == 2 and rebuild.ranks == formation.ranks and rebuild.spares == ["s"]
+    assert rebuild.restore_step == 5
+    assert published(core.on_group_broken(broken, 7.1), Rebuild) == []  # stale: generation 1 is gone
+    core.on_ack(ack(rebuild, "r0", 7.3, last=6), 7.3)
+    (incident,) = published(core.on_ack(ack(rebuild, "r1", 7.4, last=6), 7.4), Incident)
+    assert (incident.reason, incident.rank, incident.member, incident.replacement) == ("group", 1, "r1", "r1")
+    assert incident.lost_steps == 1 and incident.detect_s == pytest.approx(2.0)
+
+
+def test_a_broken_group_waits_for_a_rebuild_already_under_way() -> None:
+    core, _ = formed_core()
+    (first,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    late = GroupBroken("j", 2, [first.ranks[0], first.ranks[1]], {}, 5.0, 7.0)
+    decision = core.on_group_broken(late, 7.0)
+    assert decision.actions == [] and "under way" in decision.reason
 
 
 def test_a_second_failure_during_a_rebuild_starts_a_newer_generation() -> None:

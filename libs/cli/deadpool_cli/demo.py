@@ -49,6 +49,7 @@ FAULT_SIGNALS = {
     "stop": signal.SIGSTOP,
     "hang": signal.SIGUSR1,
     "exception": signal.SIGUSR2,
+    "reset": signal.SIGURG,
 }
 """How each fault class is injected; hang and exception use `deadpool.fault_injection`'s handlers."""
 
@@ -75,7 +76,8 @@ class DemoConfig:
     reference: bool = True
     fault: str = "kill"
     """kill (SIGKILL), stop (SIGSTOP: frozen, heartbeats too), hang (the training thread stuck in Python,
-    heartbeats going on), exception (raised in the training thread)."""
+    heartbeats going on), exception (raised in the training thread), reset (the rank's process-group
+    connections reset: every rank alive, the job regroups without a swap)."""
     heartbeat_timeout_s: float = 2.0
     hang_floor_s: float = 3.0
     hang_factor: float = 10.0
@@ -220,9 +222,13 @@ def _print_summary(report: dict[str, Any]) -> None:
             f"{kill['at_s']:.1f} s into the run"
         )
     for inc in report["incidents"]:
+        if inc["replacement"] == inc["member"]:
+            outcome = f"rank {inc['rank']} left first; the same members regrouped"
+        else:
+            outcome = f"rank {inc['rank']} handed to spare {inc['replacement']}"
         w(
-            f"  detected in {inc['detect_s'] * 1000:.0f} ms ({inc['reason']}); rank {inc['rank']} handed to spare "
-            f"{inc['replacement']}; restored step {inc['restore_step']}, lost {inc['lost_steps']} step(s)"
+            f"  detected in {inc['detect_s'] * 1000:.0f} ms ({inc['reason']}); {outcome}; "
+            f"restored step {inc['restore_step']}, lost {inc['lost_steps']} step(s)"
         )
         phases = "  ".join(f"{k} {v * 1000:.0f}" for k, v in inc["phases"].items())
         w(f"  phases (ms): {phases}")

@@ -38,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--fault",
         default="kill",
-        choices=["kill", "stop", "hang", "exception"],
-        help="SIGKILL; SIGSTOP; the training thread stuck in Python; an exception in the step",
+        choices=["kill", "stop", "hang", "exception", "reset"],
+        help="SIGKILL; SIGSTOP; the training thread stuck in Python; an exception in the step; "
+        "the rank's process-group connections reset (everyone alive: a regroup, no swap)",
     )
     demo.add_argument("--heartbeat-timeout-s", type=float, default=2.0)
     demo.add_argument("--hang-floor-s", type=float, default=3.0)
@@ -75,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     detector.add_argument("--hang-factor", type=float, default=10.0, help="hang: no step for this x the median step")
     detector.add_argument("--hang-floor-s", type=float, default=10.0, help="hang threshold never below this")
     detector.add_argument("--first-step-s", type=float, default=120.0, help="hang threshold before any step time")
+    detector.add_argument(
+        "--regroup-after-s",
+        type=float,
+        default=0.0,
+        help="every rank awaiting a rebuild this long, nobody failed: regroup them (0: the heartbeat timeout)",
+    )
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
     _add_nats(swapper)
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                 hang_factor=args.hang_factor,
                 hang_floor_s=args.hang_floor_s,
                 first_step_s=args.first_step_s,
+                regroup_after_s=args.regroup_after_s,
             )
         except ValueError as exc:
             sys.exit(f"deadpool detector: {exc}")

@@ -25,6 +25,7 @@ __all__ = [
     "FailureReason",
     "FenceReply",
     "FenceRequest",
+    "GroupBroken",
     "Heartbeat",
     "HeartbeatBatch",
     "HelloReply",
@@ -164,6 +165,10 @@ class Heartbeat(JobMessage):
     """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected."""
     host: str = ""
     """The member's host, so that the detector can tell a lost host from a lost process."""
+    awaiting_rebuild: bool = False
+    """The member left a broken process group and waits for the swapper's rebuild, or carries it out.
+    Waiting on the control plane, not hung; when every rank does it and nobody failed, the group
+    broke by itself (see `GroupBroken`)."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -281,6 +286,28 @@ class Failure(JobMessage):
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class GroupBroken(JobMessage):
+    """The detector's verdict: every rank of `generation` left its process group and waits for a
+    rebuild, and nobody failed (a connection reset by the network, a collective that timed out on
+    every rank). The swapper answers with a new generation of the same members (a regroup)."""
+
+    KIND: ClassVar[str] = "group_broken"
+    INCIDENT_REASON: ClassVar[str] = "group"
+    """The reason of the incident a regroup closes."""
+    members: list[str]
+    evidence: dict[str, str]
+    t_broken: float
+    """When the first rank left the group (its first heartbeat awaiting a rebuild)."""
+    t_detected: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(len(self.members) >= 1, "a broken group has members")
+        for member in self.members:
+            _need_name(member, "member")
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,5 +101,10 @@ class Subjects:
         return self._s("straggler")
 
     @property
+    def group_broken(self) -> str:
+        """The detector's verdict that a generation's group broke with every member alive."""
+        return self._s("group.broken")
+
+    @property
     def snapshot_complete(self) -> str:
         return self._s("snapshot.complete")

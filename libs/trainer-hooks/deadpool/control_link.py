@@ -60,6 +60,7 @@ class Progress:
     step_started_t: float = 0.0
     snapshots_skipped: int = 0
     section: str = ""
+    awaiting_rebuild: bool = False
 
 
 class ControlLink:
@@ -206,6 +207,7 @@ class ControlLink:
                 where=where[:200],
                 section=p.section[:64],
                 host=self.config.host,
+                awaiting_rebuild=p.awaiting_rebuild,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))

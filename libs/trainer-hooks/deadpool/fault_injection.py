@@ -1,13 +1,16 @@
-"""Faults on demand, for tests and benchmarks: `DEADPOOL_FAULT_INJECTION=1` arms three signals.
+"""Faults on demand, for tests and benchmarks: `DEADPOOL_FAULT_INJECTION=1` arms four signals.
 
 - SIGUSR1: the training thread hangs, in Python, its heartbeats going on (as a rank stuck in a data
   loader or on a lock would): the detector must find it from step progress.
 - SIGUSR2: the training thread raises `InjectedFaultError` (as a bug or a CUDA error would): the
   member reports the error and exits.
+- SIGURG: the process group's connections of this rank are reset (as a network fault would reset
+  them): every rank's collective fails while every process stays alive; nobody is to blame, and the
+  job must regroup.
 - SIGWINCH: from now on every step of this rank starts `SLOW_STEP_S` late (as a rank on a throttled
   GPU or a slow data shard would): a straggler, which the detector reports and nobody swaps.
 
-The hang and the exception do not happen inside the signal handler, which Python runs wherever the
+The hang, the exception and the reset do not happen inside the signal handler, which Python runs wherever the
 main thread happens to be: an exception raised there can land in a `__del__` or a library's
 `except Exception` and vanish (the step goes on as if nothing happened), or leave a library's
 bookkeeping half done (DDP's, ours) and turn one failure into another. The handler only records the
@@ -24,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 __all__ = [
@@ -40,7 +44,7 @@ HANG_POLL_S = 0.05
 SLOW_STEP_S = 0.2
 _delay_s = 0.0
 _pending = ""
-"""The fault recorded by a signal and not yet carried out: '', 'hang' or 'raise'."""
+"""The fault recorded by a signal and not yet carried out: '', 'hang', 'raise' or 'reset'."""
 
 
 def step_delay_s() -> float:
@@ -52,8 +56,9 @@ class InjectedFaultError(RuntimeError):
     """A fault injected with SIGUSR2."""
 
 
-def act_on_pending_fault() -> None:
-    """Carry out the fault a signal recorded: hang for good, or raise. Does nothing if none is pending.
+def act_on_pending_fault(reset_group: Callable[[], object]) -> None:
+    """Carry out the fault a signal recorded: hang for good, raise, or call `reset_group` (which
+    breaks this rank's process-group connections). Does nothing if none is pending.
 
     Called by the training thread inside each step; costs one global read when nothing is pending.
     """
@@ -63,6 +68,9 @@ def act_on_pending_fault() -> None:
     fault, _pending = _pending, ""
     if fault == "raise":
         raise InjectedFaultError("fault injected with SIGUSR2")
+    if fault == "reset":
+        reset_group()
+        return
     while True:  # 'hang': stuck for good, only a fence (SIGKILL) ends it
         time.sleep(HANG_POLL_S)
 
@@ -77,6 +85,11 @@ def _record_raise(signum: int, frame: FrameType | None) -> None:
     _pending = "raise"
 
 
+def _record_reset(signum: int, frame: FrameType | None) -> None:
+    global _pending
+    _pending = "reset"
+
+
 def _slow_down(signum: int, frame: FrameType | None) -> None:
     global _delay_s
     _delay_s = SLOW_STEP_S
@@ -88,5 +101,6 @@ def arm_from_env() -> bool:
         return False
     signal.signal(signal.SIGUSR1, _record_hang)
     signal.signal(signal.SIGUSR2, _record_raise)
+    signal.signal(signal.SIGURG, _record_reset)
     signal.signal(signal.SIGWINCH, _slow_down)
     return True

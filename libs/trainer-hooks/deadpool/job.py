@@ -180,7 +180,10 @@ class Job:
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes, config.snapshot_stream_nice)
         if arm_from_env():
-            log.warning("fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, SIGWINCH slows")
+            log.warning(
+                "fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, "
+                "SIGURG resets the group's connections, SIGWINCH slows"
+            )
         self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
         self._link.start(
             MemberHello(
@@ -333,7 +336,7 @@ class Job:
         self.stats.completed(captured)
 
     def _fence_optimizer_step(self) -> None:
-        act_on_pending_fault()  # an injected hang or exception (tests and benchmarks only)
+        act_on_pending_fault(self._group.abort)  # an injected fault (tests and benchmarks only)
         entered = time.perf_counter()
         self._worker.fence_optimizer_step()
         self.stats.stalled(time.perf_counter() - entered)
@@ -373,7 +376,7 @@ class Job:
         marks = {"out": time.time()}
         self.stats.abandoned()
         self._leave_group()
-        self._link.progress = replace(self._link.progress, in_step=False)
+        self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)
         self.log.warning(
             "collective failed; group dropped, waiting for a rebuild",
             generation=self.generation,
@@ -436,6 +439,7 @@ class Job:
             return False
         survivor = self.rank is not None
         marks["begin"] = time.time()
+        self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)
         if survivor:
             marks.setdefault("out", time.time())
             self._leave_group()

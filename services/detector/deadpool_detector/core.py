@@ -31,6 +31,13 @@ replace them in one generation.
 No verdict from silence the detector did not see: after an outage of its own connection, or a pause of
 its own longer than half the heartbeat timeout, `grace(now)` restarts every member's clocks.
 
+A broken group with nobody to blame. A member that left a broken collective says in its heartbeats
+that it awaits a rebuild; it is waiting (on the control plane), never a culprit. When every rank of the
+current generation has awaited a rebuild for `regroup_after_s` (by default the heartbeat timeout, so a
+member that died silently is declared first) and nobody was declared, the group broke by itself (a
+connection reset, a collective timed out everywhere): `broken_groups` reports it once per generation
+as a `GroupBroken`, and the swapper regroups the same members.
+
 A member is declared failed once, ever: member ids are unique per process and a declared member is
 fenced, so a second verdict could only be a duplicate.
 """
@@ -46,6 +53,7 @@ from deadpool_protocol import (
     ChildExit,
     Failure,
     FailureReason,
+    GroupBroken,
     Heartbeat,
     JobFinished,
     MemberDone,
@@ -71,6 +79,13 @@ class DetectorConfig:
     straggler_margin: float = 0.2
     straggler_window: int = 300
     """Heartbeats (30 s at 10 Hz): long enough that a rank's GC pause or slow batch is not a straggler."""
+    regroup_after_s: float = 0.0
+    """How long every rank must await a rebuild, nobody failed, before the group is reported broken;
+    0 means the heartbeat timeout (a member that died without a word is declared by then)."""
+
+    @property
+    def regroup_wait_s(self) -> float:
+        return self.regroup_after_s or self.heartbeat_timeout_s
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= 0:
@@ -81,6 +96,11 @@ class DetectorConfig:
             raise ValueError(
                 f"hang_floor_s ({self.hang_floor_s}) must exceed heartbeat_timeout_s ({self.heartbeat_timeout_s}): "
                 "a silent member is a heartbeat failure before it can be a hang"
+            )
+        if 0 < self.regroup_after_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"regroup_after_s ({self.regroup_after_s}) must be at least heartbeat_timeout_s "
+                f"({self.heartbeat_timeout_s}): a member that died silently must be declared before a regroup"
             )
         if self.straggler_factor <= 1 or not 2 <= self.straggler_window <= BUSY_KEPT:
             raise ValueError(f"straggler_factor must exceed 1 and straggler_window be 2 to {BUSY_KEPT}")
@@ -97,6 +117,9 @@ class Watched:
     progress_t: float = 0.0
     """When the step counter last moved (or the member's clocks were last restarted)."""
     waiting: bool = False
+    """Waiting on its peers (in torch's collective code) or on the control plane (awaiting a rebuild)."""
+    awaiting_since: float = 0.0
+    """Since when its heartbeats say it awaits a rebuild (0: it does not)."""
     where: str = ""
     section: str = ""
     host: str = ""
@@ -114,6 +137,8 @@ class JobView:
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
     """Recent step durations of the job's ranks, seconds."""
     stragglers_reported: set[tuple[int, str]] = field(default_factory=set)
+    broken_reported: int = 0
+    """The last generation reported as a broken group (once per generation)."""
 
 
 class DetectorCore:
@@ -142,13 +167,17 @@ class DetectorCore:
             watched.progress_t = now
         watched.last_step = hb.step
         watched.pid = hb.pid
-        watched.waiting = hb.waiting
+        watched.waiting = hb.waiting or hb.awaiting_rebuild
+        if not hb.awaiting_rebuild:
+            watched.awaiting_since = 0.0
+        elif not watched.awaiting_since:
+            watched.awaiting_since = now
         watched.where = hb.where
         if hb.section or watched.section:
             watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
         watched.section = hb.section
         watched.host = hb.host
-        watched.busy.append(hb.in_step and not hb.waiting)
+        watched.busy.append(hb.in_step and not watched.waiting)
         if hb.generation >= view.generation:
             if watched.rank != hb.rank:
                 watched.progress_t = now  # a spare that just got a rank: its step clock starts now
@@ -169,6 +198,7 @@ class DetectorCore:
             watched.rank = rank_of.get(member, NO_RANK)
             if newer:  # a new generation: rendezvous and restore take time; step clocks start again
                 watched.progress_t = now
+                watched.awaiting_since = now if watched.awaiting_since else 0.0
                 watched.busy.clear()
 
     def on_done(self, done: MemberDone) -> None:
@@ -211,6 +241,31 @@ class DetectorCore:
         if not view.step_times:
             return max(c.hang_floor_s, c.first_step_s)
         return max(c.hang_floor_s, c.hang_factor * statistics.median(view.step_times))
+
+    def broken_groups(self, now: float) -> list[GroupBroken]:
+        """Generations whose every rank has awaited a rebuild for `regroup_wait_s`, nobody declared."""
+        found: list[GroupBroken] = []
+        for view in self.jobs.values():
+            if view.finished or view.generation == 0 or view.broken_reported >= view.generation:
+                continue
+            ranked = [w for w in view.members.values() if w.rank >= 0 and not w.done]
+            if not ranked or not all(w.awaiting_since for w in ranked):  # stops at the first rank training
+                continue
+            if now - max(w.awaiting_since for w in ranked) < self.config.regroup_wait_s:
+                continue
+            view.broken_reported = view.generation
+            ranked.sort(key=lambda w: (w.awaiting_since, w.rank))
+            first = ranked[0]
+            evidence = {
+                "ranks_awaiting": str(len(ranked)),
+                "first_to_leave": first.member,
+                "first_rank": str(first.rank),
+                "awaiting_s": f"{now - first.awaiting_since:.3f}",
+            }
+            found.append(
+                GroupBroken(view.job, view.generation, [w.member for w in ranked], evidence, first.awaiting_since, now)
+            )
+        return found
 
     def stalls(self, now: float) -> dict[str, list[str]]:
         """Jobs whose every stalled rank waits on peers (no culprit): job -> the stalled members."""

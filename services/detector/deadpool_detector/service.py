@@ -72,6 +72,14 @@ class DetectorService:
             self.log.warning("detector missed time; every member's clocks restarted", missed_s=round(paused_s, 3))
             return
         await self._emit(self.core.check(now))
+        for broken in self.core.broken_groups(now):
+            self.log.warning(
+                "process group broken, every rank alive and awaiting a rebuild",
+                job=broken.job,
+                generation=broken.generation,
+                evidence=broken.evidence,
+            )
+            await publish(self.nc, Subjects.for_job(broken.job).group_broken, broken)
         if now - self._last_review < REVIEW_PERIOD_S:
             return
         self._last_review = now

@@ -16,6 +16,7 @@ from deadpool_protocol import (
     Commit,
     Failure,
     FailureReason,
+    GroupBroken,
     HelloReply,
     Incident,
     JobFinished,
@@ -286,6 +287,35 @@ class SwapperCore:
     def _host_failures_missing(state: JobState) -> bool:
         """Whether a lost host announced more silent members than failures arrived so far."""
         return any(arrived < announced for arrived, announced in state.silent_hosts.values())
+
+    def on_group_broken(self, broken: GroupBroken, now: float) -> Decision:
+        """Every rank left the group and nobody failed: a new generation of the same members, restored
+        to the committed step (a regroup). Ignored while anything else is under way: a pending or held
+        rebuild, or a vacant rank; those end in a new generation anyway."""
+        state = self.jobs.get(broken.job)
+        if state is None or state.finished or broken.generation != state.generation:
+            return Decision([], f"group of generation {broken.generation} broken: not the current one, ignored")
+        if state.pending is not None or state.open_incidents or state.hold_until:
+            return Decision([], f"group of generation {broken.generation} broken: a rebuild is already under way")
+        if set(broken.members) != set(state.ranks) or any(m not in state.members for m in state.ranks):
+            return Decision([], f"group of generation {broken.generation} broken: its members differ from the ranks")
+        first = broken.evidence.get("first_to_leave", broken.members[0])
+        rank = state.ranks.index(first) if first in state.ranks else 0
+        state.incident_seq += 1
+        state.open_incidents.append(
+            OpenIncident(
+                incident_id=f"{state.job}-{state.incident_seq}",
+                rank=rank,
+                member=state.ranks[rank],
+                host=state.members[state.ranks[rank]].host,
+                reason=GroupBroken.INCIDENT_REASON,
+                evidence=dict(broken.evidence),
+                t_fault=broken.t_broken,
+                t_detected=broken.t_detected,
+                replacement=state.ranks[rank],
+            )
+        )
+        return self._publish_rebuild(state, now, newcomers=set(), reason="regroup: the group broke, every rank alive")
 
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)

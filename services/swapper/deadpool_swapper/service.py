@@ -27,6 +27,7 @@ from deadpool_protocol import (
     Failure,
     FenceReply,
     FenceRequest,
+    GroupBroken,
     MemberDone,
     MemberHello,
     ProtocolError,
@@ -143,6 +144,10 @@ class SwapperService:
         async with self._lock:
             await self._apply(self.core.on_failure(failure, time.time()), failure.job)
 
+    async def _on_group_broken(self, broken: GroupBroken, _msg: Msg) -> None:
+        async with self._lock:
+            await self._apply(self.core.on_group_broken(broken, time.time()), broken.job)
+
     async def _on_ack(self, ack: RebuildAck, _msg: Msg) -> None:
         async with self._lock:
             await self._apply(self.core.on_ack(ack, time.time()), ack.job)
@@ -191,6 +196,7 @@ class SwapperService:
             self.log.info("job state loaded", job=state.job, generation=state.generation)
         s = Subjects.any_job()
         await subscribe_validated(self.nc, s.failure, Failure, self._on_failure, self.log)
+        await subscribe_validated(self.nc, s.group_broken, GroupBroken, self._on_group_broken, self.log)
         await subscribe_validated(self.nc, s.rebuild_ack, RebuildAck, self._on_ack, self.log)
         await subscribe_validated(self.nc, s.snapshot_complete, SnapshotComplete, self._on_snapshot, self.log)
         await subscribe_validated(self.nc, s.member_done, MemberDone, self._on_done, self.log)
