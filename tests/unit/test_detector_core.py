@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from deadpool_detector.core import DetectorConfig, DetectorCore
-from deadpool_protocol import ChildExit, GroupBroken, Heartbeat, JobFinished, MemberDone, MemberError, StoreAddress
+from deadpool_detector.core import DetectorConfig, DetectorCore, Watched
+from deadpool_protocol import (
+    ChildExit,
+    Failure,
+    GroupBroken,
+    Heartbeat,
+    JobFinished,
+    MemberDone,
+    MemberError,
+    StoreAddress,
+)
 from deadpool_protocol import Rebuild as RebuildMessage
 
 
@@ -266,13 +275,36 @@ def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_once() ->
     assert 21.3 <= broken.t_detected <= 21.4  # the last to leave, m0 (20.3), plus the 1 s heartbeat timeout
 
 
-def test_a_rank_awaiting_a_rebuild_is_never_the_culprit_of_a_peer_still_in_its_collective() -> None:
+def test_a_rank_left_behind_in_its_step_when_every_other_rank_gave_up_is_the_culprit() -> None:
+    """m0 is stuck inside torch (it looks like it waits); m1's collective timed out and it awaits a
+    rebuild. m1, stalled and not in torch's code, was once declared hung here instead."""
     core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
-    # m1 left for a rebuild; m0 is still inside its collective (a rebuild under way would free it).
-    # Neither is hung (m1 once was: stalled and "not waiting" next to a waiting peer), and the group
-    # is not broken while m0 is in it.
+    verdicts = awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05})
+    (failure,) = verdicts  # no broken group either: m0 never left
+    assert isinstance(failure, Failure) and (failure.member, failure.reason) == ("m0", "hang")
+    assert "left_behind" in failure.evidence
+    assert 25.0 <= failure.t_detected <= 25.2  # the 5 s hang threshold (10 x 0.5 s) from m0's last step
+
+
+def test_a_rank_still_leaving_its_old_group_during_a_rebuild_is_not_left_behind() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    formed(core, 20.0, generation=2)  # a swap's rebuild; m0 is still blocked in generation 1's collective
+    assert awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05}) == []
+
+
+def test_after_a_declared_failure_a_survivor_slow_to_leave_is_not_left_behind() -> None:
+    """A third rank died; m1 awaits its replacement (no spare yet); m0 is still blocked in a send to
+    the dead rank (gloo's one uninterruptible case, ended by the collective timeout)."""
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)
+    core.jobs["j"].members["m3"] = Watched("m3", 2, 20.0)  # a third rank, which dies
+    (failure,) = core.on_exit(ChildExit("j", 1, "l0", "m3", 103, -9, 20.0), 20.0)
+    assert failure.rank == 2
     assert awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05}) == []
 
 

@@ -36,7 +36,10 @@ that it awaits a rebuild; it is waiting (on the control plane), never a culprit.
 current generation has awaited a rebuild for `regroup_after_s` (by default the heartbeat timeout, so a
 member that died silently is declared first) and nobody was declared, the group broke by itself (a
 connection reset, a collective timed out everywhere): `broken_groups` reports it once per generation
-as a `GroupBroken`, and the swapper regroups the same members.
+as a `GroupBroken`, and the swapper regroups the same members. When every rank but some has left and
+awaited that long, and those few are still inside a step of the current generation with no step for
+the hang threshold, they are left behind: declared hung even though they look like they wait (a call
+that never returns inside torch's code, which the stack probe cannot tell from waiting on peers).
 
 A member is declared failed once, ever: member ids are unique per process and a declared member is
 fenced, so a second verdict could only be a duplicate.
@@ -120,6 +123,9 @@ class Watched:
     """Waiting on its peers (in torch's collective code) or on the control plane (awaiting a rebuild)."""
     awaiting_since: float = 0.0
     """Since when its heartbeats say it awaits a rebuild (0: it does not)."""
+    in_step: bool = False
+    beat_generation: int = 0
+    """The generation its last heartbeat was sent in (behind the job's while it has not joined a newer one)."""
     where: str = ""
     section: str = ""
     host: str = ""
@@ -139,6 +145,8 @@ class JobView:
     stragglers_reported: set[tuple[int, str]] = field(default_factory=set)
     broken_reported: int = 0
     """The last generation reported as a broken group (once per generation)."""
+    declared_in: int = 0
+    """The generation of the last rank declared failed (a group with a failed rank is not 'broken')."""
 
 
 class DetectorCore:
@@ -177,6 +185,8 @@ class DetectorCore:
             watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
         watched.section = hb.section
         watched.host = hb.host
+        watched.in_step = hb.in_step
+        watched.beat_generation = hb.generation
         watched.busy.append(hb.in_step and not watched.waiting)
         if hb.generation >= view.generation:
             if watched.rank != hb.rank:
@@ -246,7 +256,7 @@ class DetectorCore:
         """Generations whose every rank has awaited a rebuild for `regroup_wait_s`, nobody declared."""
         found: list[GroupBroken] = []
         for view in self.jobs.values():
-            if view.finished or view.generation == 0 or view.broken_reported >= view.generation:
+            if view.finished or view.generation == 0 or view.generation in (view.broken_reported, view.declared_in):
                 continue
             ranked = [w for w in view.members.values() if w.rank >= 0 and not w.done]
             if not ranked or not all(w.awaiting_since for w in ranked):  # stops at the first rank training
@@ -334,6 +344,18 @@ class DetectorCore:
                 )
             threshold = self.hang_threshold_s(view)
             stalled = self._stalled(view, now, threshold)
+            for w in self._left_behind(view, stalled, now):
+                del view.members[w.member]
+                stalled.remove(w)
+                evidence = {
+                    "left_behind": f"every other rank left generation {view.generation}'s group and awaits a rebuild",
+                    "no_step_s": f"{now - w.progress_t:.3f}",
+                    "hang_threshold_s": f"{threshold:.3f}",
+                    "last_step": str(w.last_step),
+                    "where": w.where,
+                    "pid": str(w.pid),
+                }
+                failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
             ranked = sum(1 for w in view.members.values() if w.rank >= 0)
             if ranked > 1 and not any(w.waiting for w in stalled):
                 stalled = []  # every stalled rank busy in its own code: a job-wide pause, not a culprit
@@ -351,6 +373,28 @@ class DetectorCore:
                 }
                 failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
         return failures
+
+    def _left_behind(self, view: JobView, stalled: list[Watched], now: float) -> list[Watched]:
+        """Ranks stuck inside a step of the current generation while every other rank has left its
+        group and awaited a rebuild for `regroup_wait_s`: the peers gave up on them (their collectives
+        failed or timed out), so they are the culprits, even if they look like they wait (a call that
+        never returns inside torch's code). Not after a rank of this generation was declared failed
+        (the others await its replacement; one of them may still be leaving its broken collective),
+        and not a rank whose heartbeats are from an older generation (a rebuild is under way)."""
+        if view.declared_in == view.generation:
+            return []
+        ranked = [w for w in view.members.values() if w.rank >= 0 and not w.done]
+        awaiting = [w for w in ranked if w.awaiting_since]
+        if not awaiting or now - max(w.awaiting_since for w in awaiting) < self.config.regroup_wait_s:
+            return []
+        behind = [w for w in ranked if not w.awaiting_since]
+        stalled_ids = {id(w) for w in stalled}
+        if not behind or not all(
+            id(w) in stalled_ids and w.in_step and not w.section and w.beat_generation == view.generation
+            for w in behind
+        ):
+            return []
+        return behind
 
     def _silent_host_mates(self, view: JobView, silent: list[Watched], now: float) -> list[Watched]:
         """Members sharing a host with a silent member, and silent for half the timeout themselves,
@@ -376,6 +420,8 @@ class DetectorCore:
         now: float,
     ) -> Failure:
         view.declared.add(member)
+        if rank >= 0:
+            view.declared_in = view.generation
         return Failure(
             job=view.job,
             generation=view.generation,
