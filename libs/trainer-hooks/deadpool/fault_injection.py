@@ -10,12 +10,13 @@
 - SIGWINCH: from now on every step of this rank starts `SLOW_STEP_S` late (as a rank on a throttled
   GPU or a slow data shard would): a straggler, which the detector reports and nobody swaps.
 
-The hang, the exception and the reset do not happen inside the signal handler, which Python runs wherever the
-main thread happens to be: an exception raised there can land in a `__del__` or a library's
-`except Exception` and vanish (the step goes on as if nothing happened), or leave a library's
-bookkeeping half done (DDP's, ours) and turn one failure into another. The handler only records the
-fault; the job carries it out at a fixed point inside the next step, `act_on_pending_fault()` in
-its optimizer step pre-hook, where a failing optimizer step (or a CUDA error it surfaces) would.
+The hang, the exception and the reset do not happen inside the signal handler, which Python runs
+wherever the main thread happens to be: an exception raised there can land in a `__del__` or a
+library's `except Exception` and vanish (the step goes on as if nothing happened), or leave a
+library's bookkeeping half done (DDP's, ours) and turn one failure into another. The handler only
+records the fault; the job carries it out at a fixed point inside the next step,
+`act_on_pending_fault()` in its optimizer step pre-hook, where a failing optimizer step (or a CUDA
+error it surfaces) would.
 
 SIGKILL (a crash) and SIGSTOP (the whole process frozen, heartbeats too) need no arming. Never armed
 unless the variable is set.

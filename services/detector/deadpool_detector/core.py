@@ -381,7 +381,7 @@ class DetectorCore:
         never returns inside torch's code). Not after a rank of this generation was declared failed
         (the others await its replacement; one of them may still be leaving its broken collective),
         and not a rank whose heartbeats are from an older generation (a rebuild is under way)."""
-        if view.declared_in == view.generation:
+        if not stalled or view.declared_in == view.generation:  # the usual case, at no cost
             return []
         ranked = [w for w in view.members.values() if w.rank >= 0 and not w.done]
         awaiting = [w for w in ranked if w.awaiting_since]
