@@ -345,34 +345,30 @@ class DetectorCore:
             threshold = self.hang_threshold_s(view)
             stalled = self._stalled(view, now, threshold)
             for w in self._left_behind(view, stalled, now):
-                del view.members[w.member]
                 stalled.remove(w)
-                evidence = {
-                    "left_behind": f"every other rank left generation {view.generation}'s group and awaits a rebuild",
-                    "no_step_s": f"{now - w.progress_t:.3f}",
-                    "hang_threshold_s": f"{threshold:.3f}",
-                    "last_step": str(w.last_step),
-                    "where": w.where,
-                    "pid": str(w.pid),
-                }
-                failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
+                why = f"every other rank left generation {view.generation}'s group and awaits a rebuild"
+                failures.append(self._declare_hung(view, w, now, threshold, left_behind=why))
             ranked = sum(1 for w in view.members.values() if w.rank >= 0)
             if ranked > 1 and not any(w.waiting for w in stalled):
                 stalled = []  # every stalled rank busy in its own code: a job-wide pause, not a culprit
             for w in stalled:
                 if w.waiting:
                     continue  # blocked on a peer: the peer is the one to blame
-                del view.members[w.member]
-                evidence = {
-                    "no_step_s": f"{now - w.progress_t:.3f}",
-                    "hang_threshold_s": f"{threshold:.3f}",
-                    "median_step_s": f"{statistics.median(view.step_times):.3f}" if view.step_times else "",
-                    "last_step": str(w.last_step),
-                    "where": w.where,
-                    "pid": str(w.pid),
-                }
-                failures.append(self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now))
+                failures.append(self._declare_hung(view, w, now, threshold))
         return failures
+
+    def _declare_hung(self, view: JobView, w: Watched, now: float, threshold: float, **extra: str) -> Failure:
+        del view.members[w.member]
+        evidence = {
+            **extra,
+            "no_step_s": f"{now - w.progress_t:.3f}",
+            "hang_threshold_s": f"{threshold:.3f}",
+            "median_step_s": f"{statistics.median(view.step_times):.3f}" if view.step_times else "",
+            "last_step": str(w.last_step),
+            "where": w.where,
+            "pid": str(w.pid),
+        }
+        return self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now)
 
     def _left_behind(self, view: JobView, stalled: list[Watched], now: float) -> list[Watched]:
         """Ranks stuck inside a step of the current generation while every other rank has left its
