@@ -76,19 +76,14 @@ def act_on_pending_fault(reset_group: Callable[[], object]) -> None:
         time.sleep(HANG_POLL_S)
 
 
-def _record_hang(signum: int, frame: FrameType | None) -> None:
-    global _pending
-    _pending = "hang"
+def _recorder(fault: str) -> Callable[[int, FrameType | None], None]:
+    """A signal handler that only records `fault`, for `act_on_pending_fault` to carry out."""
 
+    def record(signum: int, frame: FrameType | None) -> None:
+        global _pending
+        _pending = fault
 
-def _record_raise(signum: int, frame: FrameType | None) -> None:
-    global _pending
-    _pending = "raise"
-
-
-def _record_reset(signum: int, frame: FrameType | None) -> None:
-    global _pending
-    _pending = "reset"
+    return record
 
 
 def _slow_down(signum: int, frame: FrameType | None) -> None:
@@ -100,8 +95,8 @@ def arm_from_env() -> bool:
     """Install the handlers if `DEADPOOL_FAULT_INJECTION=1` (main thread only). Returns whether armed."""
     if os.environ.get(ENV_FAULT_INJECTION) != "1" or threading.current_thread() is not threading.main_thread():
         return False
-    signal.signal(signal.SIGUSR1, _record_hang)
-    signal.signal(signal.SIGUSR2, _record_raise)
-    signal.signal(signal.SIGURG, _record_reset)
+    signal.signal(signal.SIGUSR1, _recorder("hang"))
+    signal.signal(signal.SIGUSR2, _recorder("raise"))
+    signal.signal(signal.SIGURG, _recorder("reset"))
     signal.signal(signal.SIGWINCH, _slow_down)
     return True
