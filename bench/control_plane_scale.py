@@ -146,25 +146,28 @@ async def worker_main(url: str, index: int, members: list[tuple[str, int]], worl
 
     await asyncio.gather(*(hello(m) for m in sim.values()))
 
+    def next_beat(member: SimulatedMember, started: float, now: float) -> Heartbeat:
+        """The member's heartbeat at `now`: a step every STEP_PERIOD_S since `started` (monotonic)."""
+        member.step = int((time.monotonic() - started) / STEP_PERIOD_S)
+        return Heartbeat(
+            JOB,
+            member.generation,
+            member.name,
+            member.rank,
+            os.getpid(),
+            member.step,
+            True,
+            now,
+            now,
+            host=hosts[member.name],
+        )
+
     async def beat(member: SimulatedMember) -> None:
         await asyncio.sleep(random.random() * HEARTBEAT_PERIOD_S)  # spread the members over the period
         started = time.monotonic()
         while not member.silent_at:
             now = time.time()
-            member.step = int((time.monotonic() - started) / STEP_PERIOD_S)
-            hb = Heartbeat(
-                JOB,
-                member.generation,
-                member.name,
-                member.rank,
-                os.getpid(),
-                member.step,
-                True,
-                now,
-                now,
-                host=hosts[member.name],
-            )
-            await nc.publish(subjects.heartbeat, encode(hb))
+            await nc.publish(subjects.heartbeat, encode(next_beat(member, started, now)))
             member.last_beat = now
             member.sent += 1
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
@@ -179,21 +182,7 @@ async def worker_main(url: str, index: int, members: list[tuple[str, int]], worl
             for member in members:
                 if member.silent_at:
                     continue
-                member.step = int((time.monotonic() - started) / STEP_PERIOD_S)
-                beats.append(
-                    Heartbeat(
-                        JOB,
-                        member.generation,
-                        member.name,
-                        member.rank,
-                        os.getpid(),
-                        member.step,
-                        True,
-                        now,
-                        now,
-                        host=host,
-                    )
-                )
+                beats.append(next_beat(member, started, now))
                 member.last_beat = now
                 member.sent += 1
             await nc.publish(subjects.heartbeat_batch, encode(HeartbeatBatch(JOB, 0, f"l-{host}", beats)))
