@@ -15,7 +15,6 @@ from pathlib import Path
 import nats
 
 from deadpool_cli.job_watch import JobWatch
-from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol.logs import get_logger
 
@@ -40,11 +39,9 @@ async def test_training_survives_a_nats_restart_without_any_member_declared_dead
         try:
             await asyncio.wait_for(watch.wait_for(lambda: min_step(watch) >= 20), 120)
             step_before = max_step(watch)
-            port = stack.nats.port
             stack.nats.stop()
             await asyncio.sleep(OUTAGE_S)
-            stack.nats = NatsServer(tmp_path / "nats", port=port)
-            stack.nats.start()
+            stack.nats.start()  # same port, same JetStream data
             await asyncio.wait_for(watch.wait_for(lambda: max_step(watch) > step_before), 60)
             step_after = max_step(watch)
             returncode = await asyncio.wait_for(launcher.wait(), RUN_TIMEOUT_S)

@@ -14,14 +14,15 @@ from deadpool_protocol import (
     StoreAddress,
 )
 from deadpool_protocol import Rebuild as RebuildMessage
+from deadpool_protocol.job_record import JobSummary
 
 
 def beat(member: str, t: float, step: int = 3, rank: int = 0, generation: int = 1) -> Heartbeat:
     return Heartbeat("j", generation, member, rank, 100, step, True, t, t)
 
 
-def formed(core: DetectorCore, now: float, generation: int = 1) -> None:
-    core.on_rebuild(
+def formed(core: DetectorCore, now: float, generation: int = 1) -> list[Failure]:
+    return core.on_rebuild(
         RebuildMessage(
             "j",
             generation,
@@ -246,15 +247,37 @@ def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None
     assert train(core, 10.0, 16.0, step_s=0.5, stuck={"m0": 10.0, "m1": 10.0}, step0=20) == []
 
 
-def awaiting_beats(core: DetectorCore, t0: float, t1: float, awaiting: dict[str, float]) -> list[object]:
-    """m0 and m1 stuck at step 40; `awaiting[m]` = when m left its step to await a rebuild. Returns
-    the failures and broken-group verdicts of each check, in order."""
+def awaiting_beats(
+    core: DetectorCore,
+    t0: float,
+    t1: float,
+    awaiting: dict[str, float],
+    generation: int = 1,
+    rebuilding: tuple[str, ...] = (),
+) -> list[object]:
+    """m0 and m1 stuck at step 40; `awaiting[m]` = when m left its step to await a rebuild (beating
+    `generation`; the members in `rebuilding` carry one out instead). Returns the failures and
+    broken-group verdicts of each check, in order."""
     verdicts: list[object] = []
     t = t0
     while t < t1:
         for rank, member in enumerate(("m0", "m1")):
             left = t >= awaiting.get(member, float("inf"))
-            hb = Heartbeat("j", 1, member, rank, 100, 40, not left, 1.0, t, waiting=not left, awaiting_rebuild=left)
+            busy = member in rebuilding
+            hb = Heartbeat(
+                "j",
+                generation,
+                member,
+                rank,
+                100,
+                40,
+                not left,
+                1.0,
+                t,
+                waiting=not left,
+                awaiting_rebuild=left,
+                rebuilding=busy,
+            )
             core.on_heartbeat(hb, t)
         core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
         verdicts += [*core.check(t), *core.broken_groups(t)]
@@ -262,14 +285,15 @@ def awaiting_beats(core: DetectorCore, t0: float, t1: float, awaiting: dict[str,
     return verdicts
 
 
-def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_once() -> None:
+def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_and_again_while_it_stays_so() -> None:
     core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     # m1's connections reset at t=20.05: both leave the collective, m1 first, and await a rebuild.
-    verdicts = awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05, "m0": 20.25})
-    (broken,) = verdicts  # no hang verdict however long they await: they wait on the control plane
-    assert isinstance(broken, GroupBroken)
+    verdicts = awaiting_beats(core, 20.0, 23.0, awaiting={"m1": 20.05, "m0": 20.25})
+    broken, again = verdicts  # no hang verdict however long they await: they wait on the control plane
+    assert isinstance(broken, GroupBroken) and isinstance(again, GroupBroken)
+    assert again.generation == 1 and 1.0 <= again.t_detected - broken.t_detected <= 1.1  # one lost report heals
     assert broken.members == ["m1", "m0"] and broken.evidence["first_to_leave"] == "m1"
     assert broken.t_broken == 20.1  # m1's first heartbeat awaiting
     assert 21.3 <= broken.t_detected <= 21.4  # the last to leave, m0 (20.3), plus the 1 s heartbeat timeout
@@ -313,7 +337,50 @@ def test_a_new_generation_restarts_the_regroup_clock() -> None:
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     assert awaiting_beats(core, 20.0, 21.5, awaiting={"m0": 20.0, "m1": 20.0}) == []  # 2 s not reached
-    formed(core, 21.5, generation=2)  # a rebuild under way, which they carry out: the clock restarts
-    assert awaiting_beats(core, 21.5, 23.4, awaiting={"m0": 20.0, "m1": 20.0}) == []
-    (broken,) = awaiting_beats(core, 23.4, 23.7, awaiting={"m0": 20.0, "m1": 20.0})
+    formed(core, 21.5, generation=2)  # a rebuild under way: awaiting in generation 1 counts no more
+    assert awaiting_beats(core, 21.5, 30.0, awaiting={"m0": 20.0, "m1": 20.0}) == []
+    # They give up forming generation 2 (its rendezvous cannot be reached) and await in it.
+    assert awaiting_beats(core, 30.0, 31.9, awaiting={"m0": 30.0, "m1": 30.0}, generation=2) == []
+    (broken,) = awaiting_beats(core, 31.9, 32.2, awaiting={"m0": 30.0, "m1": 30.0}, generation=2)
     assert isinstance(broken, GroupBroken) and broken.generation == 2
+
+
+def test_members_carrying_out_a_long_rebuild_are_never_a_broken_group() -> None:
+    """Formation took 3.2 s under load once (warm-up, step-0 snapshot): every rank beat 'awaiting' for
+    longer than the timeout, the group was reported broken before it existed, and the one report per
+    generation was spent, so the real reset later was never regrouped."""
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    busy = ("m0", "m1")
+    assert awaiting_beats(core, 0.0, 10.0, awaiting={"m0": 0.0, "m1": 0.0}, rebuilding=busy) == []
+    assert awaiting_beats(core, 10.0, 20.0, awaiting={"m0": 10.0, "m1": 10.0}, generation=0) == []
+
+
+def test_a_restarted_detector_declares_a_rank_from_the_job_record_whose_heartbeat_never_comes() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    summary = JobSummary("j", 2, 3, ["m0", "m1"], ["m2"], {"m0": "a", "m1": "b", "m2": "b"}, ["old"], 7, False)
+    core.load_job(summary, 100.0)
+    t = 100.0
+    failures: list[Failure] = []
+    while t < 102.0:
+        for rank, member in ((0, "m0"), (-1, "m2")):  # m1 died while the detector was down
+            core.on_heartbeat(Heartbeat("j", 3, member, rank, 100, 40, False, 0.0, t), t)
+        failures += core.check(t)
+        t = round(t + HB_S, 6)
+    (failure,) = failures
+    assert (failure.member, failure.rank, failure.reason) == ("m1", 1, "heartbeat")
+    assert core.on_exit(ChildExit("j", 3, "l0", "old", 1, -9, 101.0), 101.0) == []  # declared before the restart
+
+
+def test_a_verdict_the_swapper_missed_is_published_again_when_a_rebuild_still_names_the_member() -> None:
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    formed(core, 0.0)
+    (failure,) = core.on_exit(ChildExit("j", 1, "l0", "m1", 101, -9, 5.0), 5.0)
+    assert formed_again(core, 5.2) == []  # too soon: that rebuild may have crossed the verdict
+    (again,) = formed_again(core, 6.5)
+    assert again == failure  # the same verdict, with its own times
+    assert formed_again(core, 6.7) == []  # at most once per period
+
+
+def formed_again(core: DetectorCore, now: float) -> list[Failure]:
+    return formed(core, now)  # a retransmission of the same rebuild, still naming m1

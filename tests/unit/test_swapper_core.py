@@ -9,6 +9,7 @@ import pytest
 from deadpool_protocol import (
     Commit,
     Failure,
+    GenerationVoid,
     GroupBroken,
     Incident,
     JobFinished,
@@ -41,6 +42,16 @@ def ack(rebuild: Rebuild, member: str, t: float, source: str = "local", last: in
     )
 
 
+LAST_CALL_S = SwapperConfig().last_call_s
+
+
+def fail(core: SwapperCore, failure: Failure, now: float) -> Decision:
+    """A failure, then the end of its last call: what the swapper has published by then."""
+    first = core.on_failure(failure, now)
+    later = core.tick(now + LAST_CALL_S)
+    return Decision(first.actions + later.actions, first.reason)
+
+
 def formed_core(stores: int = 2, spares: tuple[str, ...] = ("s",)) -> tuple[SwapperCore, Rebuild]:
     core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9))
     for i in range(stores):
@@ -59,8 +70,8 @@ def test_formation_waits_for_every_rank_and_a_store_then_starts_fresh() -> None:
     assert "waiting for members" in first.reason
     _, second = core.on_hello(hello("r1", 1), 0.0)
     assert "waiting for a snapshot store" in second.reason
-    decision = core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
-    (rebuild,) = published(decision, Rebuild)
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    (rebuild,) = published(core.tick(0.1), Rebuild)
     assert rebuild.generation == 1 and rebuild.ranks == ["r0", "r1"] and rebuild.restore_step == -1
     assert rebuild.placement == [["store0"], ["store0"]]  # one store: replication falls back to 1
 
@@ -98,7 +109,7 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
-    decision = core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02)
+    decision = fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02)
     (rebuild,) = published(decision, Rebuild)
     assert rebuild.generation == 2
     assert rebuild.ranks == ["r0", "other-host"]
@@ -107,11 +118,14 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
     assert not [a for a in decision.actions if isinstance(a, Fence)]  # a process that exited needs no fence
 
 
-def test_a_member_that_may_still_run_is_fenced_before_the_rebuild() -> None:
+def test_a_member_that_may_still_run_is_fenced_and_its_generation_voided_before_the_rebuild() -> None:
     core, _ = formed_core()
-    decision = core.on_failure(Failure("j", 1, "r0", 0, "hang", {}, 5.0, 6.0), 6.0)
+    decision = fail(core, Failure("j", 1, "r0", 0, "hang", {}, 5.0, 6.0), 6.0)
     kinds = [type(a).__name__ for a in decision.actions if type(a).__name__ != "Persist"]
-    assert kinds == ["Fence", "Publish"]
+    assert kinds == ["Fence", "Publish", "Publish"]
+    (void,) = published(decision, GenerationVoid)
+    (rebuild,) = published(decision, Rebuild)
+    assert void.generation == 1 and rebuild.generation == 2
 
 
 def two_hosts_core() -> SwapperCore:
@@ -133,12 +147,13 @@ def test_a_lost_host_is_swapped_in_one_generation() -> None:
     assert published(first, Rebuild) == [] and "waiting for its other failures" in first.reason
     second = core.on_failure(Failure("j", 1, "r1", 1, "heartbeat", lost, 5.05, 6.001), 6.001)
     (rebuild,) = published(second, Rebuild)  # every announced member is in: no need to wait any longer
+    assert published(first, GenerationVoid)  # the survivors were released at the first failure
     assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
 
 
 def test_a_single_silent_member_is_swapped_at_once() -> None:
     core = two_hosts_core()
-    (rebuild,) = published(core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0), Rebuild)
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
 
 
@@ -151,15 +166,30 @@ def test_a_lost_host_whose_second_failure_is_lost_is_swapped_after_the_window() 
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
 
 
-def test_an_exit_is_swapped_at_once_even_with_other_members_on_its_host() -> None:
+def test_an_exit_is_swapped_after_the_last_call_even_with_other_members_on_its_host() -> None:
     core = two_hosts_core()
-    (rebuild,) = published(core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    first = core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    assert published(first, Rebuild) == [] and "last call" in first.reason
+    assert published(core.tick(5.0 + LAST_CALL_S / 2), Rebuild) == []
+    (rebuild,) = published(core.tick(5.0 + LAST_CALL_S), Rebuild)
     assert rebuild.ranks[0] == "s0"
+
+
+def test_two_failures_within_the_last_call_are_swapped_in_one_generation() -> None:
+    core = two_hosts_core()
+    core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    second = core.on_failure(Failure("j", 1, "r2", 2, "exit", {}, 5.015, 5.016), 5.016)  # 15 ms later
+    assert published(second, Rebuild) == [] and published(second, GenerationVoid) == []  # already void
+    (rebuild,) = published(core.tick(5.0 + LAST_CALL_S), Rebuild)
+    assert rebuild.generation == 2 and rebuild.ranks == ["s0", "r1", "s1", "r3"]
+    for member in rebuild.ranks:
+        decision = core.on_ack(ack(rebuild, member, 5.5), 5.5)
+    assert sorted(i.rank for i in published(decision, Incident)) == [0, 2]
 
 
 def test_a_stale_or_repeated_failure_changes_nothing() -> None:
     core, _ = formed_core()
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)
+    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)
     generation = core.jobs["j"].generation
     again = core.on_failure(Failure("j", 1, "r1", 1, "error", {}, 5.0, 5.1), 5.1)
     assert again.actions == [] and "not a live member" in again.reason
@@ -173,13 +203,16 @@ def test_losing_a_spare_shrinks_the_pool_without_a_new_generation() -> None:
     assert core.jobs["j"].generation == 1
 
 
-def test_without_a_spare_the_swap_waits_for_one_to_register() -> None:
+def test_without_a_spare_the_generation_stays_void_until_one_registers() -> None:
     core, _ = formed_core(spares=())
-    decision = core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
-    assert published(decision, Rebuild) == [] and "waiting for a spare" in decision.reason
+    decision = fail(core, Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    assert published(decision, Rebuild) == [] and published(decision, GenerationVoid)
+    assert "waiting for a spare" in core.tick(5.2).reason or core.jobs["j"].vacant_ranks() == [0]
+    (again,) = published(core.tick(6.1), GenerationVoid)  # retransmitted while nothing replaces it
+    assert again.generation == 1
     _, joined = core.on_hello(hello("late", -1), 9.0)
     (rebuild,) = published(joined, Rebuild)
-    assert rebuild.ranks == ["late", "r1"]
+    assert rebuild.ranks == ["late", "r1"] and rebuild.generation == 2
 
 
 def test_an_incident_closes_when_every_rank_acked_with_its_phases_and_lost_steps() -> None:
@@ -187,13 +220,14 @@ def test_an_incident_closes_when_every_rank_acked_with_its_phases_and_lost_steps
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10), 2.0)
-    (rebuild,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
     assert published(core.on_ack(ack(rebuild, "r0", 5.6, last=4), 5.6), Incident) == []
     (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
     assert incident.rank == 1 and incident.replacement == "s" and incident.restore_step == 3
     assert incident.lost_steps == 1  # r0 had completed step 4
     assert incident.downtime_s == pytest.approx(0.7)
     assert incident.phases["detect"] == pytest.approx(0.01)
+    assert incident.phases["decide"] == pytest.approx(LAST_CALL_S + 0.01)
     assert incident.phases["abort"] == pytest.approx(0.25)  # r0 left its collective at 5.25
     assert core.jobs["j"].pending is None
 
@@ -205,7 +239,7 @@ def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 1, 10), 2.0)
-    (rebuild,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.6, source="store", last=7), 5.6)
     (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
     assert incident.restore_step == 1 and incident.lost_steps == 6
@@ -227,18 +261,30 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
     assert incident.lost_steps == 1 and incident.detect_s == pytest.approx(2.0)
 
 
-def test_a_broken_group_waits_for_a_rebuild_already_under_way() -> None:
-    core, _ = formed_core()
-    (first,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
-    late = GroupBroken("j", 2, [first.ranks[0], first.ranks[1]], {}, 5.0, 7.0)
+def test_a_broken_group_waits_for_a_failure_rebuild_that_is_coming() -> None:
+    core, _ = formed_core(spares=())
+    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # no spare: rank 1 stays vacant
+    late = GroupBroken("j", 1, ["r0"], {}, 5.0, 7.0)
     decision = core.on_group_broken(late, 7.0)
     assert decision.actions == [] and "under way" in decision.reason
 
 
-def test_a_second_failure_during_a_rebuild_starts_a_newer_generation() -> None:
+def test_a_rebuild_whose_members_all_gave_up_forming_it_is_superseded_by_a_regroup() -> None:
+    core, _ = formed_core()
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    broken = GroupBroken("j", 2, list(first.ranks), {"first_to_leave": first.ranks[0]}, 6.0, 8.0)
+    (regroup,) = published(core.on_group_broken(broken, 8.0), Rebuild)
+    assert regroup.generation == 3 and regroup.ranks == first.ranks
+    assert regroup.rendezvous_member != first.rendezvous_member or len(set(first.ranks) - {"s"}) == 1
+
+
+def test_a_second_failure_during_a_rebuild_supersedes_it_at_once() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
-    (first,) = published(core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
-    (second,) = published(core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.2, 5.2), 5.2), Rebuild)
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    superseding = core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.2, 5.2), 5.2)
+    (void,) = published(superseding, GenerationVoid)
+    (second,) = published(superseding, Rebuild)  # no last call: the rebuild under way cannot form
+    assert void.generation == first.generation
     assert second.generation == first.generation + 1 and second.ranks[1] not in first.ranks
     assert published(core.on_ack(ack(first, "r0", 6.0), 6.0), Incident) == []  # stale generation
     core.on_ack(ack(second, "r0", 6.1), 6.1)
@@ -260,7 +306,7 @@ def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
 
 def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
     core, formation = formed_core()
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # restore step 0
+    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # restore step 0
     for rank in range(W):
         for store in ("store0", "store1"):
             late = SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10)
@@ -275,6 +321,8 @@ def test_the_job_finishes_when_every_rank_of_the_generation_is_done() -> None:
     assert finished.step == 10 and core.jobs["j"].finished
     reply, _ = core.on_hello(hello("late", -1), 10.0)
     assert not reply.accepted
+    (again,) = published(core.on_done(MemberDone("j", 1, "r1", 1, 10), 11.0), JobFinished)  # a retransmitted done
+    assert again.step == 10 and not again.failed
 
 
 def test_a_silent_store_is_left_out_of_new_placements() -> None:
@@ -285,3 +333,73 @@ def test_a_silent_store_is_left_out_of_new_placements() -> None:
     _, decision = core.on_hello(hello("r1", 1), 9.0)
     (rebuild,) = published(decision, Rebuild)
     assert [s.store for s in rebuild.stores] == ["fresh"]
+
+
+def test_a_spare_that_registers_fills_a_vacant_rank_even_while_a_rebuild_is_pending() -> None:
+    core, _ = formed_core()
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.3, 5.3), 5.3)  # the only spare dies too
+    assert core.jobs["j"].vacant_ranks() == [1] and core.jobs["j"].pending is not None
+    _, joined = core.on_hello(hello("respawned", -1), 8.0)
+    (rebuild,) = published(joined, Rebuild)
+    assert rebuild.generation == first.generation + 1 and rebuild.ranks == ["r0", "respawned"]
+
+
+@pytest.mark.parametrize("cause", ["user_code", "snapshot_unavailable", "replicas_disagree"])
+def test_a_member_that_cannot_go_on_for_a_reason_a_spare_shares_ends_the_job_with_it(cause: str) -> None:
+    core, _ = formed_core()
+    evidence = {"cause": cause, "error": "TypeError: boom"}
+    decision = core.on_failure(Failure("j", 1, "r1", 1, "error", evidence, 5.0, 5.0), 5.0)
+    (ended,) = published(decision, JobFinished)
+    assert ended.failed and cause in ended.reason and "TypeError: boom" in ended.reason and "rank 1" in ended.reason
+    assert published(decision, Rebuild) == [] and core.jobs["j"].finished
+    assert "the job has ended" in core.on_hello(hello("late", -1), 6.0)[0].reason
+    (told,) = published(core.on_done(MemberDone("j", 1, "r0", 0, 3), 7.0), JobFinished)
+    assert told.failed and told.reason == ended.reason
+
+
+def test_an_exception_in_a_step_is_swapped_not_fatal() -> None:
+    core, _ = formed_core()
+    evidence = {"cause": "", "error": "InjectedFaultError"}
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "error", evidence, 5.0, 5.0), 5.0), Rebuild)
+    assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished
+
+
+def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
+    core = SwapperCore(SwapperConfig(replication=1, store_timeout_s=1e9, rebuild_attempts_max=3))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    core.on_hello(hello("r0", 0), 0.0)
+    (formation,) = published(core.on_hello(hello("r1", 1), 0.0)[1], Rebuild)
+    generation, ended = formation.generation, []
+    for t in range(1, 10):  # every attempt breaks before it forms, every rank alive
+        broken = GroupBroken("j", generation, ["r0", "r1"], {}, float(t), float(t))
+        decision = core.on_group_broken(broken, float(t))
+        ended = published(decision, JobFinished)
+        if ended:
+            break
+        (rebuild,) = published(decision, Rebuild)
+        generation = rebuild.generation
+    assert ended and ended[0].failed and "3 generations in a row did not form" in ended[0].reason
+    assert generation == 3
+
+
+def test_a_rendezvous_host_is_not_named_twice_in_a_row_when_generations_fail() -> None:
+    core, _ = formed_core(spares=("s1", "s2"))
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    broken = GroupBroken("j", first.generation, list(first.ranks), {}, 6.0, 8.0)
+    (second,) = published(core.on_group_broken(broken, 8.0), Rebuild)
+    assert first.rendezvous_member == "r0" and second.rendezvous_member == first.ranks[1]
+
+
+def test_generations_only_grow_and_each_is_announced_once_in_a_storm_of_failures() -> None:
+    core, _ = formed_core(spares=("s1", "s2", "s3", "s4"))
+    seen: list[int] = []
+    t = 5.0
+    for _ in range(4):
+        state = core.jobs["j"]
+        victim = state.ranks[1]
+        decision = core.on_failure(Failure("j", state.generation, victim, 1, "exit", {}, t, t), t)
+        decision = Decision(decision.actions + core.tick(t + LAST_CALL_S).actions, "")
+        seen += [r.generation for r in published(decision, Rebuild)]
+        t += 0.2
+    assert seen == sorted(set(seen)) and len(seen) == 4

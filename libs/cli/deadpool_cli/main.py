@@ -15,7 +15,18 @@ __all__ = ["main"]
 
 
 def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--nats", required=required, default="", help="NATS server URL, e.g. nats://127.0.0.1:4222")
+    p.add_argument(
+        "--nats",
+        required=required,
+        default="",
+        help="NATS server URL, or a comma-separated list of a cluster's, e.g. nats://127.0.0.1:4222",
+    )
+
+
+def _add_replicas(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--js-replicas", type=int, default=1, help="JetStream replicas of the events stream and KV (3 on a cluster)"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run NATS, detector, swapper and snapshot stores locally, in the foreground")
     _add_nats(up, required=False)
     up.add_argument("--stores", type=int, default=2)
+    up.add_argument("--swappers", type=int, default=2, help="swapper instances (one leads, the others stand by)")
+    up.add_argument("--detectors", type=int, default=2, help="detector instances (each watches everything)")
+    up.add_argument("--nats-nodes", type=int, default=1, help="embedded NATS servers: 1, or 3 for a cluster")
     up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
     up.add_argument("--trace-file", default="", help="incident traces as JSON lines")
 
@@ -82,11 +96,16 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="every rank awaiting a rebuild this long, nobody failed: regroup them (0: the heartbeat timeout)",
     )
+    _add_replicas(detector)
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
     _add_nats(swapper)
     swapper.add_argument("--replication", type=int, default=2, help="stores each snapshot goes to")
     swapper.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+    swapper.add_argument(
+        "--last-call-s", type=float, default=0.05, help="after a failure, wait this long for others (one rebuild)"
+    )
+    _add_replicas(swapper)
 
     store = sub.add_parser("store", help="run a snapshot store")
     _add_nats(store)
@@ -122,12 +141,23 @@ def main(argv: list[str] | None = None) -> None:
             )
         except ValueError as exc:
             sys.exit(f"deadpool detector: {exc}")
-        detector_main(DetectorServiceConfig(args.nats, detector=detector_config))
+        detector_main(DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas))
     elif command == "swapper":
-        from deadpool_swapper import SwapperServiceConfig
+        from deadpool_swapper import SwapperConfig, SwapperServiceConfig
         from deadpool_swapper import main as swapper_main
 
-        swapper_main(SwapperServiceConfig(args.nats, replication=args.replication, trace_file=args.trace_file))
+        try:
+            swapper_config = SwapperServiceConfig(
+                args.nats,
+                replication=args.replication,
+                trace_file=args.trace_file,
+                js_replicas=args.js_replicas,
+                last_call_s=args.last_call_s,
+            )
+            SwapperConfig(replication=args.replication, last_call_s=args.last_call_s)  # checks the values
+        except ValueError as exc:
+            sys.exit(f"deadpool swapper: {exc}")
+        swapper_main(swapper_config)
     elif command == "store":
         from deadpool_store import StoreConfig
         from deadpool_store import main as store_main
@@ -233,12 +263,19 @@ def _up(args: argparse.Namespace) -> None:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deadpool-up-"))
 
     async def run(stop: asyncio.Event) -> None:
-        async with Stack(
-            StackConfig(workdir=workdir, nats_url=args.nats, stores=args.stores, trace_file=args.trace_file)
-        ) as stack:
+        config = StackConfig(
+            workdir=workdir,
+            nats_url=args.nats,
+            nats_nodes=args.nats_nodes,
+            stores=args.stores,
+            swappers=args.swappers,
+            detectors=args.detectors,
+            trace_file=args.trace_file,
+        )
+        async with Stack(config) as stack:
             print(
-                f"deadpool is up: NATS at {stack.url}; detector, swapper, {args.stores} store(s); "
-                f"logs in {workdir / 'logs'}"
+                f"deadpool is up: NATS at {stack.url}; {args.detectors} detector(s), {args.swappers} swapper(s) "
+                f"(one leads), {args.stores} store(s); logs in {workdir / 'logs'}"
             )
             print(f"  launch jobs with: deadpool launch --nats {stack.url} --nproc N --spares S train.py ...")
             print("  Ctrl-C stops everything.", flush=True)
@@ -253,8 +290,9 @@ async def _status(args: argparse.Namespace) -> int:
     from nats.errors import TimeoutError as NatsTimeoutError
 
     from deadpool_protocol import SWAPPER_STATUS
+    from deadpool_runtime import server_urls
 
-    nc = await nats.connect(args.nats)
+    nc = await nats.connect(servers=server_urls(args.nats))
     try:
         msg = await nc.request(SWAPPER_STATUS, args.job.encode(), timeout=3)
     except (NoRespondersError, NatsTimeoutError):
@@ -269,10 +307,12 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(state, indent=2))
         return 0
+    ended = f", ended: {state['failed_reason']}" if state.get("failed_reason") else ""
     print(
         f"job {state['job']}: generation {state['generation']}, world size {state['world_size']}, "
-        f"committed step {state['committed_step']}{', finished' if state['finished'] else ''}"
+        f"committed step {state['committed_step']}{', finished' if state['finished'] and not ended else ''}{ended}"
     )
+    print(f"  swapper leader: {state.get('leader', '?')}")
     for rank, member in enumerate(state["ranks"]):
         info = state["members"].get(member, {})
         print(f"  rank {rank}: {member} (host {info.get('host', '?')}, pid {info.get('pid', '?')})")

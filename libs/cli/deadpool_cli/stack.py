@@ -1,12 +1,16 @@
-"""The local control plane: NATS (embedded unless a URL is given), detector, swapper and N snapshot
-stores, each a separate process started from this Python, with their logs in the work directory.
+"""The local control plane: NATS (embedded unless a URL is given: one server, or a cluster of
+`nats_nodes`), `detectors` detectors, `swappers` swappers and N snapshot stores, each a separate
+process started from this Python, with their logs in the work directory.
 
-Used by `deadpool up`, by `deadpool launch` without `--nats`, by the demo, and by the tests.
+Used by `deadpool up`, by `deadpool launch` without `--nats`, by the demo, the tests and the benches.
+With `restart_after_s`, a service that dies is started again after that long, as systemd's
+`Restart=always` would (the chaos benchmark kills them on purpose).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,29 +25,42 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from deadpool_cli.nats_server import NatsServer
+from deadpool_cli.nats_server import NatsCluster, NatsServer
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_runtime import server_urls
 
 __all__ = ["Stack", "StackConfig", "answers_ping"]
 
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
+SUPERVISE_PERIOD_S = 0.1
 
 
 @dataclass(frozen=True)
 class StackConfig:
     workdir: Path
     nats_url: str = ""
-    """An existing server; empty starts an embedded one."""
+    """An existing server (or a comma-separated cluster); empty starts embedded ones."""
+    nats_nodes: int = 1
+    """Embedded NATS servers: 1, or a cluster (3 for JetStream replicas 3)."""
     stores: int = 2
     replication: int = 2
+    swappers: int = 1
+    """Swapper instances; one leads, the others stand by."""
+    detectors: int = 1
     heartbeat_timeout_s: float = 5.0
     hang_factor: float = 10.0
     hang_floor_s: float = 10.0
     first_step_s: float = 120.0
     store_capacity_bytes: int = 8 * 1024**3
     trace_file: str = ""
+    restart_after_s: float = 0.0
+    """Start a service that died again after this long (0: never)."""
+
+    @property
+    def js_replicas(self) -> int:
+        return min(3, self.nats_nodes) if not self.nats_url else min(3, len(server_urls(self.nats_url)))
 
 
 async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool:
@@ -58,57 +75,110 @@ async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
-        self.nats: NatsServer | None = None
+        self.cluster: NatsCluster | None = None
         self.url = config.nats_url
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self._commands: dict[str, list[str]] = {}
+        self._stopping = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self.restarts: dict[str, int] = {}
         self.logdir = config.workdir / "logs"
+
+    @property
+    def nats(self) -> NatsServer | None:
+        """The embedded server (the first of a cluster), if this stack started any."""
+        return self.cluster.servers[0] if self.cluster is not None else None
 
     async def __aenter__(self) -> Stack:
         self.logdir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.url:
-                self.nats = NatsServer(self.config.workdir / "nats")
-                self.url = self.nats.start()
+                self.cluster = NatsCluster(self.config.workdir / "nats", self.config.nats_nodes)
+                self.url = self.cluster.start()
             c = self.config
-            self._spawn(
-                "detector",
-                *("--heartbeat-timeout-s", str(c.heartbeat_timeout_s), "--hang-factor", str(c.hang_factor)),
-                *("--hang-floor-s", str(c.hang_floor_s), "--first-step-s", str(c.first_step_s)),
-            )
-            swapper_args = ["--replication", str(self.config.replication)]
-            if self.config.trace_file:
-                swapper_args += ["--trace-file", self.config.trace_file]
-            self._spawn("swapper", *swapper_args)
-            for i in range(self.config.stores):
+            replicas = ["--js-replicas", str(c.js_replicas)]
+            for i in range(c.detectors):
                 self._spawn(
-                    "store",
-                    "--id",
-                    f"store-{i}",
-                    "--capacity-bytes",
-                    str(self.config.store_capacity_bytes),
-                    name=f"store-{i}",
+                    "detector",
+                    *("--heartbeat-timeout-s", str(c.heartbeat_timeout_s), "--hang-factor", str(c.hang_factor)),
+                    *("--hang-floor-s", str(c.hang_floor_s), "--first-step-s", str(c.first_step_s)),
+                    *replicas,
+                    name="detector" if c.detectors == 1 else f"detector-{i}",
+                )
+            swapper_args = ["--replication", str(c.replication), *replicas]
+            if c.trace_file:
+                swapper_args += ["--trace-file", c.trace_file]
+            for i in range(c.swappers):
+                self._spawn("swapper", *swapper_args, name="swapper" if c.swappers == 1 else f"swapper-{i}")
+            for i in range(c.stores):
+                self._spawn(
+                    "store", "--id", f"store-{i}", "--capacity-bytes", str(c.store_capacity_bytes), name=f"store-{i}"
                 )
             await self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        if self.config.restart_after_s > 0:
+            self._supervisor = asyncio.create_task(self._supervise())
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
         self.stop()
 
     def _spawn(self, command: str, *args: str, name: str = "") -> None:
         name = name or command
-        log = open(self.logdir / f"{name}.log", "wb")  # noqa: SIM115 (the child owns it)
+        self._commands[name] = [sys.executable, "-m", "deadpool_cli", command, "--nats", self.url, *args]
+        self._start(name)
+
+    def _start(self, name: str) -> None:
+        log = open(self.logdir / f"{name}.log", "ab")  # noqa: SIM115 (the child owns it)
         with log:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "deadpool_cli", command, "--nats", self.url, *args],
+                self._commands[name],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+
+    def names(self, kind: str) -> list[str]:
+        """The names of this stack's services of one kind ('swapper', 'detector', 'store')."""
+        return [n for n in self.processes if n == kind or n.startswith(f"{kind}-")]
+
+    def kill(self, name: str) -> int:
+        """SIGKILL one service process (it is started again after `restart_after_s`, if set)."""
+        process = self.processes[name]
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        return process.pid
+
+    async def _supervise(self) -> None:
+        died: dict[str, float] = {}
+        while not self._stopping:
+            now = time.monotonic()
+            for name, process in list(self.processes.items()):
+                if process.poll() is None:
+                    continue
+                died.setdefault(name, now)
+                if now - died[name] >= self.config.restart_after_s:
+                    del died[name]
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    self._start(name)
+            if self.cluster is not None:
+                for server in self.cluster.servers:
+                    if server.process is not None and not server.running():
+                        key = f"nats-{server.name}"
+                        died.setdefault(key, now)
+                        if now - died[key] >= self.config.restart_after_s:
+                            del died[key]
+                            self.restarts[key] = self.restarts.get(key, 0) + 1
+                            await asyncio.to_thread(server.start)
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():
@@ -117,7 +187,7 @@ class Stack:
                 raise RuntimeError(f"{name} exited with code {process.returncode} while starting:\n{tail}")
 
     async def _wait_ready(self) -> None:
-        nc: Client = await nats.connect(self.url)
+        nc: Client = await nats.connect(servers=server_urls(self.url))
         try:
             stores_seen: set[str] = set()
 
@@ -139,6 +209,7 @@ class Stack:
             await nc.close()
 
     def stop(self) -> None:
+        self._stopping = True
         for process in self.processes.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -149,5 +220,5 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self.nats is not None:
-            self.nats.stop()
+        if self.cluster is not None:
+            self.cluster.stop()

@@ -25,6 +25,7 @@ __all__ = [
     "FailureReason",
     "FenceReply",
     "FenceRequest",
+    "GenerationVoid",
     "GroupBroken",
     "Heartbeat",
     "HeartbeatBatch",
@@ -34,6 +35,7 @@ __all__ = [
     "JobMessage",
     "MemberDone",
     "MemberError",
+    "MemberErrorCause",
     "MemberHello",
     "Message",
     "ProtocolError",
@@ -166,9 +168,12 @@ class Heartbeat(JobMessage):
     host: str = ""
     """The member's host, so that the detector can tell a lost host from a lost process."""
     awaiting_rebuild: bool = False
-    """The member left a broken process group and waits for the swapper's rebuild, or carries it out.
-    Waiting on the control plane, not hung; when every rank does it and nobody failed, the group
-    broke by itself (see `GroupBroken`)."""
+    """The member left a broken process group (or gave up on forming `generation`'s) and waits for the
+    swapper's next command. Waiting on the control plane, not hung; when every rank of a generation
+    does it and nobody failed, the group broke by itself (see `GroupBroken`)."""
+    rebuilding: bool = False
+    """The member is carrying out the rebuild of `generation` (restore, rendezvous, re-wrap): waiting
+    on the control plane and its peers, never a hang culprit, and not yet "awaiting"."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -178,20 +183,39 @@ class Heartbeat(JobMessage):
         _need(self.snapshots_skipped >= 0, "snapshots_skipped is negative")
 
 
+class MemberErrorCause:
+    """Why a member cannot go on. An exception inside a step (`STEP`) is that member's fault: it is
+    swapped for a spare. The others are faults that a spare would meet as well, so the swapper ends
+    the job with the member's reason instead of burning every spare on it."""
+
+    STEP = ""
+    """An exception inside a training step (a bug in the step, a CUDA error): swap the member."""
+    USER_CODE = "user_code"
+    """The optimizer factory or the wrapper raised during a rebuild: the same code runs on every member."""
+    SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"
+    """No store could provide the snapshot the rebuild named."""
+    REPLICAS_DISAGREE = "replicas_disagree"
+    """The ranks' snapshots of the restore step do not fit together (steps, layouts or partitions differ)."""
+    ALL: ClassVar[frozenset[str]] = frozenset({STEP, USER_CODE, SNAPSHOT_UNAVAILABLE, REPLICAS_DISAGREE})
+    ENDS_JOB: ClassVar[frozenset[str]] = frozenset({USER_CODE, SNAPSHOT_UNAVAILABLE, REPLICAS_DISAGREE})
+
+
 @dataclass(frozen=True, slots=True)
 class MemberError(JobMessage):
-    """A member reports its own fatal error before it dies."""
+    """A member reports that it cannot go on, with the reason, before it dies."""
 
     KIND: ClassVar[str] = "member_error"
     member: str
     rank: int
     error: str
     t: float
+    cause: str = MemberErrorCause.STEP
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
+        _need(self.cause in MemberErrorCause.ALL, f"unknown error cause {self.cause!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -447,8 +471,29 @@ class Commit(JobMessage):
 
 @dataclass(frozen=True, slots=True)
 class JobFinished(JobMessage):
+    """The job ended: every rank finished its last step, or (`failed`) the swapper ended it, saying why."""
+
     KIND: ClassVar[str] = "job_finished"
     step: int
+    failed: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationVoid(JobMessage):
+    """The swapper's notice that `generation` will not train again: a rank of it failed, or it could not
+    form. Every member stops waiting for it at once (rendezvous, process-group creation, collectives,
+    fetches) and waits for the next rebuild, which has a higher generation. Sent before the swapper
+    decides what comes next (last call, fences, a spare that has yet to register), so nobody is held by
+    a generation that can no longer form while that happens."""
+
+    KIND: ClassVar[str] = "generation_void"
+    reason: str
+    t: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(self.generation >= 1, "only a generation that was announced can be void")
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,11 @@ class Subjects:
         return self._s("rebuild")
 
     @property
+    def void(self) -> str:
+        """The swapper's notice that a generation will not (or no longer) train: `GenerationVoid`."""
+        return self._s("void")
+
+    @property
     def commit(self) -> str:
         return self._s("commit")
 

@@ -16,14 +16,23 @@ from nats.aio.subscription import Subscription
 
 from deadpool_protocol import Message, ProtocolError, decode, encode
 
-__all__ = ["RECONNECT_WAIT_S", "connect", "publish", "subscribe_validated"]
+__all__ = ["RECONNECT_WAIT_S", "connect", "publish", "server_urls", "subscribe_validated"]
 
 RECONNECT_WAIT_S = 0.25
 M = TypeVar("M", bound=Message)
 
 
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL list: `nats://a:4222,nats://b:4222,...` (a cluster) or one URL."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ValueError("no NATS server URL given")
+    return servers
+
+
 async def connect(url: str, name: str, log: Any) -> Client:
-    """Connect to NATS; keeps reconnecting for ever if the server goes away (logged)."""
+    """Connect to NATS (any server of a comma-separated list); keeps reconnecting for ever, to any of
+    them, if the server goes away (logged)."""
 
     async def on_disconnect() -> None:
         log.warning("nats disconnected")
@@ -35,7 +44,7 @@ async def connect(url: str, name: str, log: Any) -> Client:
         log.warning("nats error", error=str(exc))
 
     return await nats.connect(
-        url,
+        servers=server_urls(url),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=RECONNECT_WAIT_S,

@@ -4,6 +4,11 @@ It must not share the training thread: that thread can sit inside a blocked coll
 it takes the cascade to release it, and heartbeats and the swapper's commands must keep flowing
 meanwhile. The training thread talks to it through a condition variable (commands in) and
 fire-and-forget publishes (reports out).
+
+Delivery. The member's reports that change state (acks, done, its own errors) are events: stored in
+the events stream, retried until the server has them. The swapper's commands arrive on core NATS and
+are retransmitted until confirmed: a retransmitted rebuild of the generation this member has already
+acked is answered with the same ack again, so a lost ack never leaves the job waiting.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from deadpool.member_config import MemberConfig
 from deadpool.thread_probe import probe_thread
 from deadpool_protocol import (
     NO_RANK,
+    GenerationVoid,
     Heartbeat,
     HelloReply,
     JobFinished,
@@ -33,16 +39,19 @@ from deadpool_protocol import (
     MemberHello,
     ProtocolError,
     Rebuild,
+    RebuildAck,
     Subjects,
     decode,
     encode,
 )
-from deadpool_runtime import connect, subscribe_validated
+from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
 __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
 
 CONNECT_TIMEOUT_S = 30.0
 HELLO_RETRY_S = 0.5
+CLOSE_EVENTS_WAIT_S = 5.0
+"""At close, how long the link waits for events still being stored (a done report, an error)."""
 
 
 class MemberRefusedError(RuntimeError):
@@ -61,13 +70,18 @@ class Progress:
     snapshots_skipped: int = 0
     section: str = ""
     awaiting_rebuild: bool = False
+    rebuilding: bool = False
+
+
+Command = Rebuild | GenerationVoid | JobFinished
 
 
 class ControlLink:
-    def __init__(self, config: MemberConfig, log: Any, on_rebuild: Callable[[Rebuild], None] | None = None) -> None:
+    def __init__(self, config: MemberConfig, log: Any, on_command: Callable[[Command], None] | None = None) -> None:
         self.config = config
-        self._on_rebuild_cb = on_rebuild
-        """Called on the control thread when a newer rebuild arrives (it must be quick and thread-safe)."""
+        self._on_command_cb = on_command
+        """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
+        (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
         self.log = log
         self.subjects = Subjects.for_job(config.job)
         self.progress = Progress()
@@ -77,6 +91,11 @@ class ControlLink:
         self._rebuild: Rebuild | None = None
         self._rebuild_received_t = 0.0
         self._finished: JobFinished | None = None
+        self._void = 0
+        """The newest generation the swapper said will not form or train again."""
+        self._ack: RebuildAck | None = None
+        """Our ack of the newest generation we completed, sent again if that rebuild is retransmitted."""
+        self._events: EventPublisher | None = None
         self._refused = ""
         self._registered = False
         self._loop = asyncio.new_event_loop()
@@ -108,6 +127,10 @@ class ControlLink:
         with self._cond:
             return self._finished
 
+    def void_generation(self) -> int:
+        with self._cond:
+            return self._void
+
     def wait_command(self, newer_than: int, timeout_s: float | None) -> Rebuild | JobFinished | None:
         """Block until a rebuild of a generation above `newer_than` arrives, or the job finishes."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -129,8 +152,19 @@ class ControlLink:
         return {s.port for s in servers if s.port is not None}
 
     def publish(self, subject: str, message: JobMessage) -> Future[None]:
-        """Send a report from any thread; returns a future the caller may wait on."""
+        """Send a report from any thread (core NATS: for what may be lost); returns a future."""
         return asyncio.run_coroutine_threadsafe(self._publish(subject, message), self._loop)
+
+    def publish_event(self, subject: str, message: JobMessage) -> Future[bool]:
+        """Store an event from any thread (retried until the server has it); the future says whether it
+        was stored before the publisher's deadline."""
+        return asyncio.run_coroutine_threadsafe(self._publish_event(subject, message), self._loop)
+
+    def ack(self, ack: RebuildAck) -> Future[bool]:
+        """Send our ack of a rebuild, and remember it to answer that rebuild's retransmissions."""
+        with self._cond:
+            self._ack = ack
+        return self.publish_event(self.subjects.rebuild_ack, ack)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._thread.is_alive():
@@ -148,13 +182,16 @@ class ControlLink:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._nc = await connect(self.config.nats_url, f"deadpool-member-{self.config.member}", self.log)
+        self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
+        await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
         self._ready.set()
         await self._register()
         beat = asyncio.create_task(self._heartbeats())
         await self._stop.wait()
         beat.cancel()
+        await self._events.drain(CLOSE_EVENTS_WAIT_S)
         await self._nc.drain()
 
     async def _register(self) -> None:
@@ -208,6 +245,7 @@ class ControlLink:
                 section=p.section[:64],
                 host=self.config.host,
                 awaiting_rebuild=p.awaiting_rebuild,
+                rebuilding=p.rebuilding,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))
@@ -217,20 +255,44 @@ class ControlLink:
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         with self._cond:
+            ack = self._ack
             if self._rebuild is not None and rebuild.generation <= self._rebuild.generation:
+                if ack is not None and ack.generation == rebuild.generation and self._events is not None:
+                    self._events.publish_soon(self.subjects.rebuild_ack, ack)  # our ack was lost: again
                 return  # a retransmission, or an older generation: nothing new
             self._rebuild = rebuild
             self._rebuild_received_t = time.time()
             self._cond.notify_all()
-        if self._on_rebuild_cb is not None:
-            self._on_rebuild_cb(rebuild)
+        self._command(rebuild)
+
+    async def _on_void(self, void: GenerationVoid, _msg: Msg) -> None:
+        with self._cond:
+            if void.generation <= self._void:
+                return
+            self._void = void.generation
+            self._cond.notify_all()
+        self._command(void)
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:
+            first = self._finished is None
             self._finished = finished
             self._cond.notify_all()
+        if first:
+            self._command(finished)
+
+    def _command(self, command: Command) -> None:
+        if self._on_command_cb is not None:
+            try:
+                self._on_command_cb(command)
+            except Exception:  # the control thread must go on whatever the callback does
+                self.log.exception("command callback failed", kind=command.KIND)
 
     async def _publish(self, subject: str, message: JobMessage) -> None:
         assert self._nc is not None
         await self._nc.publish(subject, encode(message))
         await self._nc.flush(timeout=5)
+
+    async def _publish_event(self, subject: str, message: JobMessage) -> bool:
+        assert self._events is not None
+        return await self._events.publish(subject, message)

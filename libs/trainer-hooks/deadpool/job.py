@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import gc
 import os
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -32,91 +33,69 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from deadpool.control_link import ControlLink, Progress
+from deadpool.control_link import Command, ControlLink
+from deadpool.ddp_check import BucketRebuildError, check_wrapped
 from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
+from deadpool.generation_waits import GenerationWaits, SupersededError
 from deadpool.member_config import MemberConfig
+from deadpool.member_rebuild import (
+    MemberCannotContinueError,
+    MemberFencedError,
+    MemberRebuild,
+    RendezvousFailedError,
+)
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
-from deadpool.replica_exchange import exchange_partitions
-from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, plan_layout
+from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.step_stats import StepStats
-from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
+from deadpool.store_client import UploadKey
+from deadpool.stuck_watch import StuckCollectiveWatch
 from deadpool.training_state import (
     WHOLE,
     Partition,
     SnapshotMeta,
     SnapshotSources,
     collect_sources,
-    load_module,
-    load_optimizer,
     local_optimizer,
-    restore_rng,
 )
 from deadpool_protocol import (
     NO_RANK,
     NO_STEP,
+    GenerationVoid,
     JobFinished,
     MemberDone,
     MemberError,
+    MemberErrorCause,
     MemberHello,
     Rebuild,
-    RebuildAck,
     StoreAddress,
 )
 
 __all__ = [
     "BucketRebuildError",
     "Job",
+    "JobFailedError",
+    "MemberCannotContinueError",
     "MemberFencedError",
     "OptimizerFactory",
-    "SnapshotUnavailableError",
     "Wrapper",
+    "check_wrapped",
 ]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Wrapper = Callable[[nn.Module, Any], nn.Module]
 
-FORMATION_SNAPSHOT_WAIT_S = 120.0
 FINISH_WAIT_S = 300.0
-ERROR_REPORT_WAIT_S = 2.0
+DONE_RETRANSMIT_S = 1.0
+"""After its last step a rank repeats its done report this often until it hears the job finished."""
+ERROR_REPORT_WAIT_S = 5.0
+STEP_TIMES_KEPT = 16
 GROUP_RETIRE_MARGIN_S = 5.0
 """A dropped process group is freed this long after its collective timeout (see `GenerationGroup`)."""
 
 
-class MemberFencedError(RuntimeError):
-    """This member was declared failed and replaced; it must not touch the job's collectives again."""
-
-
-class SnapshotUnavailableError(RuntimeError):
-    """No store could provide the snapshot a rebuild asked for."""
-
-
-class BucketRebuildError(ValueError):
-    """A DDP wrapper that rebuilds its gradient buckets would break bit-identical recovery."""
-
-
-def check_wrapped(model: nn.Module) -> None:
-    """Refuse DDP settings that make results after a swap differ from an uninterrupted run.
-
-    DDP rebuilds its gradient buckets after the first iteration, in gradient-ready order. After a swap
-    every rank re-wraps (its process group changed), and a fresh wrapper starts from the initial
-    layout: the first step after the swap then reduces gradients grouped differently from the
-    uninterrupted run, and floating-point sums come out different in the last bits.
-    `find_unused_parameters=True` (without `static_graph`) keeps the initial layout for the whole run,
-    on every rank and in every generation, so every run reduces the same way.
-    """
-    if isinstance(model, DistributedDataParallel) and (not model.find_unused_parameters or model.static_graph):
-        raise BucketRebuildError(
-            "DistributedDataParallel rebuilds its gradient buckets after the first iteration, so a rank "
-            "re-wrapped after a swap would reduce gradients in a different order and the weights would "
-            "no longer be bit-identical to an uninterrupted run. Wrap with "
-            "DDP(module, process_group=pg, find_unused_parameters=True) (and without static_graph): it "
-            "keeps one bucket layout for the whole run, at the cost of one autograd-graph traversal per step."
-        )
-
-
-class _RendezvousFailedError(Exception):
-    """The generation's process group could not be formed (the cause is chained)."""
+class JobFailedError(RuntimeError):
+    """The swapper ended the job (the text says why); this member stops with it."""
 
 
 class _StepContext:
@@ -174,6 +153,8 @@ class Job:
         self._finished = False
         self._closed = False
         self._warm = False
+        self._waits = GenerationWaits()
+        """The training thread's waits of a generation, which the control thread breaks when it is superseded."""
         self._rendezvous = Rendezvous(config.rendezvous_host, config.pg_timeout_s)
         self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
@@ -184,7 +165,8 @@ class Job:
                 "fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, "
                 "SIGURG resets the group's connections, SIGWINCH slows"
             )
-        self._link = ControlLink(config, log, on_rebuild=self._on_rebuild_announced)
+        self._link = ControlLink(config, log, on_command=self._on_command)
+        self._stuck = StuckCollectiveWatch(self._link, self._report_stuck, log, step_time_s=self._recent_step_s)
         self._link.start(
             MemberHello(
                 job=config.job,
@@ -208,7 +190,9 @@ class Job:
         """Yield the index of each step to run, from wherever this member's state stands.
 
         A spare blocks here until it is given a rank (or the job finishes). After a recovery the
-        next index is the restored step, so the replayed steps are the same steps.
+        next index is the restored step, so the replayed steps are the same steps. Raises
+        `JobFailedError` if the swapper ends the job, and `MemberCannotContinueError` if this member
+        cannot carry out a rebuild (both say why).
         """
         if total_steps < 0:
             raise ValueError("total_steps must not be negative")
@@ -254,6 +238,7 @@ class Job:
         if self._closed:
             return
         self._closed = True
+        self._stuck.close()
         self._leave_group()
         gc.collect()  # free DDP/ZeRO objects before the interpreter tears torch down
         self._worker.close()
@@ -274,10 +259,10 @@ class Job:
     def _join(self) -> None:
         if self.config.rank_hint < 0:
             self._warm_up()
-        while True:
+        while True:  # a spare waits for the job: it ends with a rank, or with the job
             command = self._link.wait_command(newer_than=self.generation, timeout_s=None)
             if isinstance(command, JobFinished) or command is None:
-                self._finished = True
+                self._end(command)
                 return
             _, received = self._link.latest_rebuild()
             if self._apply_rebuild(command, {"received": received}):
@@ -295,23 +280,39 @@ class Job:
             optimizer = self._factory(list(self.module.parameters()))
             del wrapped, optimizer
             gc.collect()
+        except Exception as exc:  # the same code will run at the rebuild: say so now, with the reason
+            self._report_fatal(exc, MemberErrorCause.USER_CODE)
+            raise MemberCannotContinueError(
+                MemberErrorCause.USER_CODE, f"the wrapper or optimizer factory raised while a spare warmed up: {exc}"
+            ) from exc
         finally:
             dist.destroy_process_group()
         self._warm = True
         self.log.info("spare warm", warm_up_s=round(time.monotonic() - started, 3))
 
     def _finish(self, total_steps: int) -> None:
+        """After the last step: report done (again every `DONE_RETRANSMIT_S`) until the job finishes
+        or a rebuild replays steps (a rank failed right at the end)."""
         assert self.rank is not None
         done = MemberDone(self.config.job, self.generation, self.config.member, self.rank, total_steps)
-        self._link.publish(self._link.subjects.member_done, done)
-        command = self._link.wait_command(newer_than=self.generation, timeout_s=FINISH_WAIT_S)
-        if isinstance(command, Rebuild):
-            _, received = self._link.latest_rebuild()
-            self._apply_rebuild(command, {"received": received})
-            return
-        if command is None:
-            self.log.warning("no word from the swapper after the last step; finishing", wait_s=FINISH_WAIT_S)
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while time.monotonic() < deadline:
+            self._link.publish_event(self._link.subjects.member_done, done)
+            command = self._link.wait_command(newer_than=self.generation, timeout_s=DONE_RETRANSMIT_S)
+            if isinstance(command, Rebuild):
+                _, received = self._link.latest_rebuild()
+                self._apply_rebuild(command, {"received": received})
+                return
+            if isinstance(command, JobFinished):
+                self._end(command)
+                return
+        self.log.warning("no word from the swapper after the last step; finishing", wait_s=FINISH_WAIT_S)
         self._finished = True
+
+    def _end(self, finished: JobFinished | None) -> None:
+        self._finished = True
+        if finished is not None and finished.failed:
+            raise JobFailedError(f"the job was ended by the swapper: {finished.reason}")
 
     # ------------------------------------------------------------------ steps and snapshots
 
@@ -368,11 +369,10 @@ class Job:
     # ------------------------------------------------------------------ failures and rebuilds
 
     def _recoverable(self, exc: Exception) -> bool:
-        latest, _ = self._link.latest_rebuild()
-        return is_collective_error(exc) or (latest is not None and latest.generation > self.generation)
+        return is_collective_error(exc) or self._waits.superseded(self.generation)
 
     def _recover(self, exc: Exception) -> None:
-        """Leave the broken step: break the group (releasing peers), then obey the swapper's rebuild."""
+        """Leave the broken step: break the group (releasing peers), then obey the swapper's next rebuild."""
         marks = {"out": time.time()}
         self.stats.abandoned()
         self._leave_group()
@@ -385,6 +385,9 @@ class Job:
             error=str(exc)[:300],
         )
         command = self._link.wait_command(newer_than=self.generation, timeout_s=self.config.rebuild_wait_s)
+        if isinstance(command, JobFinished):
+            self._end(command)
+            return
         if not isinstance(command, Rebuild):
             self._report_fatal(exc)
             raise RuntimeError(
@@ -395,11 +398,25 @@ class Job:
         marks["received"] = received
         self._apply_rebuild(latest, marks)
 
-    def _on_rebuild_announced(self, command: Rebuild) -> None:
-        """Control thread, the moment a newer generation is announced: break our old group now, so a
-        training thread blocked in a collective gets out without waiting for any peer."""
-        if self._group.abort(below_generation=command.generation):
-            self.log.info("old process group aborted", generation=self.generation, new_generation=command.generation)
+    def _on_command(self, command: Command) -> None:
+        """Control thread, the moment a newer rebuild, a void notice or the job's end arrives: every
+        wait of a generation that can no longer form is broken now (rendezvous, process-group creation,
+        fetches), and so is our old group, so a training thread blocked in a collective gets out
+        without waiting for any peer."""
+        if isinstance(command, Rebuild):
+            broken = self._waits.supersede(newest=command.generation)
+            below = command.generation
+        elif isinstance(command, GenerationVoid):
+            broken = self._waits.supersede(void=command.generation)
+            below = command.generation + 1
+        else:
+            broken = self._waits.supersede(ended=True)
+            below = 2**62
+        if self._group.abort(below_generation=below):
+            self.log.info("process group aborted", generation=self.generation, by=command.KIND)
+            self._stuck.watch(self.generation)
+        if broken:
+            self.log.info("waits of a superseded generation broken", waits=broken, by=command.KIND)
 
     def _obey_newer_rebuild(self) -> None:
         latest, received = self._link.latest_rebuild()
@@ -407,161 +424,37 @@ class Job:
             self._apply_rebuild(latest, {"received": received})
 
     def _apply_rebuild(self, command: Rebuild, marks: dict[str, float]) -> bool:
-        """Carry out `command`, or the newer one that replaces it if its rendezvous cannot complete
-        (a member of it died meanwhile). Returns True if this member holds a rank in the end."""
+        """Carry out `command`, or the newer one that supersedes it. Returns True if this member holds
+        a rank in the end. Raises MemberFencedError if it was replaced, MemberCannotContinueError
+        (after reporting it) if it cannot carry the rebuild out, JobFailedError if the job ended."""
         while True:
+            self._stuck.clear()
             try:
-                return self._rebuild_once(command, marks)
-            except _RendezvousFailedError as exc:
-                self.log.warning(
-                    "rendezvous failed; waiting for a newer generation",
-                    generation=command.generation,
-                    error=str(exc.__cause__)[:300],
-                )
-                newer = self._link.wait_command(newer_than=command.generation, timeout_s=self.config.rebuild_wait_s)
-                if not isinstance(newer, Rebuild):
-                    raise RuntimeError(f"generation {command.generation} could not form and none replaced it") from exc
-                latest, received = self._link.latest_rebuild()
-                command = latest or newer
-                marks = {k: v for k, v in marks.items() if k == "out"} | {"received": received}
-
-    def _rebuild_once(self, command: Rebuild, marks: dict[str, float]) -> bool:
-        member = self.config.member
-        rank = command.rank_of(member)
-        if rank == NO_RANK:
-            if self.rank is not None:
+                return MemberRebuild(self, command, marks).run()
+            except SupersededError:
                 self._leave_group()
-                raise MemberFencedError(
-                    f"member {member} was replaced in generation {command.generation}; it must stop"
+                self.log.info("generation superseded during its rebuild", generation=command.generation)
+            except RendezvousFailedError as exc:
+                self._leave_group()
+                self._link.progress = replace(self._link.progress, rebuilding=False, awaiting_rebuild=True)
+                self.log.warning(
+                    "rendezvous failed; waiting for the next command",
+                    generation=command.generation,
+                    error=str(exc)[:300],
                 )
-            self.generation = command.generation  # still a spare
-            self._link.progress = replace(self._link.progress, generation=command.generation)
-            return False
-        survivor = self.rank is not None
-        marks["begin"] = time.time()
-        self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)
-        if survivor:
-            marks.setdefault("out", time.time())
-            self._leave_group()
-        last_completed = self._completed_step if survivor else NO_STEP
-        self._worker.cancel_uploads_before(command.generation)
-        log = self.log.bind(generation=command.generation, rank=rank)
-
-        snapshot: FlatBuffer | None = None
-        meta: SnapshotMeta | None = None
-        source = "fresh"
-        if command.restore_step != NO_STEP:
-            snapshot, meta, source = self._snapshot_for(command, rank)
-            if meta.partitioned and meta.partition != Partition(rank, command.world_size):
-                raise SnapshotUnavailableError(
-                    f"snapshot of rank {rank} step {meta.step} is partition {meta.partition}, "
-                    f"not rank {rank} of {command.world_size}"
-                )
-            if not meta.partitioned:
-                load_module(self.module, [snapshot])
-        marks["restored"] = time.time()
-
-        service_ports = {self._rendezvous.port, command.rendezvous_port, *(a.port for a in command.stores)}
-        service_ports |= self._link.server_ports()
-        try:
-            store = self._rendezvous.store_for(command, member)
-            group = self._group.create(
-                store,
-                rank,
-                command.world_size,
-                self._backend,
-                self.config.pg_timeout_s,
-                command.generation,
-                service_ports,
-            )
-            replicas: list[FlatBuffer] = []
-            if snapshot is not None and meta is not None:
-                replicas = exchange_partitions(snapshot, meta, rank, command.world_size, group)
-        except RuntimeError as exc:  # torch's DistError family: a member never came, or the host is gone
-            raise _RendezvousFailedError() from exc
-        if snapshot is not None and meta is not None and meta.partitioned:
-            load_module(self.module, [snapshot, *replicas])
-        marks["rendezvous"] = time.time()
-
-        self.model = self._wrap(self.module, group) if self._wrap else self.module
-        check_wrapped(self.model)
-        self.optimizer = self._factory(list(self.module.parameters()))
-        self.optimizer.register_step_pre_hook(lambda *_: self._fence_optimizer_step())
-        self._plan = None
-        step = 0
-        if snapshot is not None and meta is not None:
-            # A fetched snapshot is ours alone: the optimizer state may live in it, uncopied.
-            load_optimizer(self.module, self.optimizer, [snapshot, *replicas], meta, take_buffers=source == "store")
-            restore_rng(meta.rng)
-            self.extra_state = dict(meta.extra)
-            step = meta.step
-        self.rank, self.world_size, self.generation = rank, command.world_size, command.generation
-        stores = {s.store: s for s in command.stores}
-        self._placement = [stores[name] for name in command.placement[rank]]
-        self._next_step = self._completed_step = step
-        self._worker.forget_after(step)
-        if command.restore_step == NO_STEP:
-            self._seal_formation_snapshot()
-        marks["ready"] = time.time()
-        self._link.progress = Progress(generation=self.generation, rank=rank, step=step)
-        ack = RebuildAck(
-            job=self.config.job,
-            generation=self.generation,
-            member=member,
-            rank=rank,
-            restore_step=command.restore_step,
-            last_completed_step=last_completed,
-            restore_source=source,
-            marks=marks,
-            t_ready=marks["ready"],
-        )
-        self._link.publish(self._link.subjects.rebuild_ack, ack)
-        log.info(
-            "rebuild done",
-            restore_step=command.restore_step,
-            source=source,
-            lost_steps=max(0, last_completed - command.restore_step) if survivor else 0,
-            took_s=round(marks["ready"] - marks["begin"], 4),
-            marks={k: round(v - command.t_decided, 4) for k, v in marks.items()},
-        )
-        return True
-
-    def _seal_formation_snapshot(self) -> None:
-        """Store step 0 before training starts, so a recovery always has a committed step to go to."""
-        request = self._capture(0)
-        if request is None or not request.done.wait(FORMATION_SNAPSHOT_WAIT_S) or not request.sealed_on:
-            self.log.warning("step 0 snapshot not stored before training; an early failure cannot be recovered")
-
-    def _snapshot_for(self, command: Rebuild, rank: int) -> tuple[FlatBuffer, SnapshotMeta, str]:
-        """The snapshot of (rank, restore_step): from our own buffer if we have it, else from a store."""
-        step = command.restore_step
-        if self.rank == rank:
-            slot = self._worker.local(step)
-            if slot is not None and slot.buffer is not None:
-                return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
-        preferred = command.placement[rank]
-        ordered = sorted(command.stores, key=lambda s: s.store not in preferred)
-        errors = []
-        pin = torch.cuda.is_available() and any(p.is_cuda for p in self.module.parameters())
-        for address in ordered:
-            got: dict[str, Any] = {}
-
-            def destination(meta_bytes: bytes, total_bytes: int, got: dict[str, Any] = got) -> memoryview:
-                meta = SnapshotMeta.decode(meta_bytes)
-                if meta.step != step or meta.layout.total_bytes != total_bytes:
-                    raise StoreClientError(f"store sent step {meta.step} of {total_bytes} bytes, not step {step}")
-                got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)
-                return got["buffer"].bytes_view()  # type: ignore[no-any-return]
-
-            connection = StoreConnection(address)
-            try:
-                connection.fetch(command.job, rank, step, destination)
-                return got["buffer"], got["meta"], "store"
-            except (StoreClientError, ValueError) as exc:
-                errors.append(str(exc))
-            finally:
-                connection.close()
-        raise SnapshotUnavailableError(f"no store could provide rank {rank} step {step}: {'; '.join(errors)}")
+            except MemberCannotContinueError as exc:
+                self._leave_group()
+                self._report_fatal(exc, exc.cause)
+                raise
+            newer = self._link.wait_command(newer_than=command.generation, timeout_s=self.config.rebuild_wait_s)
+            if isinstance(newer, JobFinished):
+                self._end(newer)
+                return False
+            if newer is None:
+                raise RuntimeError(f"generation {command.generation} could not form and none replaced it")
+            latest, received = self._link.latest_rebuild()
+            command = latest or newer
+            marks = {k: v for k, v in marks.items() if k == "out"} | {"received": received}
 
     def _leave_group(self) -> None:
         """Drop the wrappers that hold the process group, then break and destroy the group.
@@ -576,8 +469,21 @@ class Job:
         self._plan = None
         self._group.destroy()
 
-    def _report_fatal(self, exc: BaseException) -> None:
-        """Tell the detector we are dying, before we do (bounded wait for the message to leave)."""
+    def _recent_step_s(self) -> float:
+        recent = [s["step_s"] for s in self.stats.steps[-STEP_TIMES_KEPT:]]
+        return statistics.median(recent) if recent else 0.0
+
+    def _report_stuck(self, generation: int) -> None:
+        """Control thread: the training thread is still inside a collective of `generation` long
+        after its group was broken (gloo cannot interrupt a send whose peer left). Say so and exit,
+        so that the swapper replaces this member instead of waiting for the collective timeout."""
+        error = RuntimeError(f"stuck in a collective of generation {generation} that its broken group did not release")
+        self._report_fatal(error)
+        self.log.error("exiting: stuck in a collective the abort could not release", generation=generation)
+        os._exit(3)
+
+    def _report_fatal(self, exc: BaseException, cause: str = MemberErrorCause.STEP) -> None:
+        """Tell the detector we cannot go on, and why, before we stop (bounded wait for it to be stored)."""
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         error = MemberError(
             self.config.job,
@@ -586,8 +492,9 @@ class Job:
             self.rank if self.rank is not None else NO_RANK,
             text[:2000],
             time.time(),
+            cause,
         )
         try:
-            self._link.publish(self._link.subjects.member_error, error).result(ERROR_REPORT_WAIT_S)
+            self._link.publish_event(self._link.subjects.member_error, error).result(ERROR_REPORT_WAIT_S)
         except Exception as report_exc:
             self.log.warning("error report not sent", error=repr(report_exc))

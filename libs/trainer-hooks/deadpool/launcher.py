@@ -2,10 +2,14 @@
 
 Like torchrun, it runs one process per local rank plus `spares` warm spares, all the same script with
 the same arguments; which of them end up holding ranks is the swapper's call (members started for
-rank r ask for rank r). It reports every child's exit on NATS the moment `waitpid` returns, answers
-the swapper's fence requests by SIGKILLing the member, forwards SIGINT/SIGTERM to its children, and
-optionally respawns a dead child as a new spare. Children die with it (PR_SET_PDEATHSIG), so a lost
-launcher means a lost host, never orphans that keep training.
+rank r ask for rank r). It reports every child's exit the moment `waitpid` returns (an event, stored
+in the events stream), answers the swapper's fence requests by SIGKILLing the member, forwards
+SIGINT/SIGTERM to its children, and optionally respawns a dead child as a new spare. Children die
+with it (PR_SET_PDEATHSIG), so a lost launcher means a lost host, never orphans that keep training.
+
+When the job finishes, children still running after `finish_grace_s` (a spare that missed the
+notice) are stopped. When the swapper ends the job (a member could not go on), the launcher stops
+its children and exits non-zero, printing the swapper's reason.
 
 No torch here: the launcher starts in a fraction of a second.
 """
@@ -41,12 +45,15 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
-from deadpool_runtime import connect, publish, subscribe_validated
+from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
 __all__ = ["LaunchConfig", "Launcher"]
 
 PR_SET_PDEATHSIG = 1
 TERMINATE_GRACE_S = 10.0
+FINISH_GRACE_S = 30.0
+"""After the job finished, children still running this much later are stopped."""
+EXIT_REPORTS_WAIT_S = 10.0
 HEARTBEAT_BATCH_PERIOD_S = HEARTBEAT_PERIOD_S_DEFAULT
 """As the members' heartbeat period: a beat waits at most this long in the launcher."""
 
@@ -106,13 +113,17 @@ class Launcher:
         self.exit_codes: dict[str, int] = {}
         self.generation = 0
         self.finished = False
+        self.failed_reason = ""
+        """Why the swapper ended the job ('' if it finished, or has not ended)."""
         self._alive_at_finish: set[str] = set()
+        self._events: EventPublisher | None = None
         self.respawns_left = config.respawns
         self._serial = 0
         self._nc: Client | None = None
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
         self._beats: dict[str, Heartbeat] = {}
+        self._stopper: asyncio.Task[None] | None = None
 
     @property
     def world_size(self) -> int:
@@ -121,6 +132,7 @@ class Launcher:
     async def run(self, stop: asyncio.Event) -> int:
         """Run the children to the end; returns the launcher's exit code (0: the job finished)."""
         self._nc = await connect(self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log)
+        self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
         await self._nc.subscribe(self.subjects.fence(self.launcher_id), cb=self._on_fence)
@@ -141,13 +153,17 @@ class Launcher:
         stopper.cancel()
         await self._all_exited.wait()
         batcher.cancel()
+        await self._events.drain(EXIT_REPORTS_WAIT_S)
         await self._nc.drain()
+        if self.failed_reason:
+            print(f"deadpool launch: the job was ended: {self.failed_reason}", file=sys.stderr, flush=True)
         return self._exit_code()
 
     def _exit_code(self) -> int:
         """0 when the job finished and every member still running at that moment exited cleanly;
-        members that failed earlier were replaced and do not count against the job."""
-        if not self.finished:
+        members that failed earlier were replaced and do not count against the job. 1 otherwise, and
+        when the swapper ended the job."""
+        if not self.finished or self.failed_reason:
             return 1
         return 0 if all(self.exit_codes.get(m) == 0 for m in self._alive_at_finish) else 1
 
@@ -199,12 +215,8 @@ class Launcher:
             returncode,
             t_exit,
         )
-        assert self._nc is not None
-        try:
-            await publish(self._nc, self.subjects.child_exit, report)
-            await self._nc.flush(timeout=2)
-        except Exception as exc:
-            self.log.error("exit report not sent", member=child.member, error=repr(exc))
+        assert self._events is not None
+        self._events.publish_soon(self.subjects.child_exit, report)  # retried until stored
         level = self.log.info if returncode == 0 else self.log.warning
         level("member exited", member=child.member, pid=child.process.pid, returncode=returncode)
         failed = returncode != 0 and not self.finished
@@ -236,9 +248,24 @@ class Launcher:
                 self.log.warning("heartbeat batch not sent", error=repr(exc))
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
-        if not self.finished:
-            self.finished = True
-            self._alive_at_finish = {m for m in self.children if m not in self.exit_codes}
+        if self.finished:
+            return
+        self.finished = True
+        self._alive_at_finish = {m for m in self.children if m not in self.exit_codes}
+        if finished.failed:
+            self.failed_reason = finished.reason or "no reason given"
+            self.log.error("the swapper ended the job", reason=self.failed_reason)
+            self._stopper = asyncio.create_task(self._terminate_all())
+        else:
+            self._stopper = asyncio.create_task(self._stop_stragglers())
+
+    async def _stop_stragglers(self) -> None:
+        """Children still running `FINISH_GRACE_S` after the job finished missed the notice: stop them."""
+        try:
+            await asyncio.wait_for(self._all_exited.wait(), FINISH_GRACE_S)
+        except TimeoutError:
+            self.log.warning("members still running after the job finished: stopping them")
+            await self._terminate_all()
 
     async def _on_fence(self, msg: Msg) -> None:
         try:

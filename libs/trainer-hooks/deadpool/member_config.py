@@ -32,6 +32,7 @@ class ENV:
     HEARTBEAT_PERIOD_S = "DEADPOOL_HEARTBEAT_PERIOD_S"
     PG_TIMEOUT_S = "DEADPOOL_PG_TIMEOUT_S"
     REBUILD_WAIT_S = "DEADPOOL_REBUILD_WAIT_S"
+    RENDEZVOUS_WAIT_S = "DEADPOOL_RENDEZVOUS_WAIT_S"
     BACKEND = "DEADPOOL_BACKEND"
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
@@ -65,7 +66,11 @@ class MemberConfig:
     collective's send still waiting for a peer that has left, see docs/architecture.md); that member
     stays blocked until this timeout."""
     rebuild_wait_s: float = 300.0
-    """How long a survivor that left a broken collective waits for the swapper's rebuild command."""
+    """How long a member that left a broken collective, or could not form a generation, waits for the
+    swapper's next command: a last resort (the swapper answers every failure within seconds)."""
+    rendezvous_wait_s: float = 0.0
+    """How long a member keeps trying to reach a generation's rendezvous store (unless the generation
+    is superseded first); 0 means the collective timeout."""
     backend: str = ""
     """'gloo' or 'nccl'; empty means nccl when CUDA is available, else gloo."""
     snapshot_chunk_bytes: int = 4 * 1024 * 1024
@@ -97,6 +102,10 @@ class MemberConfig:
                 f"pg_timeout_s ({self.pg_timeout_s}) must be well above heartbeat_period_s "
                 f"({self.heartbeat_period_s}): see deadpool_protocol.timeouts"
             )
+        if self.rendezvous_wait_s < 0:
+            raise ValueError("rendezvous_wait_s must not be negative")
+        if self.rendezvous_wait_s == 0:
+            object.__setattr__(self, "rendezvous_wait_s", self.pg_timeout_s)
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
         if not 0 <= self.snapshot_stream_nice <= 19:
@@ -123,6 +132,7 @@ class MemberConfig:
             heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
             pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
             rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
+            rendezvous_wait_s=float(env.get(ENV.RENDEZVOUS_WAIT_S, "0")),
             backend=env.get(ENV.BACKEND, ""),
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
             snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),

@@ -16,14 +16,26 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deadpool.generation_waits import SupersededError
 from deadpool_protocol import Rebuild
 
-__all__ = ["GenerationGroup", "Rendezvous", "is_collective_error", "pick_backend"]
+__all__ = [
+    "CONNECT_ATTEMPT_S",
+    "GenerationGroup",
+    "Rendezvous",
+    "RendezvousUnreachableError",
+    "is_collective_error",
+    "pick_backend",
+]
+
+CONNECT_ATTEMPT_S = 0.5
+"""One attempt to connect to a rendezvous store; between attempts the member checks for supersession."""
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
@@ -38,22 +50,31 @@ _COLLECTIVE_ERROR_MARKERS = (
 
 
 class Rendezvous:
-    """This member's rendezvous endpoint, bound once for the life of the process."""
+    """This member's rendezvous endpoint, bound once for the life of the process.
 
-    def __init__(self, host: str, timeout_s: float) -> None:
+    Every generation gets a client store of its own (even on the host, which talks to its own master
+    through one): when the generation is superseded, the client's socket is shut down to release a
+    wait inside `init_process_group`, and the next generation needs an unbroken client.
+    """
+
+    def __init__(self, host: str, timeout_s: float, connect_attempt_s: float = CONNECT_ATTEMPT_S) -> None:
         self.host = host
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.connect_attempt = datetime.timedelta(seconds=connect_attempt_s)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, 0))
         self._listener.listen(1024)
         self.port: int = self._listener.getsockname()[1]
         self._master: dist.TCPStore | None = None
-        self._client: dist.TCPStore | None = None
-        self._client_address: tuple[str, int] | None = None
 
-    def store_for(self, command: Rebuild, member: str) -> dist.Store:
-        """The key-value store of `command`'s generation, prefixed so generations never mix."""
+    def store_for(
+        self, command: Rebuild, member: str, superseded: Callable[[], bool], deadline_s: float
+    ) -> tuple[dist.Store, dict[int, str]]:
+        """A new client of `command`'s rendezvous store, prefixed so generations never mix, and the
+        socket descriptors it opened (to break it with). Connecting is tried in attempts of
+        `connect_attempt_s`, until it works, `superseded()` says the generation is gone
+        (SupersededError), or `deadline_s` (monotonic) passed (RendezvousUnreachableError)."""
         if command.rendezvous_member == member:
             if self._master is None:
                 self._master = dist.TCPStore(
@@ -65,14 +86,31 @@ class Rendezvous:
                     wait_for_workers=False,
                     master_listen_fd=self._listener.detach(),
                 )
-            base: dist.Store = self._master
+            address = (self.host, self.port)
         else:
             address = (command.rendezvous_host, command.rendezvous_port)
-            if self._client is None or self._client_address != address:
-                self._client = dist.TCPStore(address[0], address[1], None, False, self.timeout)
-                self._client_address = address
-            base = self._client
-        return dist.PrefixStore(f"{command.job}/g{command.generation}/", base)
+        attempts = 0
+        while True:
+            if superseded():
+                raise SupersededError(f"generation {command.generation} was superseded")
+            attempts += 1
+            before = _socket_fds()
+            try:
+                client = dist.TCPStore(address[0], address[1], None, False, self.connect_attempt)
+                break
+            except RuntimeError as exc:  # torch's DistNetworkError and friends
+                if time.monotonic() >= deadline_s:
+                    raise RendezvousUnreachableError(
+                        f"rendezvous store {address[0]}:{address[1]} of generation {command.generation} "
+                        f"unreachable after {attempts} attempt(s): {exc}"
+                    ) from exc
+        client.set_timeout(self.timeout)
+        opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
+        return dist.PrefixStore(f"{command.job}/g{command.generation}/", client), opened
+
+
+class RendezvousUnreachableError(RuntimeError):
+    """The generation's rendezvous store could not be reached within the bound."""
 
 
 def pick_backend(configured: str) -> str:
@@ -112,6 +150,8 @@ class GenerationGroup:
         self._retired: list[tuple[float, Any]] = []
         """(monotonic time dropped, process group) of earlier generations, oldest first."""
         self._sockets: dict[int, str] = {}
+        self._forming: tuple[int, dict[int, str], set[int], dict[int, str]] | None = None
+        """(generation, sockets before, service ports, rendezvous client sockets) while creating a group."""
 
     def create(
         self,
@@ -122,16 +162,30 @@ class GenerationGroup:
         timeout_s: float,
         generation: int,
         service_ports: set[int],
+        store_sockets: Mapping[int, str] | None = None,
     ) -> Any:
         """Create generation `generation`'s group as the default group (DDP and ZeRO find it as WORLD).
 
         `service_ports`: ports of connections that are not the group's even if they appear meanwhile
         (the rendezvous store, which accepts its clients during this very call; NATS; the stores).
+        `store_sockets`: the rendezvous client's sockets (descriptor -> kernel name). While the group
+        is being created, `abort()` breaks those and every peer connection opened so far, so a
+        creation waiting for a peer that will never come fails at once.
         """
         before = _socket_fds()
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        with self._lock:
+            self._forming = (generation, before, service_ports, dict(store_sockets or {}))
+        try:
+            dist.init_process_group(
+                backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+            )
+        except BaseException:
+            if dist.is_initialized():  # pragma: no cover - torch leaves no half-made default group today
+                dist.destroy_process_group()
+            raise
+        finally:
+            with self._lock:
+                self._forming = None
         created = {
             fd: link
             for fd, link in _socket_fds().items()
@@ -143,9 +197,23 @@ class GenerationGroup:
         return dist.group.WORLD
 
     def abort(self, below_generation: int | None = None) -> bool:
-        """Break the group's connections (any thread). With `below_generation`, only if the group is
-        older than that. Returns True if a live group was broken."""
+        """Break the group's connections (any thread), or the creation in progress. With
+        `below_generation`, only if the group (or the one being created) is older than that. Returns
+        True if a live group or a creation was broken."""
         with self._lock:
+            forming = self._forming
+            if forming is not None and (below_generation is None or forming[0] < below_generation):
+                _, before, service_ports, store_sockets = forming
+                opened = {
+                    fd: link
+                    for fd, link in _socket_fds().items()
+                    if before.get(fd) != link and _is_peer_connection(fd, service_ports)
+                }
+                for fd, link in opened.items():
+                    _shutdown_connected(fd, link)
+                for fd, link in store_sockets.items():
+                    _shutdown_connected(fd, link)
+                return True
             if not self._sockets or (below_generation is not None and self._generation >= below_generation):
                 return False
             if self._backend == "nccl":  # pragma: no cover - needs a GPU

@@ -7,6 +7,7 @@ small msgpack header in one `sendmsg`; fetches receive straight into the destina
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -62,13 +63,25 @@ class StoreConnection:
         self.address = address
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._aborted = False
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
+    def abort(self) -> None:
+        """Break the upload or fetch in progress, from any thread: its socket is shut down, so the call
+        blocked on it fails at once (the owner closes it), and no later call connects again."""
+        self._aborted = True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def _connected(self) -> socket.socket:
+        if self._aborted:
+            raise ConnectionAbortedError("the connection was aborted")
         if self._sock is None:
             sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -31,18 +31,26 @@ replace them in one generation.
 No verdict from silence the detector did not see: after an outage of its own connection, or a pause of
 its own longer than half the heartbeat timeout, `grace(now)` restarts every member's clocks.
 
-A broken group with nobody to blame. A member that left a broken collective says in its heartbeats
-that it awaits a rebuild; it is waiting (on the control plane), never a culprit. When every rank of the
-current generation has awaited a rebuild for `regroup_after_s` (by default the heartbeat timeout, so a
-member that died silently is declared first) and nobody was declared, the group broke by itself (a
-connection reset, a collective timed out everywhere): `broken_groups` reports it once per generation
-as a `GroupBroken`, and the swapper regroups the same members. When every rank but some has left and
+A broken group with nobody to blame. A member that left a broken collective (or gave up forming a
+generation's group) says in its heartbeats that it awaits a rebuild; a member carrying one out says it
+is rebuilding. Both are waiting (on the control plane), never culprits. When every rank of the current
+generation has awaited a rebuild *in that generation* for `regroup_after_s` (by default the heartbeat
+timeout, so a member that died silently is declared first) and nobody was declared, the group broke
+by itself (a connection reset, a collective timed out everywhere, a rendezvous nobody could reach):
+`broken_groups` reports it as a `GroupBroken`, and again every `regroup_after_s` while it stays broken
+(the swapper ignores the repeats; one lost report must not leave the job waiting), and the swapper
+regroups the same members. Members still rebuilding, or beating from an older generation, are not
+awaiting: formation and restores may take long. When every rank but some has left and
 awaited that long, and those few are still inside a step of the current generation with no step for
 the hang threshold, they are left behind: declared hung even though they look like they wait (a call
 that never returns inside torch's code, which the stack probe cannot tell from waiting on peers).
 
 A member is declared failed once, ever: member ids are unique per process and a declared member is
-fenced, so a second verdict could only be a duplicate.
+fenced, so a second verdict could only be a duplicate. If a rebuild still names a declared member
+`redeclare_after_s` after the verdict, the swapper never got it: the verdict is published again
+(idempotent on the swapper's side). A restarted detector loads each job's ranks, spares and declared
+members from the job record (`load_job`) and watches them at once: a rank whose heartbeat does not
+come back is declared after the heartbeat timeout, like any other.
 """
 
 from __future__ import annotations
@@ -64,11 +72,14 @@ from deadpool_protocol import (
     Rebuild,
     Straggler,
 )
+from deadpool_protocol.job_record import JobSummary
 
 __all__ = ["DetectorConfig", "DetectorCore", "JobView", "Watched"]
 
 STEP_TIMES_KEPT = 64
 BUSY_KEPT = 1024
+DECLARED_KEPT = 4096
+"""Verdicts remembered per job (to drop repeats and to publish again one the swapper missed)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,8 @@ class DetectorConfig:
     regroup_after_s: float = 0.0
     """How long every rank must await a rebuild, nobody failed, before the group is reported broken;
     0 means the heartbeat timeout (a member that died without a word is declared by then)."""
+    redeclare_after_s: float = 1.0
+    """A verdict is published again when a rebuild still names the member this long after it."""
 
     @property
     def regroup_wait_s(self) -> float:
@@ -139,12 +152,15 @@ class JobView:
     generation: int = 0
     finished: bool = False
     members: dict[str, Watched] = field(default_factory=dict)
-    declared: set[str] = field(default_factory=set)
+    declared: dict[str, Failure | None] = field(default_factory=dict)
+    """Members declared failed, with the verdict this detector published (None: loaded from KV)."""
+    redeclared_t: dict[str, float] = field(default_factory=dict)
+    """When a verdict was last published again."""
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
     """Recent step durations of the job's ranks, seconds."""
     stragglers_reported: set[tuple[int, str]] = field(default_factory=set)
-    broken_reported: int = 0
-    """The last generation reported as a broken group (once per generation)."""
+    broken_reported: tuple[int, float] = (0, 0.0)
+    """(generation, when) of the last broken-group report: repeated every regroup wait while broken."""
     declared_in: int = 0
     """The generation of the last rank declared failed (a group with a failed rank is not 'broken')."""
 
@@ -175,8 +191,9 @@ class DetectorCore:
             watched.progress_t = now
         watched.last_step = hb.step
         watched.pid = hb.pid
-        watched.waiting = hb.waiting or hb.awaiting_rebuild
-        if not hb.awaiting_rebuild:
+        watched.waiting = hb.waiting or hb.awaiting_rebuild or hb.rebuilding
+        awaiting = hb.awaiting_rebuild and not hb.rebuilding and hb.generation >= view.generation
+        if not awaiting:
             watched.awaiting_since = 0.0
         elif not watched.awaiting_since:
             watched.awaiting_since = now
@@ -193,11 +210,20 @@ class DetectorCore:
                 watched.progress_t = now  # a spare that just got a rank: its step clock starts now
             watched.rank = hb.rank
 
-    def on_rebuild(self, rebuild: Rebuild, now: float) -> None:
-        """Learn the rank map. Members named there are watched from now on, even before they beat."""
+    def on_rebuild(self, rebuild: Rebuild, now: float) -> list[Failure]:
+        """Learn the rank map. Members named there are watched from now on, even before they beat.
+        Returns the verdicts to publish again: members declared a while ago that it still names."""
         view = self._view(rebuild.job)
+        again = [
+            f
+            for m in [*rebuild.ranks, *rebuild.spares]
+            if (f := view.declared.get(m)) is not None
+            and now - view.redeclared_t.get(m, f.t_detected) >= self.config.redeclare_after_s
+        ]
+        for failure in again:  # at most once per redeclare period
+            view.redeclared_t[failure.member] = now
         if rebuild.generation < view.generation:
-            return
+            return again
         newer = rebuild.generation > view.generation
         view.generation = rebuild.generation
         for member in [*rebuild.ranks, *rebuild.spares]:
@@ -208,8 +234,25 @@ class DetectorCore:
             watched.rank = rank_of.get(member, NO_RANK)
             if newer:  # a new generation: rendezvous and restore take time; step clocks start again
                 watched.progress_t = now
-                watched.awaiting_since = now if watched.awaiting_since else 0.0
+                watched.awaiting_since = 0.0  # awaiting counts again only in the new generation
                 watched.busy.clear()
+        return again
+
+    def load_job(self, summary: JobSummary, now: float) -> None:
+        """What a restarted detector knows of a job from its KV record: its ranks and spares, watched
+        from now (a rank whose heartbeat does not come back is declared after the timeout), and the
+        members already declared failed."""
+        view = self._view(summary.job)
+        view.finished = view.finished or summary.finished
+        view.generation = max(view.generation, summary.generation)
+        for member in summary.failed:
+            view.declared.setdefault(member, None)
+        rank_of = {member: rank for rank, member in enumerate(summary.ranks)}
+        for member in [*summary.ranks, *summary.spares]:
+            if member not in view.members and member not in view.declared:
+                view.members[member] = Watched(
+                    member, rank_of.get(member, NO_RANK), now, progress_t=now, host=summary.hosts.get(member, "")
+                )
 
     def on_done(self, done: MemberDone) -> None:
         watched = self._view(done.job).members.get(done.member)
@@ -236,7 +279,7 @@ class DetectorCore:
         if error.member in view.declared:
             return []
         view.members.pop(error.member, None)
-        evidence = {"error": error.error[:2000]}
+        evidence = {"error": error.error[:2000], "cause": error.cause}
         return [self._declare(view, error.member, error.rank, FailureReason.ERROR, evidence, error.t, now)]
 
     def grace(self, now: float) -> None:
@@ -253,17 +296,22 @@ class DetectorCore:
         return max(c.hang_floor_s, c.hang_factor * statistics.median(view.step_times))
 
     def broken_groups(self, now: float) -> list[GroupBroken]:
-        """Generations whose every rank has awaited a rebuild for `regroup_wait_s`, nobody declared."""
+        """Generations whose every rank has awaited a rebuild in that generation for `regroup_wait_s`,
+        nobody declared; each reported again every `regroup_wait_s` while it stays so."""
         found: list[GroupBroken] = []
+        wait = self.config.regroup_wait_s
         for view in self.jobs.values():
-            if view.finished or view.generation == 0 or view.generation in (view.broken_reported, view.declared_in):
+            if view.finished or view.generation == 0 or view.generation == view.declared_in:
                 continue
             ranked = [w for w in view.members.values() if w.rank >= 0 and not w.done]
-            if not ranked or not all(w.awaiting_since for w in ranked):  # stops at the first rank training
+            if not ranked or not all(w.awaiting_since and w.beat_generation == view.generation for w in ranked):
+                continue  # stops at the first rank training or rebuilding
+            if now - max(w.awaiting_since for w in ranked) < wait:
                 continue
-            if now - max(w.awaiting_since for w in ranked) < self.config.regroup_wait_s:
+            generation, reported_t = view.broken_reported
+            if generation == view.generation and now - reported_t < wait:
                 continue
-            view.broken_reported = view.generation
+            view.broken_reported = (view.generation, now)
             ranked.sort(key=lambda w: (w.awaiting_since, w.rank))
             first = ranked[0]
             evidence = {
@@ -415,10 +463,9 @@ class DetectorCore:
         t_fault: float,
         now: float,
     ) -> Failure:
-        view.declared.add(member)
         if rank >= 0:
             view.declared_in = view.generation
-        return Failure(
+        failure = Failure(
             job=view.job,
             generation=view.generation,
             member=member,
@@ -428,3 +475,9 @@ class DetectorCore:
             t_fault=t_fault,
             t_detected=now,
         )
+        view.declared[member] = failure
+        while len(view.declared) > DECLARED_KEPT:
+            oldest = next(iter(view.declared))
+            del view.declared[oldest]
+            view.redeclared_t.pop(oldest, None)
+        return failure

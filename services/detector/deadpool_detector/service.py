@@ -1,8 +1,16 @@
 """`deadpool detector`: turns exit reports, error reports, heartbeat silence and stalled step progress
 into `failure` events, and slow ranks into `straggler` events.
 
-Serves every job on the bus. A `nats.micro` service (`deadpool-detector`); its `status` endpoint
-answers with the members it watches.
+Serves every job on the bus. Run two for redundancy: both watch everything and both publish their
+verdicts; the swapper handles a failure once per (member, generation), so two verdicts never cause
+two swaps. Verdicts and broken-group reports go into the events stream (stored before they count as
+sent). Exits, members' own error reports and done reports are read from the stream, from
+`replay_s` before the detector started, and the job records in KV say which ranks and spares each
+job has: a detector that restarts watches them at once and declares a rank whose heartbeat does not
+come back, and sees an exit that happened while it was down.
+
+A `nats.micro` service (`deadpool-detector`); its `status` endpoint answers with the members it
+watches.
 """
 
 from __future__ import annotations
@@ -13,8 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -27,16 +37,29 @@ from deadpool_protocol import (
     JobFinished,
     MemberDone,
     MemberError,
+    Message,
+    ProtocolError,
     Rebuild,
     Subjects,
 )
-from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_protocol.events import DETECTOR_EVENTS, event_subjects
+from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
+from deadpool_runtime import (
+    EventPublisher,
+    EventReader,
+    ensure_events_stream,
+    publish,
+    run_nats_service,
+    stopped_within,
+    subscribe_validated,
+)
 
 __all__ = ["DetectorServiceConfig", "main"]
 
 VERSION = "0.1.0"
 REVIEW_PERIOD_S = 1.0
 """Stragglers and culprit-less stalls are reviewed this often (verdicts run every check period)."""
+START_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -44,6 +67,10 @@ class DetectorServiceConfig:
     nats_url: str
     detector: DetectorConfig = field(default_factory=DetectorConfig)
     check_period_s: float = 0.05
+    replay_s: float = 60.0
+    """At start, exits and error reports this far back are read again (they may have come while the
+    detector was down; ones about members already replaced are ignored)."""
+    js_replicas: int = 1
 
 
 class DetectorService:
@@ -52,6 +79,7 @@ class DetectorService:
         self.nc = nc
         self.log = log
         self.core = DetectorCore(config.detector)
+        self.events = EventPublisher(nc, log)
         self._last_check = time.time()
         self._was_connected = True
         self._stalls_logged: dict[str, list[str]] = {}
@@ -79,7 +107,7 @@ class DetectorService:
                 generation=broken.generation,
                 evidence=broken.evidence,
             )
-            await publish(self.nc, Subjects.for_job(broken.job).group_broken, broken)
+            self.events.publish_soon(Subjects.for_job(broken.job).group_broken, broken)
         if now - self._last_review < REVIEW_PERIOD_S:
             return
         self._last_review = now
@@ -94,10 +122,10 @@ class DetectorService:
                 )
             self._stalls_logged = stalls
 
-    async def _emit(self, failures: list[Failure]) -> None:
+    async def _emit(self, failures: list[Failure], again: bool = False) -> None:
         for failure in failures:
             self.log.warning(
-                "failure detected",
+                "failure published again: a rebuild still names the member" if again else "failure detected",
                 job=failure.job,
                 generation=failure.generation,
                 member=failure.member,
@@ -106,7 +134,7 @@ class DetectorService:
                 evidence=failure.evidence,
                 detect_s=round(failure.t_detected - failure.t_fault, 4),
             )
-            await publish(self.nc, Subjects.for_job(failure.job).failure, failure)
+            self.events.publish_soon(Subjects.for_job(failure.job).failure, failure)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         self.core.on_heartbeat(hb, time.time())
@@ -117,16 +145,57 @@ class DetectorService:
             self.core.on_heartbeat(hb, now)
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
-        self.core.on_rebuild(rebuild, time.time())
+        await self._emit(self.core.on_rebuild(rebuild, time.time()), again=True)
 
-    async def _on_exit(self, exit_: ChildExit, _msg: Msg) -> None:
-        await self._emit(self.core.on_exit(exit_, time.time()))
+    async def _on_event(self, event: Message, _seq: int) -> None:
+        now = time.time()
+        if isinstance(event, ChildExit):
+            await self._emit(self.core.on_exit(event, now))
+        elif isinstance(event, MemberError):
+            await self._emit(self.core.on_error(event, now))
+        elif isinstance(event, MemberDone):
+            self.core.on_done(event)
 
-    async def _on_error(self, error: MemberError, _msg: Msg) -> None:
-        await self._emit(self.core.on_error(error, time.time()))
+    async def _load_jobs(self) -> None:
+        """Each running job's ranks, spares and declared members, from the job records (if any)."""
+        js = self.nc.jetstream(timeout=5.0)
+        try:
+            kv = await js.key_value(JOBS_BUCKET)
+            keys = await kv.keys()
+        except (BucketNotFoundError, NoKeysError):
+            return
+        now = time.time()
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+                summary, _ = unpack_record(entry.value or b"")
+            except (KeyNotFoundError, ProtocolError) as exc:
+                self.log.warning("job record not loaded", job=key, reason=str(exc))
+                continue
+            if not summary.finished:
+                self.core.load_job(summary, now)
+                self.log.info("job loaded from its record", job=key, generation=summary.generation)
 
-    async def _on_done(self, done: MemberDone, _msg: Msg) -> None:
-        self.core.on_done(done)
+    async def _start_events(self, stop: asyncio.Event) -> EventReader | None:
+        """Job records, then the events reader, retrying until JetStream answers."""
+        while not stop.is_set():
+            try:
+                await ensure_events_stream(self.nc, self.config.js_replicas)
+                await self._load_jobs()
+                break
+            except (TimeoutError, nats.errors.Error) as exc:
+                self.log.warning("JetStream not ready: retrying", error=repr(exc))
+                if await stopped_within(stop, START_RETRY_S):
+                    return None
+        reader = EventReader(
+            self.nc,
+            event_subjects("*", DETECTOR_EVENTS),
+            self._on_event,
+            self.log,
+            (ChildExit, MemberError, MemberDone),
+        )
+        await reader.start(stop, start_time=time.time() - self.config.replay_s)
+        return reader
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         self.core.on_finished(finished)
@@ -151,12 +220,10 @@ class DetectorService:
             (s.heartbeat, Heartbeat, self._on_heartbeat),
             (s.heartbeat_batch, HeartbeatBatch, self._on_heartbeat_batch),
             (s.rebuild, Rebuild, self._on_rebuild),
-            (s.child_exit, ChildExit, self._on_exit),
-            (s.member_error, MemberError, self._on_error),
-            (s.member_done, MemberDone, self._on_done),
             (s.finished, JobFinished, self._on_finished),
         ):
             await subscribe_validated(self.nc, subject, kind, handler, self.log)  # type: ignore[arg-type]
+        reader = await self._start_events(stop)
         service = await add_service(
             self.nc, name="deadpool-detector", version=VERSION, description="DeadPool failure detector"
         )
@@ -173,6 +240,9 @@ class DetectorService:
             await self._check()
             if await stopped_within(stop, self.config.check_period_s):
                 break
+        if reader is not None:
+            await reader.stop()
+        await self.events.drain(2.0)
         await service.stop()
 
 

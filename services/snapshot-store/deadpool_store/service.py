@@ -1,7 +1,9 @@
 """`deadpool store`: a snapshot store process (RAM copies of snapshots, served over the data plane).
 
 NATS side: announces itself and its memory use on `deadpool.store.status`, reports each sealed
-snapshot on `deadpool.<job>.snapshot.complete`, frees old snapshots on `deadpool.<job>.commit`, and
+snapshot on `deadpool.<job>.snapshot.complete` (an event: stored in the events stream, retried until
+the server has it, without holding up the data plane), frees old snapshots on
+`deadpool.<job>.commit`, and
 is a `nats.micro` service (`deadpool-store`) whose `status` endpoint answers with its contents.
 """
 
@@ -22,7 +24,7 @@ from nats.micro.request import Request
 from deadpool_protocol import Commit, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 
@@ -52,6 +54,7 @@ class StoreService:
         self.log = log
         self.memory = SnapshotMemory(config.capacity_bytes)
         self.server = DataPlaneServer(self.memory, self._on_sealed, log)
+        self.events = EventPublisher(nc, log)
         self.port = 0
 
     def status(self) -> StoreStatus:
@@ -66,8 +69,7 @@ class StoreService:
         )
 
     async def _on_sealed(self, snap: StoredSnapshot) -> None:
-        await publish(
-            self.nc,
+        self.events.publish_soon(
             Subjects.for_job(snap.job).snapshot_complete,
             SnapshotComplete(
                 job=snap.job,
@@ -110,6 +112,7 @@ class StoreService:
                 break
         await service.stop()
         await self.server.stop()
+        await self.events.drain(2.0)
 
 
 def main(config: StoreConfig) -> None:

@@ -5,6 +5,19 @@ flight and the open incidents. The asyncio shell (`service.py`) feeds it events 
 actions it returns, in order. Formation and recovery take the same path (`_start_rebuild`), as in
 DESIGN §5. Invariants asserted here: generations only grow, the committed step never goes back, a
 member holds at most one rank.
+
+Never wedge. A rank failure first makes its generation *void* (`GenerationVoid`, at once): every
+member stops waiting for that generation, whatever comes next. The new generation is then published
+after a short **last call** (`last_call_s`), so failures close together (two ranks killed at once, a
+lost host) are swapped in one rebuild; a failure that arrives while a rebuild is under way supersedes
+it at once. Vacant ranks are filled the moment a spare registers. A member that cannot go on for a
+reason a spare would meet too (the user's optimizer factory raised, no snapshot can be fetched)
+ends the job with that reason, and so do `rebuild_attempts_max` generations in a row that never
+formed: the job stops, saying why, instead of waiting for ever.
+
+Idempotent. Every handler accepts a repeated or stale event as a no-op (a failure of a member that is
+no longer live, an ack of another generation, a snapshot already counted), because events are
+delivered at least once and a new leader replays the ones its predecessor had not made durable.
 """
 
 from __future__ import annotations
@@ -16,11 +29,13 @@ from deadpool_protocol import (
     Commit,
     Failure,
     FailureReason,
+    GenerationVoid,
     GroupBroken,
     HelloReply,
     Incident,
     JobFinished,
     MemberDone,
+    MemberErrorCause,
     MemberHello,
     Rebuild,
     RebuildAck,
@@ -54,25 +69,38 @@ class SwapperConfig:
     store_timeout_s: float = 5.0
     """A store silent for longer is left out of new placements."""
     rebuild_retransmit_s: float = 1.0
-    """A rebuild not acked by every rank is published again after this long (NATS core is at-most-once)."""
+    """A rebuild not acked by every rank (and a void notice not yet followed by a rebuild) is published
+    again after this long: commands travel on core NATS, and members confirm them."""
     formation_grace_s: float = 2.0
     """Formation waits this long after the last hello for members asking for the ranks still unclaimed
     (launchers start ranks and spares together; a spare that registers first should stay a spare)."""
+    last_call_s: float = 0.05
+    """After a rank failure, how long the swapper waits for other failures before it publishes the new
+    generation, so failures close together are swapped in one rebuild (a double kill, a crash and its
+    host-mate). Survivors are released at once anyway (the void notice); this only delays the spare."""
     host_loss_window_s: float = 0.3
     """When the detector says a host went silent (`host_members_silent` > 1 in a failure's evidence),
     the rebuild waits for that many failures, at most this long, so the host moves in one generation.
     The detector publishes them back to back; the bound only covers a lost message."""
+    rebuild_attempts_max: int = 16
+    """Generations published in a row without one forming; one more ends the job, saying why."""
+    finished_kept_s: float = 3600.0
+    """A finished job's state is kept this long (late members are told it finished), then pruned."""
 
     def __post_init__(self) -> None:
         if self.replication < 1:
             raise ValueError("replication must be at least 1")
+        if not 0 <= self.last_call_s <= 1.0:
+            raise ValueError("last_call_s must be between 0 and 1 s: it delays every recovery")
+        if self.rebuild_attempts_max < 1:
+            raise ValueError("rebuild_attempts_max must be at least 1")
 
 
 @dataclass(frozen=True)
 class Publish:
     subject_kind: str
-    """Which job subject: 'rebuild', 'commit', 'finished' or 'incident'."""
-    message: Rebuild | Commit | JobFinished | Incident
+    """Which job subject: 'rebuild', 'void', 'commit', 'finished' or 'incident'."""
+    message: Rebuild | GenerationVoid | Commit | JobFinished | Incident
 
 
 @dataclass(frozen=True)
@@ -145,12 +173,27 @@ class JobState:
     incidents: list[Incident] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
     finished: bool = False
+    finished_t: float = 0.0
+    failed_reason: str = ""
+    """Why the swapper ended the job ('' if it finished normally or runs)."""
     incident_seq: int = 0
     last_hello_t: float = 0.0
     hold_until: float = 0.0
-    """A rebuild is held until then, waiting for the other failures of a lost host."""
+    """The next rebuild waits until then: the last call after a failure, longer for a lost host."""
     silent_hosts: dict[str, tuple[int, int]] = field(default_factory=dict)
     """host -> (failures arrived, members the detector said went silent) while a rebuild is held."""
+    void_generation: int = 0
+    """The newest generation announced void (it will not train again)."""
+    void_sent_t: float = 0.0
+    attempts: int = 0
+    """Generations published since the last one that formed."""
+    applied_seq: int = 0
+    """The events-stream sequence of the last event applied (kept by the shell, saved with the record)."""
+    stream_id: str = ""
+    """Which incarnation of the events stream `applied_seq` counts in."""
+
+    def vacant_ranks(self) -> list[int]:
+        return [r for r, m in enumerate(self.ranks) if m not in self.members]
 
 
 class SwapperCore:
@@ -168,7 +211,8 @@ class SwapperCore:
             return HelloReply(hello.job, state.generation, hello.member, accepted, reason)
 
         if state.finished:
-            return reply(False, "the job has finished"), Decision([], "hello refused: job finished")
+            why = f"the job has ended: {state.failed_reason}" if state.failed_reason else "the job has finished"
+            return reply(False, why), Decision([], "hello refused: job finished")
         if hello.member in state.failed:
             return reply(False, "this member was declared failed and is fenced"), Decision([], "hello refused: fenced")
         if state.world_size == 0:
@@ -196,20 +240,17 @@ class SwapperCore:
             return reply(True, "registered"), Decision(actions + decision.actions, decision.reason)
         state.spares.append(hello.member)
         reason = f"member {hello.member} joins the spare pool ({len(state.spares)} spares)"
-        if state.open_incidents and state.pending is None:
+        if state.vacant_ranks() and not state.hold_until:  # a vacant rank is filled the moment a spare comes
             decision = self._start_rebuild(state, now)
             return reply(True, "registered as spare"), Decision(actions + decision.actions, decision.reason)
         return reply(True, "registered as spare"), Decision(actions, reason)
 
     def on_store_status(self, status: StoreStatus, now: float) -> Decision:
+        """Record a store's announcement. Jobs waiting for one to form do so at their next tick."""
         self.stores[status.store] = StoreInfo(
             status.store, status.host, status.port, now, status.used_bytes, status.capacity_bytes
         )
-        actions: list[Action] = []
-        for state in self.jobs.values():
-            if state.generation == 0 and not state.finished:
-                actions += self._try_formation(state, now).actions
-        return Decision(actions, f"store {status.store} seen")
+        return Decision([], f"store {status.store} seen")
 
     def live_stores(self, now: float) -> list[StoreInfo]:
         return [s for s in self.stores.values() if now - s.last_seen <= self.config.store_timeout_s]
@@ -246,15 +287,22 @@ class SwapperCore:
         actions: list[Action] = [Persist(state.job)]
         if failure.reason in FailureReason.NEEDS_FENCE:
             actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
+        cause = failure.evidence.get("cause", MemberErrorCause.STEP)
+        if cause in MemberErrorCause.ENDS_JOB:
+            rank = state.ranks.index(failure.member) if failure.member in state.ranks else -1
+            error = failure.evidence.get("error", "")
+            why = f"member {failure.member} (rank {rank}) cannot go on ({cause}): {error}"
+            decision = self._end_job(state, now, why)
+            return Decision(actions + decision.actions, decision.reason)
         if host := failure.evidence.get("host", ""):  # the detector saw this member's whole host go silent
             arrived, announced = state.silent_hosts.get(host, (0, 0))
             announced = max(announced, _int(failure.evidence.get("host_members_silent", "1")))
             state.silent_hosts[host] = (arrived + 1, announced)
-            state.hold_until = state.hold_until or now + self.config.host_loss_window_s
+            state.hold_until = max(state.hold_until, now + self.config.host_loss_window_s)
         if failure.member in state.spares:
             state.spares.remove(failure.member)
             why = f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left"
-            if state.hold_until and not self._host_failures_missing(state):
+            if state.hold_until and not self._host_failures_missing(state) and state.vacant_ranks():
                 decision = self._start_rebuild(state, now)  # every announced member of the host is in
                 return Decision(actions + decision.actions, f"{why}; {decision.reason}")
             return Decision(actions, why)
@@ -274,14 +322,26 @@ class SwapperCore:
                 t_detected=failure.t_detected,
             )
         )
-        if state.hold_until and now < state.hold_until and self._host_failures_missing(state):
-            decision = Decision([], f"host {info.host} lost: waiting for its other failures")
-        else:
-            decision = self._start_rebuild(state, now)
-        return Decision(
-            actions + decision.actions,
-            f"rank {rank} ({failure.member}) failed: {failure.reason}; {decision.reason}",
-        )
+        actions += self._void(state, now, f"rank {rank} ({failure.member}) failed: {failure.reason}")
+        what = f"rank {rank} ({failure.member}) failed: {failure.reason}"
+        if self._host_failures_missing(state):
+            return Decision(actions, f"{what}; host {info.host} lost: waiting for its other failures")
+        if state.pending is None and not state.silent_hosts and self.config.last_call_s > 0:
+            state.hold_until = state.hold_until or now + self.config.last_call_s  # counted from the first failure
+            return Decision(actions, f"{what}; last call for other failures ({self.config.last_call_s} s)")
+        # At once: the rebuild under way cannot form without this member (it is superseded), or every
+        # failure of a lost host is in.
+        superseded = " (supersedes the rebuild under way)" if state.pending is not None else ""
+        decision = self._start_rebuild(state, now)
+        return Decision(actions + decision.actions, f"{what}{superseded}; {decision.reason}")
+
+    def _void(self, state: JobState, now: float, reason: str) -> list[Action]:
+        """Announce that the current generation will not train again (once; retransmitted by `tick`)."""
+        if state.generation == 0 or state.void_generation >= state.generation:
+            return []
+        state.void_generation = state.generation
+        state.void_sent_t = now
+        return [Publish("void", GenerationVoid(state.job, state.generation, reason, now))]
 
     @staticmethod
     def _host_failures_missing(state: JobState) -> bool:
@@ -289,13 +349,14 @@ class SwapperCore:
         return any(arrived < announced for arrived, announced in state.silent_hosts.values())
 
     def on_group_broken(self, broken: GroupBroken, now: float) -> Decision:
-        """Every rank left the group and nobody failed: a new generation of the same members, restored
-        to the committed step (a regroup). Ignored while anything else is under way: a pending or held
-        rebuild, or a vacant rank; those end in a new generation anyway."""
+        """Every rank left the group (or gave up forming it) and nobody failed: a new generation of the
+        same members, restored to the committed step (a regroup). Also when the broken generation is the
+        rebuild under way: every one of its members is alive and waiting, so it will never form.
+        Ignored when a failure's rebuild is coming anyway (a vacant rank, a last call)."""
         state = self.jobs.get(broken.job)
         if state is None or state.finished or broken.generation != state.generation:
             return Decision([], f"group of generation {broken.generation} broken: not the current one, ignored")
-        if state.pending is not None or state.open_incidents or state.hold_until:
+        if state.vacant_ranks() or state.hold_until:
             return Decision([], f"group of generation {broken.generation} broken: a rebuild is already under way")
         if set(broken.members) != set(state.ranks) or any(m not in state.members for m in state.ranks):
             return Decision([], f"group of generation {broken.generation} broken: its members differ from the ranks")
@@ -315,7 +376,11 @@ class SwapperCore:
                 replacement=state.ranks[rank],
             )
         )
-        return self._publish_rebuild(state, now, newcomers=set(), reason="regroup: the group broke, every rank alive")
+        actions = self._void(state, now, "the group broke with every rank alive")
+        decision = self._publish_rebuild(
+            state, now, newcomers=set(), reason="regroup: the group broke, every rank alive"
+        )
+        return Decision(actions + decision.actions, decision.reason)
 
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
@@ -326,7 +391,7 @@ class SwapperCore:
     def _start_rebuild(self, state: JobState, now: float) -> Decision:
         state.hold_until = 0.0
         state.silent_hosts.clear()
-        vacant = [r for r, m in enumerate(state.ranks) if m not in state.members]
+        vacant = state.vacant_ranks()
         if not vacant:
             return Decision([], "no rank is vacant")
         if len(state.spares) < len(vacant):
@@ -352,12 +417,19 @@ class SwapperCore:
         stores = self.live_stores(now)
         if not stores:
             return Decision([], "no snapshot store is alive: cannot place snapshots")
+        if state.attempts >= self.config.rebuild_attempts_max:
+            why = f"{state.attempts} generations in a row did not form (the last was {state.generation})"
+            return self._end_job(state, now, why)
         assert len(set(state.ranks)) == len(state.ranks), "a member holds more than one rank"
-        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers)]
+        # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt.
+        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts)]
         # Formation starts fresh. Every later generation restores a committed step; members ack
         # formation only once their step-0 snapshot is sealed on its stores, so step 0 is always there.
         state.restore_step = NO_STEP if state.generation == 0 else max(state.committed_step, 0)
-        state.generation += 1
+        generation = state.generation + 1
+        assert generation > state.generation and generation > state.void_generation, "generations only grow"
+        state.generation = generation
+        state.attempts += 1
         state.placement = place_snapshots(state.ranks, state.members, stores, self.config.replication)
         state.completes = {s: v for s, v in state.completes.items() if s <= state.restore_step}
         state.done.clear()
@@ -382,9 +454,17 @@ class SwapperCore:
             if incident.t_decided == 0.0:
                 incident.t_decided = now
         return Decision(
-            [Publish("rebuild", command), Persist(state.job)],
+            [Persist(state.job), Publish("rebuild", command)],
             f"generation {state.generation}: {reason}; restore step {state.restore_step}",
         )
+
+    def _end_job(self, state: JobState, now: float, reason: str) -> Decision:
+        """Stop the job for good, saying why: members exit with the reason, launchers exit non-zero."""
+        state.finished, state.finished_t, state.failed_reason = True, now, reason
+        state.pending = None
+        state.hold_until = 0.0
+        ended = JobFinished(state.job, state.generation, max(state.committed_step, 0), failed=True, reason=reason)
+        return Decision([Persist(state.job), Publish("finished", ended)], f"job ended: {reason}")
 
     def on_ack(self, ack: RebuildAck, now: float) -> Decision:
         state = self.jobs.get(ack.job)
@@ -398,6 +478,7 @@ class SwapperCore:
         if missing:
             return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)")
         state.pending = None
+        state.attempts = 0
         actions: list[Action] = [Persist(state.job)]
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
         state.open_incidents.clear()
@@ -433,18 +514,55 @@ class SwapperCore:
         )
 
     def tick(self, now: float) -> Decision:
-        """Periodic work: publish again a rebuild that not every rank has acked."""
+        """Periodic work of every job (tests; the service ticks each job on its own)."""
         actions: list[Action] = []
-        for state in self.jobs.values():
-            pending = state.pending
-            if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
-                pending.t_sent = now
-                actions.append(Publish("rebuild", pending.command))
-            if state.generation == 0 and not state.finished:
-                actions += self._try_formation(state, now).actions
-            if state.hold_until and now >= state.hold_until:
-                actions += self._start_rebuild(state, now).actions
+        for job in list(self.jobs):
+            actions += self.tick_job(job, now).actions
         return Decision(actions, "tick")
+
+    def tick_job(self, job: str, now: float) -> Decision:
+        """Time-driven work of one job: formation, the end of a last call, retransmissions."""
+        state = self.jobs.get(job)
+        if state is None:
+            return Decision([], "tick")
+        if state.finished:
+            if now - state.finished_t > self.config.finished_kept_s:
+                del self.jobs[job]
+            return Decision([], "tick")
+        actions: list[Action] = []
+        reason = "tick"
+        if state.generation == 0:
+            decision = self._try_formation(state, now)
+            actions += decision.actions
+            reason = decision.reason if decision.actions else reason
+        if state.hold_until and now >= state.hold_until:
+            decision = self._start_rebuild(state, now)
+            actions += decision.actions
+            reason = decision.reason
+        pending = state.pending
+        if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
+            pending.t_sent = now
+            actions.append(Publish("rebuild", pending.command))
+        voided = state.void_generation == state.generation and state.pending is None
+        if voided and now - state.void_sent_t >= self.config.rebuild_retransmit_s:
+            state.void_sent_t = now
+            why = "waiting for a spare" if state.vacant_ranks() else "waiting for the next generation"
+            actions.append(Publish("void", GenerationVoid(state.job, state.generation, why, now)))
+        return Decision(actions, reason)
+
+    def next_deadline(self, job: str, now: float) -> float:
+        """When `tick_job` has time-driven work next (the shell sleeps until then, or an event)."""
+        state = self.jobs.get(job)
+        if state is None or state.finished:
+            return now + self.config.rebuild_retransmit_s
+        deadline = now + self.config.rebuild_retransmit_s
+        if state.hold_until:
+            deadline = min(deadline, state.hold_until)
+        if state.pending is not None:
+            deadline = min(deadline, state.pending.t_sent + self.config.rebuild_retransmit_s)
+        if state.generation == 0:
+            deadline = min(deadline, now + 0.1)
+        return max(now, deadline)
 
     # ---------------------------------------------------------------- commits and completion
 
@@ -465,7 +583,7 @@ class SwapperCore:
         state.committed_step = step
         state.completes = {s: v for s, v in state.completes.items() if s > step}
         commit = Commit(state.job, state.generation, step)
-        return Decision([Publish("commit", commit), Persist(state.job)], f"step {step} committed")
+        return Decision([Persist(state.job), Publish("commit", commit)], f"step {step} committed")
 
     def _is_complete(self, state: JobState, step: int) -> bool:
         by_rank = state.completes.get(step, {})
@@ -477,14 +595,19 @@ class SwapperCore:
 
     def on_done(self, done: MemberDone, now: float) -> Decision:
         state = self.jobs.get(done.job)
+        if state is not None and state.finished:  # a member retransmits until it hears: tell it again
+            finished = JobFinished(
+                state.job, state.generation, done.step, failed=bool(state.failed_reason), reason=state.failed_reason
+            )
+            return Decision([Publish("finished", finished)], f"done from {done.member}: the job has finished")
         if state is None or done.generation != state.generation or done.member not in state.ranks:
             return Decision([], f"done from {done.member} in generation {done.generation}: stale")
         state.done.add(done.member)
         if len(state.done) < state.world_size or state.pending is not None:
             return Decision([], f"{len(state.done)} of {state.world_size} ranks done")
-        state.finished = True
+        state.finished, state.finished_t = True, now
         finished = JobFinished(state.job, state.generation, done.step)
-        return Decision([Publish("finished", finished), Persist(state.job)], f"job finished at step {done.step}")
+        return Decision([Persist(state.job), Publish("finished", finished)], f"job finished at step {done.step}")
 
 
 def _int(text: str) -> int:

@@ -1,8 +1,14 @@
 """Job state in a JetStream KV bucket, so a restarted (or standby) swapper continues where it stopped.
 
+The record holds the whole `JobState`: membership and generation, and also the rebuild in flight (its
+command and the acks so far), the open incidents, the commit bookkeeping, the void notice, and the
+events-stream position the state includes (`applied_seq`). A new leader loads it and replays the
+events after that position, so it ends where its predecessor was, then finishes the rebuild in flight
+(it retransmits the command; members re-ack) or supersedes it.
+
 Only the swapper leader writes, with a revision check (`kv.update(..., last=revision)`): a write
-against a revision someone else changed is refused by the server, logged, and retried on top of the
-newer revision, so two swappers never silently overwrite each other.
+against a revision someone else changed is refused by the server. `save` then raises
+`RecordConflictError` and the caller reloads: it never overwrites a newer record.
 """
 
 from __future__ import annotations
@@ -10,56 +16,109 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from deadpool_protocol import Incident
+from deadpool_protocol import Incident, ProtocolError, Rebuild, RebuildAck
 from deadpool_protocol.codec import from_fields, to_fields
-from deadpool_swapper.core import JobState
+from deadpool_protocol.job_record import JOBS_BUCKET, JobSummary, pack_record, unpack_record
+from deadpool_swapper.core import JobState, OpenIncident, PendingRebuild
 from deadpool_swapper.placement import MemberInfo
 
-__all__ = ["BUCKET", "JobRecords", "state_from_record", "state_to_record"]
+__all__ = ["JobRecords", "RecordConflictError", "state_from_record", "state_to_record"]
 
-BUCKET = "deadpool-jobs"
+KV_TIMEOUT_S = 2.0
+"""How long one KV request waits (give the JetStream context opened with this timeout)."""
+
+
+class RecordConflictError(RuntimeError):
+    """The job record changed under us: another swapper wrote it (this one is no longer the leader)."""
 
 
 def state_to_record(state: JobState) -> bytes:
-    record = {
-        "job": state.job,
-        "world_size": state.world_size,
-        "generation": state.generation,
-        "ranks": state.ranks,
-        "spares": state.spares,
+    summary = JobSummary(
+        job=state.job,
+        world_size=state.world_size,
+        generation=state.generation,
+        ranks=list(state.ranks),
+        spares=list(state.spares),
+        hosts={m: info.host for m, info in state.members.items()},
+        failed=list(state.failed),
+        committed_step=state.committed_step,
+        finished=state.finished,
+        failed_reason=state.failed_reason,
+    )
+    pending = state.pending
+    private = {
         "members": {m: to_fields(info) for m, info in state.members.items()},
-        "failed": state.failed,
-        "committed_step": state.committed_step,
         "restore_step": state.restore_step,
         "placement": state.placement,
-        "finished": state.finished,
-        "incident_seq": state.incident_seq,
+        "completes": [
+            [step, rank, sorted(stores)] for step, ranks in state.completes.items() for rank, stores in ranks.items()
+        ],
+        "pending": None
+        if pending is None
+        else {
+            "command": to_fields(pending.command),
+            "t_sent": pending.t_sent,
+            "acks": [to_fields(a) for a in pending.acks.values()],
+        },
+        "open_incidents": [to_fields(i) for i in state.open_incidents],
         "incidents": [to_fields(i) for i in state.incidents],
+        "done": sorted(state.done),
+        "finished_t": state.finished_t,
+        "incident_seq": state.incident_seq,
+        "hold_until": state.hold_until,
+        "silent_hosts": {h: list(v) for h, v in state.silent_hosts.items()},
+        "void_generation": state.void_generation,
+        "attempts": state.attempts,
+        "applied_seq": state.applied_seq,
+        "stream_id": state.stream_id,
     }
-    data: bytes = msgpack.packb(record, use_bin_type=True)
-    return data
+    return pack_record(summary, private)
 
 
 def state_from_record(data: bytes) -> JobState:
-    r: dict[str, Any] = msgpack.unpackb(data, raw=False)
-    return JobState(
-        job=r["job"],
-        world_size=r["world_size"],
-        generation=r["generation"],
-        ranks=list(r["ranks"]),
-        spares=list(r["spares"]),
-        members={m: MemberInfo(**info) for m, info in r["members"].items()},
-        failed=list(r["failed"]),
-        committed_step=r["committed_step"],
-        restore_step=r["restore_step"],
-        placement=[list(p) for p in r["placement"]],
-        finished=r["finished"],
-        incident_seq=r["incident_seq"],
-        incidents=[from_fields(Incident, i, "incident") for i in r["incidents"]],
+    """Rebuild a `JobState` from its record. Raises ProtocolError (or KeyError, TypeError, ValueError)
+    when the record cannot be read."""
+    summary, p = unpack_record(data)
+    state = JobState(
+        job=summary.job,
+        world_size=summary.world_size,
+        generation=summary.generation,
+        ranks=list(summary.ranks),
+        spares=list(summary.spares),
+        members={m: MemberInfo(**info) for m, info in p["members"].items()},
+        failed=list(summary.failed),
+        committed_step=summary.committed_step,
+        restore_step=p["restore_step"],
+        placement=[list(x) for x in p["placement"]],
+        finished=summary.finished,
+        failed_reason=summary.failed_reason,
+        incident_seq=p["incident_seq"],
+        incidents=[from_fields(Incident, i, "incident") for i in p["incidents"]],
+        open_incidents=[OpenIncident(**i) for i in p["open_incidents"]],
+        done=set(p["done"]),
+        finished_t=p["finished_t"],
+        hold_until=p["hold_until"],
+        silent_hosts={h: (int(v[0]), int(v[1])) for h, v in p["silent_hosts"].items()},
+        void_generation=p["void_generation"],
+        attempts=p["attempts"],
+        applied_seq=p["applied_seq"],
+        stream_id=p["stream_id"],
     )
+    for step, rank, stores in p["completes"]:
+        state.completes.setdefault(int(step), {})[int(rank)] = set(stores)
+    if p["pending"] is not None:
+        command = from_fields(Rebuild, p["pending"]["command"], "pending.command")
+        command.check()
+        pending = PendingRebuild(command, t_sent=p["pending"]["t_sent"])
+        for raw in p["pending"]["acks"]:
+            ack = from_fields(RebuildAck, raw, "pending.ack")
+            pending.acks[ack.member] = ack
+        state.pending = pending
+    return state
 
 
 class JobRecords:
@@ -67,13 +126,15 @@ class JobRecords:
         self.kv = kv
         self.log = log
         self.revisions: dict[str, int] = {}
+        self._unconfirmed: dict[str, bytes] = {}
+        """Per job, the value of a write that failed without an answer (it may have been stored)."""
 
     @classmethod
-    async def open(cls, js: Any, log: Any) -> JobRecords:
+    async def open(cls, js: Any, log: Any, replicas: int = 1) -> JobRecords:
         try:
-            kv = await js.key_value(BUCKET)
+            kv = await js.key_value(JOBS_BUCKET)
         except BucketNotFoundError:
-            kv = await js.create_key_value(bucket=BUCKET, history=1)
+            kv = await js.create_key_value(KeyValueConfig(bucket=JOBS_BUCKET, history=1, replicas=replicas))
         return cls(kv, log)
 
     async def load_all(self) -> list[JobState]:
@@ -83,33 +144,68 @@ class JobRecords:
             return []
         states = []
         for key in keys:
-            try:
-                entry = await self.kv.get(key)
-            except KeyNotFoundError:
-                continue
-            if entry.value is None or entry.revision is None:
-                continue
-            try:
-                states.append(state_from_record(entry.value))
-            except (KeyError, TypeError, ValueError) as exc:
-                self.log.error("unreadable job record skipped", key=key, reason=str(exc))
-                continue
-            self.revisions[key] = entry.revision
+            state = await self.load(key)
+            if state is not None:
+                states.append(state)
         return states
 
+    async def load(self, job: str) -> JobState | None:
+        """The job's record as it is now in KV (None if absent or unreadable), remembering its revision."""
+        try:
+            entry = await self.kv.get(job)
+        except KeyNotFoundError:
+            self.revisions.pop(job, None)
+            return None
+        if entry.value is None or entry.revision is None:
+            return None
+        try:
+            state = state_from_record(entry.value)
+        except (ProtocolError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+            self.log.error("unreadable job record skipped", job=job, reason=str(exc))
+            return None
+        self.revisions[job] = entry.revision
+        return state
+
     async def save(self, state: JobState) -> None:
+        """Write the record on top of the revision we last read or wrote. Raises RecordConflictError if
+        someone else wrote since, and the KV's own errors (a timeout during a leader election) as is.
+
+        A write whose acknowledgement was lost may still have landed: the next write then meets a
+        newer revision. If that revision holds exactly the value of our unconfirmed write, it is ours."""
         value = state_to_record(state)
-        revision = self.revisions.get(state.job)
-        for _attempt in range(2):
+        for attempt in range(2):
+            revision = self.revisions.get(state.job)
             try:
                 if revision is None:
                     revision = await self.kv.create(state.job, value)
                 else:
                     revision = await self.kv.update(state.job, value, last=revision)
-                self.revisions[state.job] = revision
-                return
-            except KeyWrongLastSequenceError:
-                self.log.error("job record changed under us: another swapper is writing", job=state.job)
-                entry = await self.kv.get(state.job)
-                revision = entry.revision
-        self.log.error("job record not saved after retry", job=state.job)
+            except KeyWrongLastSequenceError as exc:
+                if attempt == 0 and await self._adopt_unconfirmed(state.job):
+                    continue
+                raise RecordConflictError(
+                    f"job {state.job}: record changed under us (another swapper wrote it)"
+                ) from exc
+            except BaseException:
+                self._unconfirmed[state.job] = value  # it may have landed all the same
+                raise
+            self.revisions[state.job] = revision
+            self._unconfirmed.pop(state.job, None)
+            return
+
+    async def _adopt_unconfirmed(self, job: str) -> bool:
+        """Whether the record in KV is our own write whose acknowledgement was lost (then adopt it)."""
+        unconfirmed = self._unconfirmed.pop(job, None)
+        if unconfirmed is None:
+            return False
+        try:
+            entry = await self.kv.get(job)
+        except KeyNotFoundError:
+            return False
+        if entry.revision is None or entry.value != unconfirmed:
+            return False
+        self.revisions[job] = entry.revision
+        return True
+
+    def forget(self, job: str) -> None:
+        self.revisions.pop(job, None)

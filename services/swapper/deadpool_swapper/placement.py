@@ -44,12 +44,12 @@ def pick_spare(spares: Sequence[str], members: Mapping[str, MemberInfo], avoid_h
     return min(spares, key=preference)
 
 
-def pick_rendezvous(ranks: Sequence[str], newcomers: set[str]) -> str:
-    """The rendezvous host: the lowest rank that survived (it is already up and reachable)."""
-    for member in ranks:
-        if member not in newcomers:
-            return member
-    return ranks[0]
+def pick_rendezvous(ranks: Sequence[str], newcomers: set[str], attempt: int = 0) -> str:
+    """The rendezvous host: a rank that survived (it is already up and reachable), the lowest one on a
+    first attempt; each attempt in a row that failed to form moves to the next survivor, so one host
+    that cannot serve the rendezvous does not sink every attempt."""
+    survivors = [member for member in ranks if member not in newcomers] or list(ranks)
+    return survivors[attempt % len(survivors)]
 
 
 def place_snapshots(

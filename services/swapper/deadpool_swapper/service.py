@@ -1,38 +1,40 @@
-"""`deadpool swapper`: the asyncio shell around `SwapperCore`.
+"""`deadpool swapper`: the asyncio shell around `SwapperCore`, highly available.
 
-Feeds it every event (hello requests, failures, acks, snapshot completions, done reports, store
-status), carries out the actions it returns in order (a fence is awaited before the rebuild that
-follows it), persists job state to JetStream KV, and records one trace per incident. Serves every job.
-A `nats.micro` service (`deadpool-swapper`) with endpoints `hello` (member registration) and
-`status` (job state as JSON, for `deadpool status`).
+Run two or more. Exactly one leads (`LeaderLease`, a JetStream KV lease); the others stand by and
+never act: they answer no hello, publish nothing, write no record. Every instance follows the
+stores' announcements, so a new leader can place snapshots at once. On taking the lead, an instance
+loads every job's record from KV and starts one `JobWorker` per job, whose reader replays the events
+its predecessor had not made durable; the rebuild in flight, if any, is retransmitted and finished, or
+superseded by a newer generation. On losing the lead it stops every worker at once.
+
+A `nats.micro` service (`deadpool-swapper`, on every instance, for discovery). The leader alone
+answers `deadpool.<job>.member.hello` (member registration) and `deadpool.swapper.status` (job state
+as JSON, for `deadpool status`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import secrets
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.micro import add_service
-from nats.micro.request import Request
 
 from deadpool_protocol import (
     SWAPPER_STATUS,
-    Failure,
     FenceReply,
     FenceRequest,
-    GroupBroken,
-    MemberDone,
+    Incident,
     MemberHello,
     ProtocolError,
-    RebuildAck,
-    SnapshotComplete,
     StoreStatus,
     Subjects,
     decode,
@@ -40,14 +42,20 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime import publish, run_nats_service, stopped_within, subscribe_validated
-from deadpool_swapper.core import Decision, Fence, Persist, Publish, SwapperConfig, SwapperCore
-from deadpool_swapper.job_records import JobRecords
+from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime.events import stream_position
+from deadpool_swapper.core import Fence, Publish, SwapperConfig, SwapperCore
+from deadpool_swapper.job_records import KV_TIMEOUT_S, JobRecords
+from deadpool_swapper.job_worker import Hello, JobWorker
+from deadpool_swapper.leader_lease import LeaderLease, LeaseConfig
 from deadpool_swapper.tracing import IncidentTracer
 
 __all__ = ["SwapperServiceConfig", "main"]
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
+HELLO_ANSWER_S = 10.0
+"""How long a hello may wait for its job's worker (the member retries after its own timeout anyway)."""
+START_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -55,40 +63,121 @@ class SwapperServiceConfig:
     nats_url: str
     replication: int = 2
     fence_timeout_s: float = 5.0
-    tick_period_s: float = 0.05
     trace_file: str = ""
+    js_replicas: int = 1
+    """JetStream replicas of the KV buckets and the events stream (3 on a 3-node NATS cluster)."""
+    last_call_s: float = SwapperConfig.last_call_s
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    instance: str = ""
+    """This instance's name in the lease (default: host, pid and a random suffix)."""
 
 
 class SwapperService:
-    def __init__(self, config: SwapperServiceConfig, nc: Client, records: JobRecords, log: Any) -> None:
+    def __init__(self, config: SwapperServiceConfig, nc: Client, log: Any) -> None:
         self.config = config
         self.nc = nc
-        self.records = records
         self.log = log
-        self.core = SwapperCore(SwapperConfig(replication=config.replication))
+        self.instance = config.instance or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        self.core = SwapperCore(SwapperConfig(replication=config.replication, last_call_s=config.last_call_s))
         self.tracer = IncidentTracer(config.trace_file)
-        self._lock = asyncio.Lock()
-        """Decisions and their actions run one at a time, in arrival order."""
-        self._last_reason: dict[str, str] = {}
+        self.workers: dict[str, JobWorker] = {}
+        self.records: JobRecords | None = None
+        self.lease: LeaderLease | None = None
+        self._leading = False
+        self._transition = asyncio.Lock()
+        """Taking and giving up the lead, and creating a job's worker, one at a time."""
 
-    async def _apply(self, decision: Decision, job: str = "") -> None:
-        if decision.reason != self._last_reason.get(job) and decision.reason != "tick":
-            self.log.info("decision", job=job or None, reason=decision.reason)
-            self._last_reason[job] = decision.reason
-        # The new state is in KV before anyone hears of it: a swapper that restarts after publishing a
-        # generation always knows that generation.
-        for name in dict.fromkeys(a.job for a in decision.actions if isinstance(a, Persist)):
-            await self.records.save(self.core.jobs[name])
-        for action in decision.actions:
-            if isinstance(action, Fence):
-                await self._fence(action)
-            elif isinstance(action, Publish):
-                subjects = Subjects.for_job(action.message.job)
-                await publish(self.nc, getattr(subjects, action.subject_kind), action.message)
-                if action.subject_kind == "incident":
-                    self._log_incident(action.message)
+    def leading(self) -> bool:
+        return self._leading and self.lease is not None and self.lease.held()
 
-    def _log_incident(self, incident: Any) -> None:
+    # ------------------------------------------------------------------ leadership
+
+    async def _on_lead_change(self, leading: bool) -> None:
+        async with self._transition:
+            if leading and not self._leading:
+                await self._take_lead()
+            elif not leading and self._leading:
+                await self._step_down()
+
+    async def _take_lead(self) -> None:
+        assert self.records is not None and self.lease is not None
+        started = time.monotonic()
+        try:
+            states = await self.records.load_all()
+            stream = await stream_position(self.nc)
+        except (TimeoutError, nats.errors.Error) as exc:
+            self.log.error("cannot take the lead: job records unreadable; giving the lease up", error=repr(exc))
+            await self.lease.release()  # a lease held by an instance that cannot act would wedge every job
+            return
+        self.core.jobs = {s.job: s for s in states}
+        self._leading = True
+        for state in states:
+            if not state.finished:
+                self._start_worker(state.job, stream)
+        self.log.info(
+            "leading",
+            instance=self.instance,
+            jobs=len(states),
+            running=sum(not s.finished for s in states),
+            took_s=round(time.monotonic() - started, 3),
+        )
+
+    async def _step_down(self) -> None:
+        self._leading = False
+        workers, self.workers = list(self.workers.values()), {}
+        await asyncio.gather(*(w.stop() for w in workers))
+        self.core.jobs.clear()
+        self.log.warning("no longer leading", instance=self.instance)
+
+    def _start_worker(self, job: str, stream: tuple[str, int]) -> JobWorker:
+        assert self.records is not None
+        worker = JobWorker(
+            job,
+            self.core,
+            self.records,
+            self.nc,
+            self.log,
+            publish=self._publish,
+            fence=self._fence,
+            leading=self.leading,
+            stream=stream,
+        )
+        self.workers[job] = worker
+        worker.start()
+        return worker
+
+    async def _worker_for(self, job: str) -> JobWorker | None:
+        """The job's worker, started (with the job's record, if one exists) when it is new."""
+        worker = self.workers.get(job)
+        if worker is not None or not self.leading():
+            return worker
+        async with self._transition:
+            if job in self.workers or not self.leading():
+                return self.workers.get(job)
+            assert self.records is not None
+            try:
+                state = await self.records.load(job)
+                stream = await stream_position(self.nc)
+            except (TimeoutError, nats.errors.Error) as exc:
+                self.log.warning("job not started yet: KV unreachable", job=job, error=repr(exc))
+                return None
+            if state is not None:
+                self.core.jobs[job] = state
+            return self._start_worker(job, stream)
+
+    # ------------------------------------------------------------------ actions
+
+    async def _publish(self, action: Publish) -> None:
+        message = action.message
+        subjects = Subjects.for_job(message.job)
+        try:
+            await publish(self.nc, getattr(subjects, action.subject_kind), message)
+        except nats.errors.Error as exc:  # retransmission covers commands; an incident is also in KV
+            self.log.warning("publish failed", job=message.job, kind=message.KIND, error=repr(exc))
+        if isinstance(message, Incident):
+            self._log_incident(message)
+
+    def _log_incident(self, incident: Incident) -> None:
         self.log.info(
             "incident closed",
             job=incident.job,
@@ -113,69 +202,52 @@ class SwapperService:
         request = FenceRequest(fence.job, fence.generation, fence.member, fence.reason)
         try:
             msg = await self.nc.request(
-                Subjects.for_job(fence.job).fence(fence.launcher),
-                encode(request),
-                timeout=self.config.fence_timeout_s,
+                Subjects.for_job(fence.job).fence(fence.launcher), encode(request), timeout=self.config.fence_timeout_s
             )
             reply = decode(msg.data, FenceReply)
             self.log.info("member fenced", job=fence.job, member=fence.member, killed=reply.killed, detail=reply.detail)
-        except (NatsTimeoutError, NoRespondersError, ProtocolError) as exc:
+        except (TimeoutError, nats.errors.Error, ProtocolError) as exc:
             self.log.error(
-                "fence got no answer: going on without it",
-                job=fence.job,
-                member=fence.member,
-                reason=repr(exc),
+                "fence got no answer: going on without it", job=fence.job, member=fence.member, reason=repr(exc)
             )
         self.core.on_fenced(fence.job, fence.member, time.monotonic() - started)
 
-    async def _on_hello(self, req: Request) -> None:
+    # ------------------------------------------------------------------ inputs
+
+    async def _on_hello(self, msg: Msg) -> None:
+        if not self.leading():
+            return  # a standby never answers: the leader does
         try:
-            hello = decode(req.data, MemberHello)
+            hello = decode(msg.data, MemberHello)
         except ProtocolError as exc:
             self.log.warning("rejected hello", reason=str(exc))
-            await req.respond_error("400", str(exc))
+            await _respond_error(self.nc, msg, "400", str(exc))
             return
-        async with self._lock:
-            reply, decision = self.core.on_hello(hello, time.time())
-            await req.respond(encode(reply))
-            await self._apply(decision, hello.job)
-
-    async def _on_failure(self, failure: Failure, _msg: Msg) -> None:
-        async with self._lock:
-            await self._apply(self.core.on_failure(failure, time.time()), failure.job)
-
-    async def _on_group_broken(self, broken: GroupBroken, _msg: Msg) -> None:
-        async with self._lock:
-            await self._apply(self.core.on_group_broken(broken, time.time()), broken.job)
-
-    async def _on_ack(self, ack: RebuildAck, _msg: Msg) -> None:
-        async with self._lock:
-            await self._apply(self.core.on_ack(ack, time.time()), ack.job)
-
-    async def _on_snapshot(self, sc: SnapshotComplete, _msg: Msg) -> None:
-        async with self._lock:
-            decision = self.core.on_snapshot_complete(sc, time.time())
-            if decision.actions:
-                await self._apply(decision, sc.job)
-
-    async def _on_done(self, done: MemberDone, _msg: Msg) -> None:
-        async with self._lock:
-            await self._apply(self.core.on_done(done, time.time()), done.job)
+        worker = await self._worker_for(hello.job)
+        if worker is None:
+            return
+        item = Hello(hello)
+        try:
+            await asyncio.wait_for(worker.inbox.put(item), HELLO_ANSWER_S)
+            reply = await asyncio.wait_for(asyncio.shield(item.reply), HELLO_ANSWER_S)
+        except (TimeoutError, asyncio.CancelledError):
+            return  # the member asks again
+        await self.nc.publish(msg.reply, encode(reply))
 
     async def _on_store(self, status: StoreStatus, _msg: Msg) -> None:
-        async with self._lock:
-            decision = self.core.on_store_status(status, time.time())
-            if decision.actions:
-                await self._apply(decision)
+        self.core.on_store_status(status, time.time())
 
-    async def _status_endpoint(self, req: Request) -> None:
-        job = req.data.decode(errors="replace").strip()
+    async def _on_status(self, msg: Msg) -> None:
+        if not self.leading():
+            return
+        job = msg.data.decode(errors="replace").strip()
         state = self.core.jobs.get(job)
         if state is None:
-            await req.respond_error("404", f"no job named {job!r}")
+            await _respond_error(self.nc, msg, "404", f"no job named {job!r}")
             return
         body = {
             "job": state.job,
+            "leader": self.instance,
             "world_size": state.world_size,
             "generation": state.generation,
             "ranks": state.ranks,
@@ -183,47 +255,61 @@ class SwapperService:
             "members": {m: to_fields(i) for m, i in state.members.items()},
             "committed_step": state.committed_step,
             "finished": state.finished,
+            "failed_reason": state.failed_reason,
             "rebuild_pending": state.pending is not None,
             "open_incidents": [to_fields(i) for i in state.open_incidents],
             "incidents": [to_fields(i) | {"detect_s": i.detect_s, "downtime_s": i.downtime_s} for i in state.incidents],
             "stores": [to_fields(s) for s in self.core.live_stores(time.time())],
         }
-        await req.respond(json.dumps(body).encode())
+        await self.nc.publish(msg.reply, json.dumps(body).encode())
+
+    async def _open(self, stop: asyncio.Event) -> bool:
+        """Open the KV buckets and the events stream, retrying until JetStream answers."""
+        js = self.nc.jetstream(timeout=KV_TIMEOUT_S)
+        attempts = 0
+        while not stop.is_set():
+            attempts += 1
+            try:
+                await ensure_events_stream(self.nc, self.config.js_replicas)
+                self.records = await JobRecords.open(js, self.log, self.config.js_replicas)
+                self.lease = await LeaderLease.open(
+                    js, self.instance, self.config.lease, self.log, self.config.js_replicas
+                )
+                return True
+            except (TimeoutError, nats.errors.Error) as exc:
+                if attempts == 1 or attempts % 20 == 0:
+                    self.log.warning("JetStream not ready: retrying", error=repr(exc))
+                if await stopped_within(stop, START_RETRY_S):
+                    break
+        return False
 
     async def run(self, stop: asyncio.Event) -> None:
-        for state in await self.records.load_all():
-            self.core.jobs[state.job] = state
-            self.log.info("job state loaded", job=state.job, generation=state.generation)
-        s = Subjects.any_job()
-        await subscribe_validated(self.nc, s.failure, Failure, self._on_failure, self.log)
-        await subscribe_validated(self.nc, s.group_broken, GroupBroken, self._on_group_broken, self.log)
-        await subscribe_validated(self.nc, s.rebuild_ack, RebuildAck, self._on_ack, self.log)
-        await subscribe_validated(self.nc, s.snapshot_complete, SnapshotComplete, self._on_snapshot, self.log)
-        await subscribe_validated(self.nc, s.member_done, MemberDone, self._on_done, self.log)
         await subscribe_validated(self.nc, STORE_STATUS, StoreStatus, self._on_store, self.log)
+        if not await self._open(stop):
+            return
+        assert self.lease is not None
+        await self.nc.subscribe(Subjects.any_job().hello, cb=self._on_hello)
+        await self.nc.subscribe(SWAPPER_STATUS, cb=self._on_status)
         service = await add_service(
-            self.nc, name="deadpool-swapper", version=VERSION, description="DeadPool swap scheduler"
+            self.nc,
+            name="deadpool-swapper",
+            version=VERSION,
+            description="DeadPool swap scheduler",
+            metadata={"instance": self.instance},
         )
-        await service.add_endpoint(
-            name="hello", subject=s.hello, handler=self._on_hello, queue_group="deadpool-swapper"
-        )
-        await service.add_endpoint(name="status", subject=SWAPPER_STATUS, handler=self._status_endpoint)
-        self.log.info("swapper ready", replication=self.config.replication)
-        while True:
-            async with self._lock:
-                await self._apply(self.core.tick(time.time()))
-            if await stopped_within(stop, self.config.tick_period_s):
-                break
+        self.log.info("swapper ready", instance=self.instance, replication=self.config.replication)
+        await self.lease.run(stop, self._on_lead_change)
         await service.stop()
         self.tracer.shutdown()
 
 
-async def _serve(config: SwapperServiceConfig, nc: Client, log: Any, stop: asyncio.Event) -> None:
-    records = await JobRecords.open(nc.jetstream(), log)
-    await SwapperService(config, nc, records, log).run(stop)
+async def _respond_error(nc: Client, msg: Msg, code: str, text: str) -> None:
+    """Answer a request with a `nats.micro`-style error (headers only), as members expect."""
+    if msg.reply:
+        await nc.publish(msg.reply, b"", headers={"Nats-Service-Error-Code": code, "Nats-Service-Error": text})
 
 
 def main(config: SwapperServiceConfig) -> None:
     run_nats_service(
-        "swapper", config.nats_url, "deadpool-swapper", lambda nc, log, stop: _serve(config, nc, log, stop)
+        "swapper", config.nats_url, "deadpool-swapper", lambda nc, log, stop: SwapperService(config, nc, log).run(stop)
     )

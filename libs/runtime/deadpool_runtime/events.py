@@ -1,0 +1,231 @@
+"""The events stream: at-least-once delivery of every message that changes state.
+
+Publishers store each event in the `DEADPOOL_EVENTS` JetStream stream and retry until the server
+acknowledges it (bounded by `EVENT_PUBLISH_DEADLINE_S`), under one `Nats-Msg-Id` per event so a retry
+after a lost acknowledgement is not stored twice. Readers follow the stream in order from a position
+they choose (`EventReader`): the swapper from the stream sequence recorded in each job's KV record, so
+a new leader replays exactly what its predecessor had not yet made durable; the detector from a
+recent time, so a restarted one sees the exits it missed.
+
+Why a stream rather than retransmit-until-confirmed everywhere: the events outlive the process that
+consumes them (a swapper SIGKILLed mid-rebuild, a NATS server restarted right after a failure), and
+the position a consumer has reached can be committed atomically with the state it produced (the job
+record's revision check). Commands from the swapper to members stay on core NATS and are
+retransmitted until confirmed: a member needs only the newest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from deadpool_protocol import Message, ProtocolError, decode_any, encode
+from deadpool_protocol.codec import MESSAGE_BYTES_MAX
+from deadpool_protocol.events import EVENTS_STREAM, event_subjects
+from deadpool_runtime.lifecycle import stopped_within
+
+__all__ = [
+    "EVENT_PUBLISH_DEADLINE_S",
+    "EventPublisher",
+    "EventReader",
+    "ensure_events_stream",
+    "stream_position",
+]
+
+EVENT_PUBLISH_DEADLINE_S = 120.0
+"""How long a publisher keeps retrying one event (the server down, a stream leader being elected)."""
+EVENT_ACK_TIMEOUT_S = 2.0
+"""How long one attempt waits for the server's acknowledgement."""
+EVENT_RETRY_MAX_S = 1.0
+EVENTS_IN_FLIGHT_MAX = 10_000
+"""Events a publisher holds while the stream is unavailable; beyond that, new ones are dropped (logged)."""
+STREAM_MAX_AGE_S = 3600.0
+STREAM_MAX_BYTES = 1024**3
+STREAM_DUPLICATE_WINDOW_S = 120.0
+READER_IDLE_HEARTBEAT_S = 0.5
+"""An ordered consumer that misses two of these is recreated from where it stopped."""
+READER_START_RETRY_S = 0.5
+
+EventHandler = Callable[[Message, int], Awaitable[None]]
+"""Called with each valid event and its stream sequence, in stream order."""
+
+
+async def ensure_events_stream(nc: Client, replicas: int = 1) -> None:
+    """Create the events stream if it does not exist (every service may call this)."""
+    js = nc.jetstream(timeout=5.0)
+    config = StreamConfig(
+        name=EVENTS_STREAM,
+        subjects=event_subjects("*"),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        max_age=STREAM_MAX_AGE_S,
+        max_bytes=STREAM_MAX_BYTES,
+        max_msg_size=MESSAGE_BYTES_MAX,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=STREAM_DUPLICATE_WINDOW_S,
+    )
+    try:
+        await js.stream_info(EVENTS_STREAM)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:  # created meanwhile by another service
+            await js.stream_info(EVENTS_STREAM)
+
+
+async def stream_position(nc: Client) -> tuple[str, int]:
+    """(which incarnation of the stream this is, its last sequence). A sequence is only meaningful
+    within one incarnation: a stream deleted and created again starts counting at 1."""
+    info = await nc.jetstream(timeout=5.0).stream_info(EVENTS_STREAM)
+    created = info.created.isoformat() if info.created is not None else ""
+    return created, info.state.last_seq
+
+
+class EventPublisher:
+    """Publishes events to the stream, each retried until stored or `deadline_s` has passed."""
+
+    def __init__(self, nc: Client, log: Any, deadline_s: float = EVENT_PUBLISH_DEADLINE_S) -> None:
+        self.nc = nc
+        self.log = log
+        self.deadline_s = deadline_s
+        self._js = nc.jetstream(timeout=EVENT_ACK_TIMEOUT_S)
+        self._in_flight: set[asyncio.Task[bool]] = set()
+        self.dropped = 0
+
+    async def publish(self, subject: str, message: Message) -> bool:
+        """Store `message`; True once the server acknowledged it, False if it gave up (logged)."""
+        payload = encode(message)
+        headers = {"Nats-Msg-Id": f"{message.KIND}-{secrets.token_hex(8)}"}
+        deadline = time.monotonic() + self.deadline_s
+        delay = 0.05
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                await self._js.publish(subject, payload, timeout=EVENT_ACK_TIMEOUT_S, headers=headers)
+                if attempts > 1:
+                    self.log.info("event stored after retries", subject=subject, attempts=attempts)
+                return True
+            except (TimeoutError, nats.errors.Error) as exc:
+                if time.monotonic() + delay > deadline:
+                    self.log.error("event not stored: giving up", subject=subject, attempts=attempts, error=repr(exc))
+                    return False
+                if attempts == 1:
+                    self.log.warning("event not stored yet: retrying", subject=subject, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, EVENT_RETRY_MAX_S)
+
+    def publish_soon(self, subject: str, message: Message) -> asyncio.Task[bool] | None:
+        """Publish in the background (the caller does not wait); None if too many are in flight."""
+        if len(self._in_flight) >= EVENTS_IN_FLIGHT_MAX:
+            self.dropped += 1
+            self.log.error("event dropped: too many in flight", subject=subject, in_flight=len(self._in_flight))
+            return None
+        task = asyncio.create_task(self.publish(subject, message))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        return task
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (bounded) for the events still in flight, e.g. before a process exits."""
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight), timeout=timeout_s)
+
+
+class EventReader:
+    """Follows the events stream in order, from a stream sequence or a time, for a set of subjects.
+
+    Built on JetStream's ordered consumer: no acknowledgements, and when its heartbeats stop (a server
+    restarted, the node that held it died) it is recreated from the last sequence delivered, so
+    nothing is skipped and nothing repeats. Every event is validated before `handler` sees it; an
+    invalid one is logged and skipped.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        subjects: Sequence[str],
+        handler: EventHandler,
+        log: Any,
+        expected: Sequence[type[Message]] = (),
+    ) -> None:
+        self.nc = nc
+        self.subjects = list(subjects)
+        self.handler = handler
+        self.log = log
+        self.expected = tuple(expected)
+        self.last_seq = 0
+        self._sub: Subscription | None = None
+
+    async def start(
+        self, stop: asyncio.Event, start_seq: int = 0, start_time: float = 0.0, attempts_max: int = 0
+    ) -> bool:
+        """Create the consumer, retrying (every `READER_START_RETRY_S`) until it exists, `stop` is set,
+        or `attempts_max` attempts failed (0: no limit). Start at `start_seq` (> 0), else at
+        `start_time` (> 0, wall clock), else with the next new event."""
+        config = ConsumerConfig(filter_subjects=self.subjects, inactive_threshold=60.0)
+        if start_seq > 0:
+            config.deliver_policy, config.opt_start_seq = DeliverPolicy.BY_START_SEQUENCE, start_seq
+        elif start_time > 0:
+            config.deliver_policy = DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.datetime.fromtimestamp(start_time, datetime.UTC)
+        else:
+            config.deliver_policy = DeliverPolicy.NEW
+        js = self.nc.jetstream(timeout=5.0)
+        attempts = 0
+        while not stop.is_set():
+            attempts += 1
+            try:
+                self._sub = await js.subscribe(
+                    self.subjects[0],
+                    stream=EVENTS_STREAM,
+                    cb=self._on_msg,
+                    ordered_consumer=True,
+                    idle_heartbeat=READER_IDLE_HEARTBEAT_S,
+                    config=config,
+                )
+                return True
+            except (TimeoutError, nats.errors.Error) as exc:
+                if attempts == 1 or attempts % 20 == 0:
+                    self.log.warning("events reader not started yet: retrying", subjects=self.subjects, error=repr(exc))
+                if attempts_max and attempts >= attempts_max:
+                    return False
+                if await stopped_within(stop, READER_START_RETRY_S):
+                    break
+        return False
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            seq = msg.metadata.sequence.stream
+        except (nats.errors.Error, ValueError, IndexError):
+            return  # not a stream message (a status or control message)
+        self.last_seq = max(self.last_seq, seq)
+        try:
+            message = decode_any(msg.data)
+            if self.expected and not isinstance(message, self.expected):
+                raise ProtocolError(f"{message.KIND} is not an event this reader expects")
+        except ProtocolError as exc:
+            self.log.warning("rejected event", subject=msg.subject, seq=seq, reason=str(exc))
+            return
+        try:
+            await self.handler(message, seq)
+        except Exception:
+            self.log.exception("event handler failed", subject=msg.subject, seq=seq, kind=message.KIND)

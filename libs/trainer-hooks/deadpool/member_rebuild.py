@@ -1,0 +1,316 @@
+"""The member's side of one rebuild, as a sequence of states, each with one bounded wait.
+
+    LEAVE     drop the old process group                          no wait
+    RESTORE   the restore step: own buffer, else a store          each store: its socket timeout; breakable
+    CONNECT   a client of the generation's rendezvous store       attempts of 1 s until `rendezvous_wait_s`; breakable
+    FORM      `init_process_group` of the generation              the collective timeout; breakable
+    EXCHANGE  the replicated shares, between the ranks            the collective timeout; breakable
+    APPLY     re-wrap, build the optimizer, load the state        user code: an error ends the member, saying why
+    SEAL      formation only: the step-0 snapshot stored          `formation_snapshot_wait_s`; breakable
+    ACK       tell the swapper                                    no wait (stored by the control thread)
+
+"Breakable": the wait belongs to the generation, and the control thread breaks it (shuts its sockets
+down) the moment the generation is superseded: a newer rebuild, a void notice, the job's end. The
+machine checks for supersession between states too, so a member never spends a state's whole bound
+on a generation that can no longer form; it raises `SupersededError` and the job starts over with the
+newest command.
+
+Three other ways out, each a specific exception for the job to act on:
+- `RendezvousFailedError`: the group could not be formed (a peer died meanwhile, the host is
+  unreachable). Not this member's fault: it awaits the next command, and the swapper or the detector
+  provides one (a failure's rebuild, or a regroup).
+- `MemberCannotContinueError`: something a spare would meet as well (the user's factory or wrapper
+  raised, no store has the snapshot, the ranks' snapshots do not fit together). The member reports
+  it with its cause and the swapper ends the job with that reason.
+- `MemberFencedError`: the rebuild gives this member's rank to someone else.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import traceback
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deadpool.control_link import Progress
+from deadpool.ddp_check import check_wrapped
+from deadpool.process_group import RendezvousUnreachableError
+from deadpool.replica_exchange import ReplicaMismatchError, exchange_partitions
+from deadpool.snapshot_layout import FlatBuffer
+from deadpool.store_client import StoreClientError, StoreConnection
+from deadpool.training_state import Partition, SnapshotMeta, load_module, load_optimizer, restore_rng
+from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, Rebuild, RebuildAck
+
+if TYPE_CHECKING:
+    from deadpool.job import Job
+
+__all__ = [
+    "MemberCannotContinueError",
+    "MemberFencedError",
+    "MemberRebuild",
+    "RebuildState",
+    "RendezvousFailedError",
+]
+
+FORMATION_SNAPSHOT_WAIT_S = 120.0
+SEAL_POLL_S = 0.1
+
+
+class RebuildState(enum.Enum):
+    LEAVE = "leave"
+    RESTORE = "restore"
+    CONNECT = "connect"
+    FORM = "form"
+    EXCHANGE = "exchange"
+    APPLY = "apply"
+    SEAL = "seal"
+    ACK = "ack"
+
+
+class MemberFencedError(RuntimeError):
+    """This member was declared failed and replaced; it must not touch the job's collectives again."""
+
+
+class RendezvousFailedError(Exception):
+    """The generation's process group could not be formed (the cause is chained)."""
+
+
+class MemberCannotContinueError(RuntimeError):
+    """This member cannot carry out the rebuild for a reason a spare would meet too (`cause`)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class MemberRebuild:
+    """Carries out one generation's rebuild on behalf of `job` (which it updates when it succeeds)."""
+
+    def __init__(self, job: Job, command: Rebuild, marks: dict[str, float]) -> None:
+        self.job = job
+        self.command = command
+        self.marks = marks
+        self.generation = command.generation
+        self.rank = command.rank_of(job.config.member)
+        self.survivor = job.rank is not None
+        self.log = job.log.bind(generation=command.generation, rank=self.rank)
+        self.state = RebuildState.LEAVE
+        self.snapshot: FlatBuffer | None = None
+        self.meta: SnapshotMeta | None = None
+        self.replicas: list[FlatBuffer] = []
+        self.source = "fresh"
+        self.group: Any = None
+        self._store: Any = None
+        self._store_sockets: dict[int, str] = {}
+
+    def run(self) -> bool:
+        """Carry the rebuild out; True if this member holds a rank in the end, False if it stays a spare."""
+        job = self.job
+        if self.rank == NO_RANK:
+            if self.survivor:
+                job._leave_group()
+                raise MemberFencedError(f"member {job.config.member} was replaced in generation {self.generation}")
+            job.generation = self.generation  # still a spare
+            job._link.progress = replace(job._link.progress, generation=self.generation)
+            return False
+        self.marks["begin"] = time.time()
+        job._link.progress = Progress(
+            generation=self.generation, rank=self.rank, step=job._completed_step, rebuilding=True
+        )
+        last_completed = job._completed_step if self.survivor else NO_STEP
+        for state, action in (
+            (RebuildState.LEAVE, self.leave),
+            (RebuildState.RESTORE, self.restore),
+            (RebuildState.CONNECT, self.connect),
+            (RebuildState.FORM, self.form),
+            (RebuildState.EXCHANGE, self.exchange),
+            (RebuildState.APPLY, self.apply),
+            (RebuildState.SEAL, self.seal),
+            (RebuildState.ACK, lambda: self.ack(last_completed)),
+        ):
+            job._waits.check(self.generation)
+            self.state = state
+            action()
+        return True
+
+    # ------------------------------------------------------------------ the states, in order
+
+    def leave(self) -> None:
+        if self.survivor:
+            self.marks.setdefault("out", time.time())
+            self.job._leave_group()
+        self.job._worker.cancel_uploads_before(self.generation)
+
+    def restore(self) -> None:
+        command = self.command
+        if command.restore_step != NO_STEP:
+            self.snapshot, self.meta, self.source = self._snapshot_for(command.restore_step)
+            meta = self.meta
+            if meta.partitioned and meta.partition != Partition(self.rank, command.world_size):
+                raise MemberCannotContinueError(
+                    MemberErrorCause.REPLICAS_DISAGREE,
+                    f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition}, "
+                    f"not rank {self.rank} of {command.world_size}",
+                )
+            if not meta.partitioned:
+                load_module(self.job.module, [self.snapshot])
+        self.marks["restored"] = time.time()
+
+    def connect(self) -> None:
+        job, command = self.job, self.command
+        deadline = time.monotonic() + job.config.rendezvous_wait_s
+        try:
+            self._store, self._store_sockets = job._rendezvous.store_for(
+                command, job.config.member, lambda: job._waits.superseded(self.generation), deadline
+            )
+        except RendezvousUnreachableError as exc:
+            raise RendezvousFailedError(str(exc)) from exc
+
+    def form(self) -> None:
+        job, command = self.job, self.command
+        service_ports = {job._rendezvous.port, command.rendezvous_port, *(a.port for a in command.stores)}
+        service_ports |= job._link.server_ports()
+        try:
+            self.group = job._group.create(
+                self._store,
+                self.rank,
+                command.world_size,
+                job._backend,
+                job.config.pg_timeout_s,
+                self.generation,
+                service_ports,
+                self._store_sockets,
+            )
+        except RuntimeError as exc:  # torch's DistError family: a member never came, or we were broken
+            job._waits.check(self.generation)
+            raise RendezvousFailedError(f"process group of generation {self.generation} not formed: {exc}") from exc
+
+    def exchange(self) -> None:
+        if self.snapshot is not None and self.meta is not None:
+            try:
+                self.replicas = exchange_partitions(
+                    self.snapshot, self.meta, self.rank, self.command.world_size, self.group
+                )
+            except ReplicaMismatchError as exc:
+                raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
+            except RuntimeError as exc:  # the new group broke under the exchange
+                self.job._waits.check(self.generation)
+                raise RendezvousFailedError(f"replica exchange of generation {self.generation}: {exc}") from exc
+            if self.meta.partitioned:
+                load_module(self.job.module, [self.snapshot, *self.replicas])
+        self.marks["rendezvous"] = time.time()
+
+    def apply(self) -> None:
+        job = self.job
+        try:
+            model = job._wrap(job.module, self.group) if job._wrap else job.module
+            check_wrapped(model)
+            optimizer = job._factory(list(job.module.parameters()))
+        except Exception as exc:  # the user's code: every member would meet it
+            text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            raise MemberCannotContinueError(
+                MemberErrorCause.USER_CODE, f"the wrapper or optimizer factory raised during a rebuild: {text}"
+            ) from exc
+        optimizer.register_step_pre_hook(lambda *_: job._fence_optimizer_step())
+        step = 0
+        if self.snapshot is not None and self.meta is not None:
+            # A fetched snapshot is ours alone: the optimizer state may live in it, uncopied.
+            try:
+                load_optimizer(
+                    job.module,
+                    optimizer,
+                    [self.snapshot, *self.replicas],
+                    self.meta,
+                    take_buffers=self.source == "store",
+                )
+            except ValueError as exc:
+                raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
+            restore_rng(self.meta.rng)
+            job.extra_state = dict(self.meta.extra)
+            step = self.meta.step
+        command = self.command
+        job.model, job.optimizer, job._plan = model, optimizer, None
+        job.rank, job.world_size, job.generation = self.rank, command.world_size, self.generation
+        stores = {s.store: s for s in command.stores}
+        job._placement = [stores[name] for name in command.placement[self.rank]]
+        job._next_step = job._completed_step = step
+        job._worker.forget_after(step)
+
+    def seal(self) -> None:
+        """Formation: store step 0 before training, so a recovery always has a committed step to go to."""
+        if self.command.restore_step != NO_STEP:
+            return
+        request = self.job._capture(0)
+        deadline = time.monotonic() + FORMATION_SNAPSHOT_WAIT_S
+        while request is not None and not request.done.wait(SEAL_POLL_S):
+            self.job._waits.check(self.generation)
+            if time.monotonic() > deadline:
+                break
+        if request is None or not request.done.is_set() or not request.sealed_on:
+            self.log.warning("step 0 snapshot not stored before training; an early failure cannot be recovered")
+
+    def ack(self, last_completed: int) -> None:
+        job, command = self.job, self.command
+        self.marks["ready"] = time.time()
+        job._link.progress = Progress(generation=self.generation, rank=self.rank, step=job._completed_step)
+        job._link.ack(
+            RebuildAck(
+                job=job.config.job,
+                generation=self.generation,
+                member=job.config.member,
+                rank=self.rank,
+                restore_step=command.restore_step,
+                last_completed_step=last_completed,
+                restore_source=self.source,
+                marks=self.marks,
+                t_ready=self.marks["ready"],
+            )
+        )
+        self.log.info(
+            "rebuild done",
+            restore_step=command.restore_step,
+            source=self.source,
+            lost_steps=max(0, last_completed - command.restore_step) if self.survivor else 0,
+            took_s=round(self.marks["ready"] - self.marks["begin"], 4),
+            marks={k: round(v - command.t_decided, 4) for k, v in self.marks.items()},
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _snapshot_for(self, step: int) -> tuple[FlatBuffer, SnapshotMeta, str]:
+        """The snapshot of (rank, step): from our own buffer if we have it, else from a store."""
+        job, command, rank = self.job, self.command, self.rank
+        if job.rank == rank:
+            slot = job._worker.local(step)
+            if slot is not None and slot.buffer is not None:
+                return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
+        preferred = command.placement[rank]
+        ordered = sorted(command.stores, key=lambda s: s.store not in preferred)
+        errors = []
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in job.module.parameters())
+        for address in ordered:
+            got: dict[str, Any] = {}
+
+            def destination(meta_bytes: bytes, total_bytes: int, got: dict[str, Any] = got) -> memoryview:
+                meta = SnapshotMeta.decode(meta_bytes)
+                if meta.step != step or meta.layout.total_bytes != total_bytes:
+                    raise StoreClientError(f"store sent step {meta.step} of {total_bytes} bytes, not step {step}")
+                got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)
+                return got["buffer"].bytes_view()  # type: ignore[no-any-return]
+
+            connection = StoreConnection(address)
+            try:
+                with job._waits.breakable(self.generation, connection.abort):
+                    connection.fetch(command.job, rank, step, destination)
+                return got["buffer"], got["meta"], "store"
+            except (StoreClientError, ValueError) as exc:
+                errors.append(str(exc))
+            finally:
+                connection.close()
+        raise MemberCannotContinueError(
+            MemberErrorCause.SNAPSHOT_UNAVAILABLE,
+            f"no store could provide rank {rank} step {step}: {'; '.join(errors)}",
+        )
