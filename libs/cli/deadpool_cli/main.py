@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     swapper.add_argument("--replication", type=int, default=2, help="stores each snapshot goes to")
     swapper.add_argument("--trace-file", default="", help="incident traces as JSON lines")
     swapper.add_argument(
-        "--last-call-s", type=float, default=0.05, help="after a failure, wait this long for others (one rebuild)"
+        "--last-call-s", type=float, default=0.1, help="after a failure, wait this long for others (one rebuild)"
     )
     _add_replicas(swapper)
 

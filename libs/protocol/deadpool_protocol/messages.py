@@ -174,6 +174,8 @@ class Heartbeat(JobMessage):
     rebuilding: bool = False
     """The member is carrying out the rebuild of `generation` (restore, rendezvous, re-wrap): waiting
     on the control plane and its peers, never a hang culprit, and not yet "awaiting"."""
+    step_completed_t: float = 0.0
+    """When `step` was completed (wall clock), so recovery can be timed to the step, not the beat."""
 
     def check(self) -> None:
         JobMessage.check(self)

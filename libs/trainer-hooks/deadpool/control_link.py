@@ -71,6 +71,7 @@ class Progress:
     section: str = ""
     awaiting_rebuild: bool = False
     rebuilding: bool = False
+    step_completed_t: float = 0.0
 
 
 Command = Rebuild | GenerationVoid | JobFinished
@@ -246,6 +247,7 @@ class ControlLink:
                 host=self.config.host,
                 awaiting_rebuild=p.awaiting_rebuild,
                 rebuilding=p.rebuilding,
+                step_completed_t=p.step_completed_t,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))

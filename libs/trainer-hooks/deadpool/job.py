@@ -90,6 +90,8 @@ DONE_RETRANSMIT_S = 1.0
 """After its last step a rank repeats its done report this often until it hears the job finished."""
 ERROR_REPORT_WAIT_S = 5.0
 STEP_TIMES_KEPT = 16
+WARM_UP_SECTION = "warm-up"
+"""The section a spare's heartbeats name while it warms up (it is not ready to take a rank yet)."""
 GROUP_RETIRE_MARGIN_S = 5.0
 """A dropped process group is freed this long after its collective timeout (see `GenerationGroup`)."""
 
@@ -166,6 +168,8 @@ class Job:
                 "SIGURG resets the group's connections, SIGWINCH slows"
             )
         self._link = ControlLink(config, log, on_command=self._on_command)
+        if config.rank_hint < 0:  # a spare is not ready to take a rank before it has warmed up
+            self._link.progress = replace(self._link.progress, section=WARM_UP_SECTION)
         self._stuck = StuckCollectiveWatch(self._link, self._report_stuck, log, step_time_s=self._recent_step_s)
         self._link.start(
             MemberHello(
@@ -274,6 +278,7 @@ class Job:
         if self._warm:
             return
         started = time.monotonic()
+        self._link.progress = replace(self._link.progress, section=WARM_UP_SECTION)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             wrapped = self._wrap(self.module, dist.group.WORLD) if self._wrap else self.module
@@ -287,6 +292,7 @@ class Job:
             ) from exc
         finally:
             dist.destroy_process_group()
+            self._link.progress = replace(self._link.progress, section="")
         self._warm = True
         self.log.info("spare warm", warm_up_s=round(time.monotonic() - started, 3))
 
@@ -331,7 +337,11 @@ class Job:
         every = self.config.snapshot_every
         captured = every > 0 and step % every == 0 and self._capture(step) is not None
         self._link.progress = replace(
-            self._link.progress, step=step, in_step=False, snapshots_skipped=self._worker.skipped
+            self._link.progress,
+            step=step,
+            in_step=False,
+            snapshots_skipped=self._worker.skipped,
+            step_completed_t=time.time(),
         )
         self.stats.stalled(time.perf_counter() - entered)
         self.stats.completed(captured)

@@ -124,6 +124,7 @@ class Launcher:
         self._watchers: set[asyncio.Task[None]] = set()
         self._beats: dict[str, Heartbeat] = {}
         self._stopper: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def world_size(self) -> int:
@@ -219,7 +220,7 @@ class Launcher:
         self._events.publish_soon(self.subjects.child_exit, report)  # retried until stored
         level = self.log.info if returncode == 0 else self.log.warning
         level("member exited", member=child.member, pid=child.process.pid, returncode=returncode)
-        failed = returncode != 0 and not self.finished
+        failed = returncode != 0 and not self.finished and not self._stopping
         if failed and self.respawns_left > 0:
             self.respawns_left -= 1
             await self._spawn(-1)
@@ -286,6 +287,7 @@ class Launcher:
 
     async def _terminate_all(self) -> None:
         """Forward a stop to the children; SIGKILL whatever is still alive after the grace period."""
+        self._stopping = True  # no respawns from here on
         for child in self.children.values():
             if child.process.returncode is None:
                 child.process.send_signal(signal.SIGTERM)

@@ -37,7 +37,7 @@ import torch
 
 from deadpool.control_link import Progress
 from deadpool.ddp_check import check_wrapped
-from deadpool.process_group import RendezvousUnreachableError
+from deadpool.process_group import RendezvousUnreachableError, is_collective_error
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_partitions
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreClientError, StoreConnection
@@ -162,9 +162,13 @@ class MemberRebuild:
     def connect(self) -> None:
         job, command = self.job, self.command
         deadline = time.monotonic() + job.config.rendezvous_wait_s
+        host = "this member" if command.rendezvous_member == job.config.member else command.rendezvous_member
+        self.log.info(
+            "rendezvous", host=host, address=f"{command.rendezvous_host}:{command.rendezvous_port}", ranks=command.ranks
+        )
         try:
             self._store, self._store_sockets = job._rendezvous.store_for(
-                command, job.config.member, lambda: job._waits.superseded(self.generation), deadline
+                command, job.config.member, job._waits, deadline
             )
         except RendezvousUnreachableError as exc:
             raise RendezvousFailedError(str(exc)) from exc
@@ -209,7 +213,11 @@ class MemberRebuild:
             model = job._wrap(job.module, self.group) if job._wrap else job.module
             check_wrapped(model)
             optimizer = job._factory(list(job.module.parameters()))
-        except Exception as exc:  # the user's code: every member would meet it
+        except Exception as exc:
+            job._waits.check(self.generation)  # broken because the generation was superseded
+            if is_collective_error(exc):  # DDP broadcasts at construction: the new group broke under it
+                raise RendezvousFailedError(f"the new group broke while wrapping: {exc}") from exc
+            # The user's code: every member would meet it.
             text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             raise MemberCannotContinueError(
                 MemberErrorCause.USER_CODE, f"the wrapper or optimizer factory raised during a rebuild: {text}"

@@ -16,13 +16,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from deadpool.generation_waits import SupersededError
+from deadpool.generation_waits import GenerationWaits
 from deadpool_protocol import Rebuild
 
 __all__ = [
@@ -69,12 +69,17 @@ class Rendezvous:
         self._master: dist.TCPStore | None = None
 
     def store_for(
-        self, command: Rebuild, member: str, superseded: Callable[[], bool], deadline_s: float
+        self, command: Rebuild, member: str, waits: GenerationWaits, deadline_s: float
     ) -> tuple[dist.Store, dict[int, str]]:
         """A new client of `command`'s rendezvous store, prefixed so generations never mix, and the
         socket descriptors it opened (to break it with). Connecting is tried in attempts of
-        `connect_attempt_s`, until it works, `superseded()` says the generation is gone
-        (SupersededError), or `deadline_s` (monotonic) passed (RendezvousUnreachableError)."""
+        `connect_attempt_s` until it works, the generation is superseded (SupersededError), or
+        `deadline_s` (monotonic) passed (RendezvousUnreachableError).
+
+        An attempt against a host that is frozen (SIGSTOP: the kernel accepts the connection, nobody
+        answers) blocks inside torch's constructor whatever its timeout says, so each attempt is a
+        breakable wait: supersession, or the deadline, shuts down the socket it opened."""
+        generation = command.generation
         if command.rendezvous_member == member:
             if self._master is None:
                 self._master = dist.TCPStore(
@@ -91,22 +96,33 @@ class Rendezvous:
             address = (command.rendezvous_host, command.rendezvous_port)
         attempts = 0
         while True:
-            if superseded():
-                raise SupersededError(f"generation {command.generation} was superseded")
+            waits.check(generation)
             attempts += 1
             before = _socket_fds()
+
+            def breaker(before: dict[int, str] = before) -> None:
+                for fd, link in _socket_fds().items():
+                    if before.get(fd) != link and _connects_to(fd, address[1]):
+                        _shutdown_connected(fd, link)
+
+            timer = threading.Timer(max(0.0, deadline_s - time.monotonic()), breaker)
+            timer.daemon = True
+            timer.start()
             try:
-                client = dist.TCPStore(address[0], address[1], None, False, self.connect_attempt)
+                with waits.breakable(generation, breaker):
+                    client = dist.TCPStore(address[0], address[1], None, False, self.connect_attempt)
                 break
             except RuntimeError as exc:  # torch's DistNetworkError and friends
                 if time.monotonic() >= deadline_s:
                     raise RendezvousUnreachableError(
-                        f"rendezvous store {address[0]}:{address[1]} of generation {command.generation} "
+                        f"rendezvous store {address[0]}:{address[1]} of generation {generation} "
                         f"unreachable after {attempts} attempt(s): {exc}"
                     ) from exc
+            finally:
+                timer.cancel()
         client.set_timeout(self.timeout)
         opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
-        return dist.PrefixStore(f"{command.job}/g{command.generation}/", client), opened
+        return dist.PrefixStore(f"{command.job}/g{generation}/", client), opened
 
 
 class RendezvousUnreachableError(RuntimeError):
@@ -175,6 +191,7 @@ class GenerationGroup:
         before = _socket_fds()
         with self._lock:
             self._forming = (generation, before, service_ports, dict(store_sockets or {}))
+        _reset_group_names()
         try:
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
@@ -247,6 +264,21 @@ class GenerationGroup:
         return still
 
 
+def _reset_group_names() -> None:
+    """Make the new default group's name "0" in every member, whatever this process went through.
+
+    torch names each group it creates after a process-wide counter and prefixes every rendezvous key
+    with that name; destroying the default group resets the counter, but an `init_process_group` that
+    failed (broken because its generation was superseded) leaves it counted. A member that lived
+    through one then looks for keys under "1/" while a fresh spare writes them under "0/", and the
+    generation's rendezvous waits for the collective timeout (seen in the chaos benchmark). The
+    counter is private to torch, so this touches it only when it exists and no default group does.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0
+
+
 def _socket_fds() -> dict[int, str]:
     """This process's socket descriptors, with the kernel's name for each ('socket:[inode]')."""
     found: dict[int, str] = {}
@@ -277,6 +309,20 @@ def _is_peer_connection(fd: int, service_ports: set[int]) -> bool:
     finally:
         sock.detach()
     return not ports & service_ports
+
+
+def _connects_to(fd: int, port: int) -> bool:
+    """A connected TCP socket whose peer is `port`."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getpeername()[1] == port
+    except OSError:
+        return False
+    finally:
+        sock.detach()
 
 
 def _shutdown_connected(fd: int, link: str) -> None:

@@ -74,7 +74,7 @@ class SwapperConfig:
     formation_grace_s: float = 2.0
     """Formation waits this long after the last hello for members asking for the ranks still unclaimed
     (launchers start ranks and spares together; a spare that registers first should stay a spare)."""
-    last_call_s: float = 0.05
+    last_call_s: float = 0.1
     """After a rank failure, how long the swapper waits for other failures before it publishes the new
     generation, so failures close together are swapped in one rebuild (a double kill, a crash and its
     host-mate). Survivors are released at once anyway (the void notice); this only delays the spare."""
@@ -543,7 +543,7 @@ class SwapperCore:
         if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
             pending.t_sent = now
             actions.append(Publish("rebuild", pending.command))
-        voided = state.void_generation == state.generation and state.pending is None
+        voided = 0 < state.void_generation == state.generation and state.pending is None
         if voided and now - state.void_sent_t >= self.config.rebuild_retransmit_s:
             state.void_sent_t = now
             why = "waiting for a spare" if state.vacant_ranks() else "waiting for the next generation"

@@ -1,0 +1,469 @@
+"""Chaos: N faults drawn by seed from a catalogue, one training run, and the final weights checked.
+
+    .venv/bin/python bench/chaos.py --faults 50 --seed 1
+    .venv/bin/python bench/chaos.py --faults 10 --seed 3 --kinds kill,kill2,swapper
+
+The example job (or `--script`: any script that takes the example's arguments) runs under the
+project's own control plane, as shipped for high availability: a 3-node NATS cluster (JetStream
+replicas 3), two detectors, two swappers (one leads), two stores, every service restarted 1 s after it
+dies (as systemd's `Restart=always` would), 4 ranks and 3 warm spares, and the launcher's respawns.
+Faults come one after another at random moments (inside steps, while snapshots stream, during
+recoveries), each once the job has recovered from the one before:
+
+    kill              a rank SIGKILLed
+    kill2             two ranks SIGKILLed at once (0-15 ms apart)
+    kill_in_recovery  a rank SIGKILLed, then a second one 50-500 ms later, in the recovery
+    stop              a rank SIGSTOPped (frozen: found by heartbeat silence, fenced)
+    spare_takeover    a rank SIGKILLed, then the spare promoted for it, 0-200 ms into its takeover
+    rendezvous_host   a rank SIGKILLed, then the new generation's rendezvous host, 0-100 ms in
+    swapper           the leading swapper SIGKILLed
+    detector          a detector SIGKILLed
+    nats              a NATS server SIGKILLed
+
+Per fault: downtime_s, from the fault to the first step completed by every rank after it (the
+members' own completion times). A run is wedged if no rank completes a step for longer than the
+slowest recovery the timeouts allow (`wedge_s`: collective timeout + heartbeat timeout + fence
+timeout). Then the same job runs again without faults, and the final weights and optimizer shards
+of both runs are compared with `torch.equal`. A human table, then one JSON object as the last line.
+Goal: 50 faults, wedged 0, bit_identical true, overlapping-fault downtime p99 <= 1 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from measures import percentile
+from nats.aio.client import Client
+
+from deadpool_cli.demo import default_script
+from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_cli.weights_check import compare_final_states
+from deadpool_protocol import SWAPPER_STATUS, Rebuild
+from deadpool_protocol.codec import to_fields
+from deadpool_protocol.logs import get_logger
+from deadpool_runtime import server_urls
+
+KINDS = (
+    "kill",
+    "kill2",
+    "kill_in_recovery",
+    "stop",
+    "spare_takeover",
+    "rendezvous_host",
+    "swapper",
+    "detector",
+    "nats",
+)
+OVERLAPPING = ("kill2", "kill_in_recovery", "spare_takeover", "rendezvous_host")
+SPARES_NEEDED = {"kill": 1, "kill2": 2, "kill_in_recovery": 2, "stop": 1, "spare_takeover": 2, "rendezvous_host": 2}
+NEW_GENERATION = set(SPARES_NEEDED)
+"""Faults after which training resumes only in a newer generation."""
+
+NPROC = 4
+SPARES = 3
+HEARTBEAT_TIMEOUT_S = 2.0
+HANG_FLOOR_S = 3.0
+COLLECTIVE_TIMEOUT_S = 20.0
+FENCE_TIMEOUT_S = 5.0
+WEDGE_S = COLLECTIVE_TIMEOUT_S + HEARTBEAT_TIMEOUT_S + FENCE_TIMEOUT_S
+RESTART_AFTER_S = 1.0
+SETTLE_S = (1.0, 3.0)
+"""A random pause after the job recovered, before the next fault."""
+NATS_SETTLE_S = 6.0
+"""After a NATS server came back, time for its JetStream streams to catch up before the next fault."""
+SPARE_WAIT_S = 90.0
+GOAL = {"faults": 50, "wedged": 0, "bit_identical": True, "overlap_downtime_s_p99_max": 1.0}
+
+
+@dataclass
+class Fault:
+    index: int
+    kind: str
+    t: float
+    detail: str
+    generation: int
+    steps_index: int
+    """Where the watch's step log stood at the fault."""
+    downtime_s: float | None = None
+    t_resumed: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace, stack: Stack, nc: Client, watch: JobWatch, job: str) -> None:
+        self.args = args
+        self.stack = stack
+        self.nc = nc
+        self.watch = watch
+        self.job = job
+        self.rng = random.Random(args.seed)
+        self.faults: list[Fault] = []
+        self.wedged = False
+        self.longest_stall_s = 0.0
+        self._since = time.time()
+        self.last_kill_generation = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    def _pid(self, member: str) -> int:
+        view = self.watch.members.get(member)
+        if view is None or not view.pid:
+            raise LookupError(f"no pid known for member {member}")
+        return view.pid
+
+    def _kill(self, member: str, sig: signal.Signals = signal.SIGKILL) -> str:
+        """Signal a member; remembers the generation it was in, since training resumes only in a newer one."""
+        pid = self._pid(member)
+        self.last_kill_generation = self.watch.rebuild.generation if self.watch.rebuild else 0
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return f"{member} (pid {pid}) already gone"
+        return f"{sig.name} {member} (pid {pid})"
+
+    def _ranks(self) -> list[str]:
+        assert self.watch.rebuild is not None
+        return list(self.watch.rebuild.ranks)
+
+    async def _next_rebuild(self, after: int, timeout_s: float = 10.0) -> Rebuild | None:
+        try:
+            await asyncio.wait_for(
+                self.watch.wait_for(lambda: self.watch.rebuild is not None and self.watch.rebuild.generation > after),
+                timeout_s,
+            )
+        except TimeoutError:
+            return None
+        return self.watch.rebuild
+
+    async def _status(self) -> dict[str, Any]:
+        try:
+            reply = await self.nc.request(SWAPPER_STATUS, self.job.encode(), timeout=2.0)
+            body: dict[str, Any] = json.loads(reply.data)
+            return body
+        except Exception:
+            return {}
+
+    async def ready_spares(self) -> int:
+        """Spares the swapper holds that have warmed up (their heartbeats name no section)."""
+        held = set((await self._status()).get("spares", []))
+        return len(held & set(self.watch.ready_spares(time.time())))
+
+    async def _leader_swapper(self) -> str | None:
+        instance = (await self._status()).get("leader", "")
+        pid = instance.split("-")[-2] if instance.count("-") >= 2 else ""
+        for name in self.stack.names("swapper"):
+            if str(self.stack.processes[name].pid) == pid:
+                return name
+        return None
+
+    # ------------------------------------------------------------------ the faults
+
+    async def inject(self, kind: str) -> tuple[str, dict[str, Any]]:
+        rng = self.rng
+        ranks = self._ranks()
+        generation = self.watch.rebuild.generation if self.watch.rebuild else 0
+        if kind == "kill":
+            return self._kill(rng.choice(ranks)), {}
+        if kind == "stop":
+            return self._kill(rng.choice(ranks), signal.SIGSTOP), {}
+        if kind == "kill2":
+            first, second = rng.sample(ranks, 2)
+            gap_s = rng.uniform(0.0, 0.015)
+            detail = self._kill(first)
+            await asyncio.sleep(gap_s)
+            return f"{detail}; {self._kill(second)} {gap_s * 1000:.0f} ms later", {"gap_s": gap_s}
+        if kind == "kill_in_recovery":
+            first, second = rng.sample(ranks, 2)
+            gap_s = rng.uniform(0.05, 0.5)
+            detail = self._kill(first)
+            await asyncio.sleep(gap_s)
+            return f"{detail}; {self._kill(second)} {gap_s * 1000:.0f} ms later", {"gap_s": gap_s}
+        if kind in ("spare_takeover", "rendezvous_host"):
+            victim = rng.choice(ranks)
+            detail = self._kill(victim)
+            rebuild = await self._next_rebuild(generation)
+            if rebuild is None:
+                return f"{detail}; no rebuild seen", {}
+            if kind == "spare_takeover":
+                target = rebuild.ranks[ranks.index(victim)]
+                delay_s = rng.uniform(0.0, 0.2)
+            else:
+                target = rebuild.rendezvous_member
+                delay_s = rng.uniform(0.0, 0.1)
+            await asyncio.sleep(delay_s)
+            second = self._kill(target)
+            return f"{detail}; then {second} {delay_s * 1000:.0f} ms into the takeover", {"delay_s": delay_s}
+        if kind == "swapper":
+            name = await self._leader_swapper()
+            if name is None:
+                name = rng.choice(self.stack.names("swapper"))
+            pid = self.stack.kill(name)
+            return f"SIGKILL {name} (pid {pid}, the leader)", {}
+        if kind == "detector":
+            name = rng.choice(self.stack.names("detector"))
+            pid = self.stack.kill(name)
+            return f"SIGKILL {name} (pid {pid})", {}
+        if kind == "nats":
+            assert self.stack.cluster is not None
+            server = rng.choice(self.stack.cluster.servers)
+            server.kill()
+            return f"SIGKILL NATS server {server.name}", {}
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _wait(self, predicate: Any, timeout_s: float, what: str) -> bool:
+        """Wait for `predicate` (a function, or a coroutine function); False (and wedged) if no rank
+        completed a step for `WEDGE_S` meanwhile."""
+        deadline = time.time() + timeout_s
+        while True:
+            ok = predicate()
+            if asyncio.iscoroutine(ok):
+                ok = await ok
+            if ok:
+                break
+            now = time.time()
+            stall = now - max(self.watch.last_step_t(), self.faults[-1].t if self.faults else 0.0, self._since)
+            self.longest_stall_s = max(self.longest_stall_s, stall)
+            if stall > WEDGE_S:
+                print(f"  WEDGED: no step for {stall:.1f} s while waiting for {what}", flush=True)
+                self.wedged = True
+                return False
+            if now > deadline:
+                print(f"  gave up waiting for {what} after {timeout_s:.0f} s", flush=True)
+                return False
+            if self.watch.finished.is_set():
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def _services_up(self) -> bool:
+        if any(p.poll() is not None for p in self.stack.processes.values()):
+            return False
+        return self.stack.cluster is None or all(s.running() for s in self.stack.cluster.servers)
+
+    async def run(self, kinds: list[str], count: int) -> None:
+        self._since = time.time() + 120.0  # forming may take long: warm-up imports on 2 cores
+        await self._wait(lambda: self.watch.resumed_at(0.0) is not None, 180.0, "the job to form")
+        self._since = time.time()
+        nats_back_t = 0.0
+        for index in range(count):
+            kind = self.rng.choice(kinds)
+            need = SPARES_NEEDED.get(kind, 0)
+
+            async def ready(need: int = need) -> bool:
+                return self._services_up() and (need == 0 or await self.ready_spares() >= need)
+
+            settle = self.rng.uniform(*SETTLE_S)
+            if nats_back_t:
+                settle = max(settle, NATS_SETTLE_S - (time.time() - nats_back_t))
+            while True:  # ready, then a random pause, and still ready (a rebuild may have taken a spare)
+                ok = await self._wait(ready, SPARE_WAIT_S, f"{need} ready spare(s) and every service up")
+                if not ok:
+                    return
+                await asyncio.sleep(settle)
+                if await ready():
+                    break
+            if self.watch.finished.is_set():
+                print("  the job finished before every fault was injected (raise --steps-per-fault)", flush=True)
+                return
+            generation = self.watch.rebuild.generation if self.watch.rebuild else 0
+            steps_index = max(0, len(self.watch.steps_done) - 64)
+            t = time.time()
+            detail, extra = await self.inject(kind)
+            fault = Fault(index, kind, t, detail, generation, steps_index, extra=extra)
+            self.faults.append(fault)
+            # After the last kill, training resumes only in a generation newer than the one it hit.
+            min_generation = max(generation, self.last_kill_generation) + 1 if kind in NEW_GENERATION else generation
+
+            def back(t: float = t, g: int = min_generation, since: int = steps_index) -> float | None:
+                return self.watch.resumed_at(t, g, since)
+
+            resumed = await self._wait(lambda: back() is not None, WEDGE_S * 2, "recovery")
+            if resumed:
+                fault.t_resumed = back() or 0.0
+                fault.downtime_s = fault.t_resumed - t
+            if kind == "nats":
+                await self._wait(self._services_up, 30.0, "the NATS server to restart")
+                nats_back_t = time.time()
+            down = f"{fault.downtime_s:.3f} s" if fault.downtime_s is not None else "NOT RECOVERED"
+            gen = self.watch.rebuild.generation if self.watch.rebuild else 0
+            print(
+                f"fault {index:2d} {kind:>16}: downtime {down}  (generation {generation} -> {gen})  {detail}",
+                flush=True,
+            )
+            if not resumed:
+                return
+
+
+async def launch(stack_url: str, job: str, args: argparse.Namespace, steps: int, out: Path, log: Path) -> Any:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack_url, "--job", job]
+    command += ["--nproc", str(NPROC), "--spares", str(SPARES), "--respawns", str(4 * args.faults + 4)]
+    command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    command += [args.script, "--steps", str(steps), "--model-size", args.model_size, "--seed", str(args.seed)]
+    command += ["--out", str(out)]
+    with open(log, "wb") as sink:
+        return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def summarise(faults: list[Fault]) -> dict[str, Any]:
+    by_kind: dict[str, Any] = {}
+    for kind in KINDS:
+        rows = [f for f in faults if f.kind == kind]
+        if not rows:
+            continue
+        downs = [f.downtime_s for f in rows if f.downtime_s is not None]
+        by_kind[kind] = {
+            "faults": len(rows),
+            "recovered": len(downs),
+            "downtime_s_p50": round(statistics.median(downs), 4) if downs else None,
+            "downtime_s_p99": round(percentile(downs, 99), 4) if downs else None,
+            "downtime_s_max": round(max(downs), 4) if downs else None,
+        }
+    return by_kind
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"work dir {workdir}", flush=True)
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown fault kinds: {sorted(unknown)} (choose from {', '.join(KINDS)})")
+    steps = args.warm_up_steps + args.faults * args.steps_per_fault
+    config = StackConfig(
+        workdir=workdir,
+        nats_nodes=args.nats_nodes,
+        stores=2,
+        swappers=2,
+        detectors=2,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        hang_floor_s=HANG_FLOOR_S,
+        restart_after_s=RESTART_AFTER_S,
+    )
+    started = time.time()
+    token = secrets.token_hex(3)
+    async with Stack(config) as stack:
+        nc = await nats.connect(servers=server_urls(stack.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        job = f"chaos-{args.seed}-{token}"
+        watch = JobWatch(nc, job, get_logger(job=job))
+        await watch.start()
+        print(
+            f"training {steps} steps with {args.faults} faults (seed {args.seed}, kinds {','.join(kinds)})", flush=True
+        )
+        launcher = await launch(stack.url, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log")
+        chaos = Chaos(args, stack, nc, watch, job)
+        try:
+            await chaos.run(kinds, args.faults)
+            if chaos.wedged:
+                launcher.send_signal(signal.SIGTERM)
+            returncode = await asyncio.wait_for(launcher.wait(), max(600.0, steps * 1.0))
+        finally:
+            if launcher.returncode is None:
+                launcher.kill()
+                await launcher.wait()
+        chaos_wall_s = time.time() - started
+        incidents = list(watch.incidents)
+        reference_wall_s = 0.0
+        identical, tensors, diffs = False, 0, ["no reference run"]
+        if returncode == 0 and not args.no_reference:
+            print("reference: the same job without faults ...", flush=True)
+            ref_started = time.time()
+            ref_job = f"chaos-ref-{args.seed}-{token}"
+            ref = await launch(stack.url, ref_job, args, steps, workdir / "ref", workdir / "logs" / "ref-run.log")
+            ref_code = await ref.wait()
+            reference_wall_s = time.time() - ref_started
+            if ref_code == 0:
+                identical, tensors, diffs = compare_final_states(workdir / "chaos", workdir / "ref")
+        restarts = dict(stack.restarts)
+        await nc.close()
+    rebuilds = [{"t": t, **to_fields(r)} for t, r in watch.rebuilds]
+    (workdir / "rebuilds.json").write_text(json.dumps(rebuilds, indent=1))
+    faults = chaos.faults
+    by_kind = summarise(faults)
+    overlap = [f.downtime_s for f in faults if f.kind in OVERLAPPING and f.downtime_s is not None]
+    recovered = sum(f.downtime_s is not None for f in faults)
+    result = {
+        "faults": len(faults),
+        "recovered": recovered,
+        "bit_identical": identical,
+        "tensors_compared": tensors,
+        "wedged": int(chaos.wedged or recovered < len(faults) or returncode != 0),
+        "downtime_s_p50": {k: v["downtime_s_p50"] for k, v in by_kind.items()},
+        "downtime_s_p99": {k: v["downtime_s_p99"] for k, v in by_kind.items()},
+        "overlap_downtime_s_p99": round(percentile(overlap, 99), 4) if overlap else None,
+        "lost_steps_max": max((i.lost_steps for i in incidents), default=0),
+        "incidents": len(incidents),
+        "generations": watch.rebuild.generation if watch.rebuild else 0,
+        "longest_stall_s": round(chaos.longest_stall_s, 3),
+        "wedge_s": WEDGE_S,
+        "launcher_returncode": returncode,
+        "steps": steps,
+        "seed": args.seed,
+        "chaos_wall_s": round(chaos_wall_s, 1),
+        "reference_wall_s": round(reference_wall_s, 1),
+        "service_restarts": restarts,
+        "by_kind": by_kind,
+        "differences": diffs[:5],
+        "work_dir": str(workdir),
+    }
+    result["goal"] = GOAL
+    result["goal_met"] = (
+        result["faults"] >= GOAL["faults"]
+        and result["wedged"] == 0
+        and identical
+        and (result["overlap_downtime_s_p99"] or 0.0) <= GOAL["overlap_downtime_s_p99_max"]
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--faults", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from: {', '.join(KINDS)}")
+    parser.add_argument("--script", default=str(default_script()), help="the training script (the example's args)")
+    parser.add_argument("--model-size", default="tiny")
+    parser.add_argument("--steps-per-fault", type=int, default=120)
+    parser.add_argument("--warm-up-steps", type=int, default=30)
+    parser.add_argument("--nats-nodes", type=int, default=3)
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--no-reference", action="store_true")
+    args = parser.parse_args()
+    result = asyncio.run(main_async(args))
+    print("")
+    print(f"{'kind':>16} {'faults':>6} {'recovered':>9} {'downtime p50 (s)':>16} {'p99 (s)':>8} {'max (s)':>8}")
+    for kind, row in result["by_kind"].items():
+        p50, p99, top = (
+            row[k] if row[k] is not None else float("nan")
+            for k in ("downtime_s_p50", "downtime_s_p99", "downtime_s_max")
+        )
+        print(f"{kind:>16} {row['faults']:>6} {row['recovered']:>9} {p50:>16.3f} {p99:>8.3f} {top:>8.3f}")
+    print(
+        f"faults {result['faults']}, recovered {result['recovered']}, wedged {result['wedged']}, "
+        f"bit-identical {result['bit_identical']} ({result['tensors_compared']} tensors), "
+        f"overlapping-fault downtime p99 {result['overlap_downtime_s_p99']} s, "
+        f"lost steps max {result['lost_steps_max']}"
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
