@@ -305,7 +305,8 @@ class Chaos:
             down = f"{fault.downtime_s:.3f} s" if fault.downtime_s is not None else "NOT RECOVERED"
             gen = self.watch.rebuild.generation if self.watch.rebuild else 0
             print(
-                f"fault {index:2d} {kind:>16}: downtime {down}  (generation {generation} -> {gen})  {detail}",
+                f"{time.strftime('%H:%M:%S', time.localtime(t))} fault {index:2d} {kind:>16}: downtime {down} "
+                f"(generation {generation} -> {gen}) {detail}",
                 flush=True,
             )
             if not resumed:
@@ -361,7 +362,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.time()
     token = secrets.token_hex(3)
     async with Stack(config) as stack:
-        nc = await nats.connect(servers=server_urls(stack.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+
+        async def quiet(_exc: Exception) -> None:
+            return None  # the watcher's own reconnections during a NATS fault are expected
+
+        nc = await nats.connect(
+            servers=server_urls(stack.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet
+        )
         job = f"chaos-{args.seed}-{token}"
         watch = JobWatch(nc, job, get_logger(job=job))
         await watch.start()

@@ -196,6 +196,11 @@ class EventReader:
                     idle_heartbeat=READER_IDLE_HEARTBEAT_S,
                     config=config,
                 )
+                # nats.py recreates an ordered consumer "by start sequence" but keeps this config's
+                # start time, which the server refuses: every later recreation failed and the reader
+                # went deaf after the first server loss (seen in the chaos benchmark). The consumer
+                # exists now; from here on only the sequence matters.
+                config.opt_start_time = None
                 return True
             except (TimeoutError, nats.errors.Error) as exc:
                 if attempts == 1 or attempts % 20 == 0:
