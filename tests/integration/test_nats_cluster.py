@@ -15,7 +15,8 @@ from deadpool_protocol.job_record import JOBS_BUCKET
 
 from .jobs import every_rank_at, finish, kill, launch, rank_steps, stop_all, tail, until, watcher
 
-STEPS_DURING_OUTAGE = 15
+STEPS_DURING_OUTAGE = 60
+"""About 5 s of training: longer than JetStream takes to elect new stream leaders."""
 
 
 async def test_losing_a_nats_node_then_the_kv_leader_declares_nobody_and_a_kill_still_heals(tmp_path: Path) -> None:
@@ -60,7 +61,9 @@ async def test_losing_a_nats_node_then_the_kv_leader_declares_nobody_and_a_kill_
             await until(watch, lambda: every_rank_at(watch, step + 5), log, "training after the swap")
         finally:
             stop_all(launcher)
-        assert [f.member for f in watch.failures] == [victim_member], tail(log)
-        assert watch.incidents[0].generation == generation + 1
+        # Two detectors: the verdict may come twice; the swapper acts on it once.
+        assert {f.member for f in watch.failures} == {victim_member}, tail(log)
+        (incident,) = watch.incidents
+        assert incident.generation == generation + 1
         await finish(launcher, log)
         await nc.close()

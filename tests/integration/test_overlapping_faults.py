@@ -18,7 +18,7 @@ from deadpool_cli.weights_check import compare_final_states
 
 from .jobs import every_rank_at, finish, kill, launch, rank_steps, stop_all, until, watcher
 
-STEPS = 120
+STEPS = 500
 
 
 async def test_overlapping_kills_are_swapped_and_training_ends_bit_identical(tmp_path: Path) -> None:

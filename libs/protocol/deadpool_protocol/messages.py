@@ -143,6 +143,10 @@ class HelloReply(JobMessage):
     member: str
     accepted: bool
     reason: str
+    finished: bool = False
+    """The job has already ended: a member that arrives late (a respawned spare) simply stops."""
+    failed_reason: str = ""
+    """Why the swapper ended the job, if it did."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,6 +215,10 @@ class ControlLink:
             with self._cond:
                 if reply.accepted:
                     self._registered = True
+                elif reply.finished:  # too late: not an error, the member just has nothing to do
+                    self._registered = True
+                    failed = bool(reply.failed_reason)
+                    self._finished = JobFinished(reply.job, reply.generation, 0, failed, reply.failed_reason)
                 else:
                     self._refused = reply.reason or "no reason given"
                 self._cond.notify_all()

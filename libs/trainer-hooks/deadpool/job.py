@@ -261,7 +261,7 @@ class Job:
     # ------------------------------------------------------------------ joining and finishing
 
     def _join(self) -> None:
-        if self.config.rank_hint < 0:
+        if self.config.rank_hint < 0 and self._link.finished() is None:
             self._warm_up()
         while True:  # a spare waits for the job: it ends with a rank, or with the job
             command = self._link.wait_command(newer_than=self.generation, timeout_s=None)
@@ -385,8 +385,8 @@ class Job:
         """Leave the broken step: break the group (releasing peers), then obey the swapper's next rebuild."""
         marks = {"out": time.time()}
         self.stats.abandoned()
+        self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)  # out of the step
         self._leave_group()
-        self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)
         self.log.warning(
             "collective failed; group dropped, waiting for a rebuild",
             generation=self.generation,

@@ -8,7 +8,7 @@ the control thread broke the group of generation g, it checks back `leave_wait_s
 training thread is still in the same step of g, inside torch's distributed or autograd code, it is
 stuck; the member reports it (`MemberError`) and exits, and the swapper replaces it with a spare.
 
-`leave_wait_s` is three of the job's recent step times, and never under `LEAVE_WAIT_MIN_S`: compute
+`leave_wait_s` is three of the job's recent step times, and never under `LEAVE_WAIT_MIN_S` (1.5 s): compute
 that was running when the group broke (a long backward) finishes well within that, and a thread in
 user code is re-checked (up to `RECHECKS_MAX` times) rather than judged.
 """
@@ -24,7 +24,7 @@ from deadpool.thread_probe import probe_thread
 
 __all__ = ["LEAVE_WAIT_MIN_S", "StuckCollectiveWatch"]
 
-LEAVE_WAIT_MIN_S = 3.0
+LEAVE_WAIT_MIN_S = 1.5
 STEP_TIMES_FACTOR = 3.0
 RECHECKS_MAX = 10
 

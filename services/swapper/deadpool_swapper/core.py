@@ -212,7 +212,8 @@ class SwapperCore:
 
         if state.finished:
             why = f"the job has ended: {state.failed_reason}" if state.failed_reason else "the job has finished"
-            return reply(False, why), Decision([], "hello refused: job finished")
+            late = HelloReply(hello.job, state.generation, hello.member, False, why, True, state.failed_reason)
+            return late, Decision([], "hello refused: job finished")
         if hello.member in state.failed:
             return reply(False, "this member was declared failed and is fenced"), Decision([], "hello refused: fenced")
         if state.world_size == 0:

@@ -150,8 +150,12 @@ class JobWorker:
                 item: Item | None = await asyncio.wait_for(self.inbox.get(), max(0.0, timeout))
             except TimeoutError:
                 item = None
-            decision = self._decide(item, time.time())
-            await self._carry_out(decision)
+            try:
+                decision = self._decide(item, time.time())
+                await self._carry_out(decision)
+            except Exception:  # a bug must not silence this job for good: log it, go on with the next input
+                self.log.exception("job worker failed on an input; going on", item=type(item).__name__)
+                await asyncio.sleep(SAVE_RETRY_S)
 
     def _decide(self, item: Item | None, now: float) -> Decision:
         if item is None:
