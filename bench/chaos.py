@@ -182,15 +182,9 @@ class Chaos:
             return self._kill(rng.choice(ranks)), {}
         if kind == "stop":
             return self._kill(rng.choice(ranks), signal.SIGSTOP), {}
-        if kind == "kill2":
+        if kind in ("kill2", "kill_in_recovery"):  # two ranks, at once or the second during the recovery
             first, second = rng.sample(ranks, 2)
-            gap_s = rng.uniform(0.0, 0.015)
-            detail = self._kill(first)
-            await asyncio.sleep(gap_s)
-            return f"{detail}; {self._kill(second)} {gap_s * 1000:.0f} ms later", {"gap_s": gap_s}
-        if kind == "kill_in_recovery":
-            first, second = rng.sample(ranks, 2)
-            gap_s = rng.uniform(0.05, 0.5)
+            gap_s = rng.uniform(0.0, 0.015) if kind == "kill2" else rng.uniform(0.05, 0.5)
             detail = self._kill(first)
             await asyncio.sleep(gap_s)
             return f"{detail}; {self._kill(second)} {gap_s * 1000:.0f} ms later", {"gap_s": gap_s}

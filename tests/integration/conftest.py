@@ -6,12 +6,14 @@ Every process a test starts is stopped at teardown, whatever the outcome.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -81,3 +83,17 @@ async def wait_for_micro_service(nc: Client, name: str, timeout_s: float = 30.0)
         if time.monotonic() > deadline:
             raise TimeoutError(f"service {name} did not come up")
         await asyncio.sleep(0.1)  # no responders yet: the process is still importing
+
+
+@pytest.fixture
+def ctx() -> Any:
+    """A multiprocessing context that starts fresh interpreters (torch and gloo do not survive fork)."""
+    return multiprocessing.get_context("spawn")
+
+
+def stop_processes(processes: list[Any]) -> None:
+    """Kill and reap the test's processes, whatever state the test left them in."""
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join(10)

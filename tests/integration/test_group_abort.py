@@ -8,29 +8,15 @@ in the blocked process's own control thread or in the peer it waits on.
 
 from __future__ import annotations
 
-import multiprocessing
 from typing import Any
-
-import pytest
 
 from deadpool_cli.nats_server import free_port
 
 from . import gloo_members
+from .conftest import stop_processes
 
 PG_TIMEOUT_S = 60.0
 GET_TIMEOUT_S = 90.0
-
-
-@pytest.fixture
-def ctx() -> Any:
-    return multiprocessing.get_context("spawn")
-
-
-def stop(processes: list[Any]) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def test_a_blocked_rank_is_released_by_its_own_control_thread(ctx: Any) -> None:
@@ -50,7 +36,7 @@ def test_a_blocked_rank_is_released_by_its_own_control_thread(ctx: Any) -> None:
         assert elapsed < PG_TIMEOUT_S / 2  # out through the abort, not the timeout
     finally:
         done.set()
-        stop([peer, blocked])
+        stop_processes([peer, blocked])
 
 
 def test_a_survivor_that_aborts_releases_the_ranks_waiting_on_it(ctx: Any) -> None:
@@ -73,4 +59,4 @@ def test_a_survivor_that_aborts_releases_the_ranks_waiting_on_it(ctx: Any) -> No
         assert "closed" in error.lower() or "reset" in error.lower()
     finally:
         done.set()
-        stop(processes)
+        stop_processes(processes)

@@ -9,30 +9,16 @@ generation's rendezvous waited for the collective timeout).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
 from typing import Any
 
-import pytest
-
 from . import rendezvous_members
+from .conftest import stop_processes
 
 RELEASE_BOUND_S = 1.0
 GET_TIMEOUT_S = 90.0
-
-
-@pytest.fixture
-def ctx() -> Any:
-    return multiprocessing.get_context("spawn")
-
-
-def stop(processes: list[Any]) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def test_a_member_waiting_for_a_peer_that_never_comes_is_released_and_forms_the_next_generation(ctx: Any) -> None:
@@ -56,7 +42,7 @@ def test_a_member_waiting_for_a_peer_that_never_comes_is_released_and_forms_the_
         formed = {results.get(timeout=GET_TIMEOUT_S)[0:4:3] for _ in range(2)}
         assert formed == {("formed", "2.0"), ("formed-fresh", "2.0")}
     finally:
-        stop(processes)
+        stop_processes(processes)
 
 
 def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_newer_generation(ctx: Any) -> None:
@@ -82,4 +68,4 @@ def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_new
         if host.pid is not None and host.is_alive():
             os.kill(host.pid, signal.SIGCONT)
         hold.set()
-        stop(processes)
+        stop_processes(processes)

@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool_protocol import (
     SWAPPER_STATUS,
@@ -44,6 +46,18 @@ async def hello(nc: Client, member: str, hint: int, host: str) -> HelloReply:
     request = MemberHello("job1", 0, member, host, 1000, "l0", hint, 2, "127.0.0.1", 4000 + max(hint, 0), time.time())
     reply = await nc.request(S.hello, encode(request), timeout=5)
     return decode(reply.data, HelloReply)
+
+
+async def leader_status(nc: Client, job: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """The job's status from the leading swapper (a swapper that just started leads a moment later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            body: dict[str, Any] = json.loads((await nc.request(SWAPPER_STATUS, job.encode(), timeout=0.5)).data)
+            return body
+        except (NatsTimeoutError, NoRespondersError):
+            if time.monotonic() > deadline:
+                raise
 
 
 def ack(rebuild: Rebuild, member: str) -> RebuildAck:
@@ -94,7 +108,60 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
     swapper.wait(10)
     spawn_service("swapper", "--replication", "1")
     await wait_for_micro_service(nc, "deadpool-swapper")
-    status = json.loads((await nc.request(SWAPPER_STATUS, b"job1", timeout=5)).data)
+    status = await leader_status(nc, "job1")
     assert status["generation"] == 2 and status["ranks"] == ["r0", "sp"]
     assert [i["replacement"] for i in status["incidents"]] == ["sp"]
     assert not (await hello(nc, "r1", 1, "h0")).accepted  # the replaced member stays fenced
+
+
+def job_hello(job: str, member: str, hint: int, launcher: str) -> MemberHello:
+    return MemberHello(job, 0, member, "h0", 1000, launcher, hint, 1, "127.0.0.1", 4100 + hint, time.time())
+
+
+async def never_answer(_msg: object) -> None:
+    """A launcher that hears the fence request and never answers it (cut off, or wedged)."""
+
+
+async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spawn_service: SpawnService) -> None:
+    """Job a's fence goes to a launcher that never answers (5 s, the fence timeout); job b's failure,
+    arriving meanwhile, is swapped at once: each job has its own worker."""
+    spawn_service("swapper", "--replication", "1")
+    await wait_for_micro_service(nc, "deadpool-swapper")
+
+    async def store_announces() -> None:
+        while True:
+            await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+            await asyncio.sleep(1.0)
+
+    announcing = asyncio.create_task(store_announces())
+    rebuilds: dict[str, asyncio.Queue[Rebuild]] = {}
+    for job in ("a", "b"):
+        rebuilds[job] = await queue_of(nc, Subjects.for_job(job).rebuild, Rebuild)
+        await nc.subscribe(Subjects.for_job(job).fence(f"l{job}"), cb=never_answer)
+        for member, hint in ((f"{job}0", 0), (f"{job}s", -1)):
+            reply = await nc.request(Subjects.for_job(job).hello, encode(job_hello(job, member, hint, f"l{job}")), 10)
+            assert decode(reply.data, HelloReply).accepted
+        formation = await asyncio.wait_for(rebuilds[job].get(), 10)
+        ack_message = RebuildAck(job, 1, f"{job}0", 0, -1, -1, "fresh", {"ready": time.time()}, time.time())
+        await nc.publish(Subjects.for_job(job).rebuild_ack, encode(ack_message))
+        assert formation.generation == 1
+    await asyncio.sleep(0.5)
+    now = time.time()
+    hung = Failure("a", 1, "a0", 0, "heartbeat", {}, now, now)  # needs a fence: the process may still run
+    await nc.publish(Subjects.for_job("a").failure, encode(hung))
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    crashed = Failure("b", 1, "b0", 0, "exit", {}, now, now)  # an exit needs no fence
+    await nc.publish(Subjects.for_job("b").failure, encode(crashed))
+    swap_b = await asyncio.wait_for(rebuilds["b"].get(), 10)
+    while swap_b.generation == 1:
+        swap_b = await asyncio.wait_for(rebuilds["b"].get(), 10)
+    b_s = time.monotonic() - started
+    assert swap_b.generation == 2 and swap_b.ranks == ["bs"]
+    assert rebuilds["a"].empty(), "job a's swap came first: its fence should still be waiting"
+    swap_a = await asyncio.wait_for(rebuilds["a"].get(), 15)
+    while swap_a.generation == 1:
+        swap_a = await asyncio.wait_for(rebuilds["a"].get(), 15)
+    a_s = time.monotonic() - started
+    announcing.cancel()
+    assert swap_a.ranks == ["as"] and b_s < a_s, (b_s, a_s)

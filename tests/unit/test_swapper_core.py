@@ -403,3 +403,20 @@ def test_generations_only_grow_and_each_is_announced_once_in_a_storm_of_failures
         seen += [r.generation for r in published(decision, Rebuild)]
         t += 0.2
     assert seen == sorted(set(seen)) and len(seen) == 4
+
+
+def test_a_rank_lost_during_formation_starts_the_next_generation_fresh_again() -> None:
+    """Nobody may have stored step 0 yet: restoring it would end the job for want of a snapshot."""
+    core = SwapperCore(SwapperConfig(replication=1, store_timeout_s=1e9))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    core.on_hello(hello("r0", 0), 0.0)
+    core.on_hello(hello("s", -1), 0.0)
+    (formation,) = published(core.on_hello(hello("r1", 1), 0.0)[1], Rebuild)
+    core.on_ack(ack(formation, "r0", 1.0, source="fresh"), 1.0)  # r1 dies before it acks
+    (again,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 1.5, 1.5), 1.5), Rebuild)
+    assert again.generation == 2 and again.ranks == ["r0", "s"] and again.restore_step == -1
+    for member in again.ranks:
+        core.on_ack(ack(again, member, 3.0, source="fresh"), 3.0)
+    core.on_hello(hello("s2", -1), 4.0)
+    (later,) = published(fail(core, Failure("j", 2, "s", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    assert later.restore_step == 0  # formed now: a committed step (at least step 0) is restored

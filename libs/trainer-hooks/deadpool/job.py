@@ -57,6 +57,7 @@ from deadpool.training_state import (
     SnapshotSources,
     collect_sources,
     local_optimizer,
+    rng_state,
 )
 from deadpool_protocol import (
     NO_RANK,
@@ -155,6 +156,8 @@ class Job:
         self._finished = False
         self._closed = False
         self._warm = False
+        self._initial_rng = rng_state()
+        """The RNG state at attach: where a formation that must be started again starts from."""
         self._waits = GenerationWaits()
         """The training thread's waits of a generation, which the control thread breaks when it is superseded."""
         self._rendezvous = Rendezvous(config.rendezvous_host, config.pg_timeout_s)

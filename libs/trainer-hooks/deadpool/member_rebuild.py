@@ -157,6 +157,10 @@ class MemberRebuild:
                 )
             if not meta.partitioned:
                 load_module(self.job.module, [self.snapshot])
+        elif self.survivor:  # formation again (a member died in the first one): back to the start
+            for param in self.job.module.parameters():
+                param.grad = None  # of a first step that never completed; no optimizer step ran
+            restore_rng(self.job._initial_rng)
         self.marks["restored"] = time.time()
 
     def connect(self) -> None:

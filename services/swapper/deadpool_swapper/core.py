@@ -187,6 +187,8 @@ class JobState:
     void_sent_t: float = 0.0
     attempts: int = 0
     """Generations published since the last one that formed."""
+    formed: bool = False
+    """A generation has formed (every rank acked it): from then on rebuilds restore a committed step."""
     applied_seq: int = 0
     """The events-stream sequence of the last event applied (kept by the shell, saved with the record)."""
     stream_id: str = ""
@@ -424,9 +426,10 @@ class SwapperCore:
         assert len(set(state.ranks)) == len(state.ranks), "a member holds more than one rank"
         # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt.
         rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts)]
-        # Formation starts fresh. Every later generation restores a committed step; members ack
+        # Until a generation has formed, every attempt starts fresh (a rank that died during formation
+        # may never have stored step 0). Every later generation restores a committed step; members ack
         # formation only once their step-0 snapshot is sealed on its stores, so step 0 is always there.
-        state.restore_step = NO_STEP if state.generation == 0 else max(state.committed_step, 0)
+        state.restore_step = NO_STEP if not state.formed else max(state.committed_step, 0)
         generation = state.generation + 1
         assert generation > state.generation and generation > state.void_generation, "generations only grow"
         state.generation = generation
@@ -480,6 +483,7 @@ class SwapperCore:
             return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)")
         state.pending = None
         state.attempts = 0
+        state.formed = True
         actions: list[Action] = [Persist(state.job)]
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
         state.open_incidents.clear()

@@ -26,7 +26,7 @@ from deadpool_protocol.job_record import JOBS_BUCKET, JobSummary, pack_record, u
 from deadpool_swapper.core import JobState, OpenIncident, PendingRebuild
 from deadpool_swapper.placement import MemberInfo
 
-__all__ = ["JobRecords", "RecordConflictError", "state_from_record", "state_to_record"]
+__all__ = ["JobRecords", "RecordConflictError", "UnreadableRecordError", "state_from_record", "state_to_record"]
 
 KV_TIMEOUT_S = 2.0
 """How long one KV request waits (give the JetStream context opened with this timeout)."""
@@ -73,6 +73,7 @@ def state_to_record(state: JobState) -> bytes:
         "silent_hosts": {h: list(v) for h, v in state.silent_hosts.items()},
         "void_generation": state.void_generation,
         "attempts": state.attempts,
+        "formed": state.formed,
         "applied_seq": state.applied_seq,
         "stream_id": state.stream_id,
     }
@@ -81,8 +82,10 @@ def state_to_record(state: JobState) -> bytes:
 
 def state_from_record(data: bytes) -> JobState:
     """Rebuild a `JobState` from its record. Raises ProtocolError (or KeyError, TypeError, ValueError)
-    when the record cannot be read."""
+    when the record cannot be read. Private fields a record of an older version lacks take their
+    defaults, so a swapper that was upgraded reads the records of the one it replaces."""
     summary, p = unpack_record(data)
+    defaults = JobState(summary.job)
     state = JobState(
         job=summary.job,
         world_size=summary.world_size,
@@ -92,25 +95,26 @@ def state_from_record(data: bytes) -> JobState:
         members={m: MemberInfo(**info) for m, info in p["members"].items()},
         failed=list(summary.failed),
         committed_step=summary.committed_step,
-        restore_step=p["restore_step"],
-        placement=[list(x) for x in p["placement"]],
+        restore_step=p.get("restore_step", defaults.restore_step),
+        placement=[list(x) for x in p.get("placement", [])],
         finished=summary.finished,
         failed_reason=summary.failed_reason,
-        incident_seq=p["incident_seq"],
-        incidents=[from_fields(Incident, i, "incident") for i in p["incidents"]],
-        open_incidents=[OpenIncident(**i) for i in p["open_incidents"]],
-        done=set(p["done"]),
-        finished_t=p["finished_t"],
-        hold_until=p["hold_until"],
-        silent_hosts={h: (int(v[0]), int(v[1])) for h, v in p["silent_hosts"].items()},
-        void_generation=p["void_generation"],
-        attempts=p["attempts"],
-        applied_seq=p["applied_seq"],
-        stream_id=p["stream_id"],
+        incident_seq=p.get("incident_seq", 0),
+        incidents=[from_fields(Incident, i, "incident") for i in p.get("incidents", [])],
+        open_incidents=[OpenIncident(**i) for i in p.get("open_incidents", [])],
+        done=set(p.get("done", [])),
+        finished_t=p.get("finished_t", 0.0),
+        hold_until=p.get("hold_until", 0.0),
+        silent_hosts={h: (int(v[0]), int(v[1])) for h, v in p.get("silent_hosts", {}).items()},
+        void_generation=p.get("void_generation", 0),
+        attempts=p.get("attempts", 0),
+        formed=p.get("formed", summary.generation > 1 or (summary.generation == 1 and p.get("pending") is None)),
+        applied_seq=p.get("applied_seq", 0),
+        stream_id=p.get("stream_id", ""),
     )
-    for step, rank, stores in p["completes"]:
+    for step, rank, stores in p.get("completes", []):
         state.completes.setdefault(int(step), {})[int(rank)] = set(stores)
-    if p["pending"] is not None:
+    if p.get("pending") is not None:
         command = from_fields(Rebuild, p["pending"]["command"], "pending.command")
         command.check()
         pending = PendingRebuild(command, t_sent=p["pending"]["t_sent"])
@@ -121,11 +125,18 @@ def state_from_record(data: bytes) -> JobState:
     return state
 
 
+class UnreadableRecordError(RuntimeError):
+    """A job record exists but cannot be read: acting on the job as if it were new would start its
+    generations again from 1, so the swapper acts on it not at all (and says so)."""
+
+
 class JobRecords:
     def __init__(self, kv: KeyValue, log: Any) -> None:
         self.kv = kv
         self.log = log
         self.revisions: dict[str, int] = {}
+        self.unreadable: set[str] = set()
+        """Jobs whose record exists but could not be read (never treated as new jobs)."""
         self._unconfirmed: dict[str, bytes] = {}
         """Per job, the value of a write that failed without an answer (it may have been stored)."""
 
@@ -138,19 +149,24 @@ class JobRecords:
         return cls(kv, log)
 
     async def load_all(self) -> list[JobState]:
+        """Every readable record; the jobs of unreadable ones are listed in `unreadable`."""
         try:
             keys = await self.kv.keys()
         except NoKeysError:
             return []
         states = []
         for key in keys:
-            state = await self.load(key)
+            try:
+                state = await self.load(key)
+            except UnreadableRecordError:
+                continue
             if state is not None:
                 states.append(state)
         return states
 
     async def load(self, job: str) -> JobState | None:
-        """The job's record as it is now in KV (None if absent or unreadable), remembering its revision."""
+        """The job's record as it is now in KV (None if there is none), remembering its revision.
+        Raises UnreadableRecordError if there is one that cannot be read."""
         try:
             entry = await self.kv.get(job)
         except KeyNotFoundError:
@@ -161,8 +177,10 @@ class JobRecords:
         try:
             state = state_from_record(entry.value)
         except (ProtocolError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
-            self.log.error("unreadable job record skipped", job=job, reason=str(exc))
-            return None
+            self.unreadable.add(job)
+            self.log.error("job record unreadable: the job is left alone", job=job, reason=repr(exc))
+            raise UnreadableRecordError(f"job {job}: record unreadable ({exc!r})") from exc
+        self.unreadable.discard(job)
         self.revisions[job] = entry.revision
         return state
 

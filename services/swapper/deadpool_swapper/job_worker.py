@@ -41,7 +41,7 @@ from deadpool_protocol import (
 from deadpool_protocol.events import SWAPPER_EVENTS, event_subjects
 from deadpool_runtime import EventReader
 from deadpool_swapper.core import Decision, Fence, JobState, Persist, Publish, SwapperCore
-from deadpool_swapper.job_records import JobRecords, RecordConflictError
+from deadpool_swapper.job_records import JobRecords, RecordConflictError, UnreadableRecordError
 
 __all__ = ["Event", "Hello", "JobWorker"]
 
@@ -236,6 +236,10 @@ class JobWorker:
         self._dirty = False
         try:
             fresh = await self.records.load(self.job)
+        except UnreadableRecordError:
+            self.core.jobs.pop(self.job, None)
+            self._stop.set()  # someone else wrote what we cannot read: act on nothing of this job
+            return
         except (TimeoutError, nats.errors.Error) as exc:
             self.log.error("job record not reloaded", error=repr(exc))
             self._dirty = True

@@ -45,7 +45,7 @@ from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
 from deadpool_swapper.core import Fence, Publish, SwapperConfig, SwapperCore
-from deadpool_swapper.job_records import KV_TIMEOUT_S, JobRecords
+from deadpool_swapper.job_records import KV_TIMEOUT_S, JobRecords, UnreadableRecordError
 from deadpool_swapper.job_worker import Hello, JobWorker
 from deadpool_swapper.leader_lease import LeaderLease, LeaseConfig
 from deadpool_swapper.tracing import IncidentTracer
@@ -161,6 +161,8 @@ class SwapperService:
             except (TimeoutError, nats.errors.Error) as exc:
                 self.log.warning("job not started yet: KV unreachable", job=job, error=repr(exc))
                 return None
+            except UnreadableRecordError:
+                return None  # logged: its members get no answer rather than a job started over
             if state is not None:
                 self.core.jobs[job] = state
             return self._start_worker(job, stream)
