@@ -239,13 +239,22 @@ class Chaos:
                 print(f"  WEDGED: no step for {stall:.1f} s while waiting for {what}", flush=True)
                 self.wedged = True
                 return False
-            if now > deadline:
-                print(f"  gave up waiting for {what} after {timeout_s:.0f} s", flush=True)
+            if now > deadline:  # the job or the control plane did not come back: that is a wedge too
+                print(f"  WEDGED: gave up waiting for {what} after {timeout_s:.0f} s", flush=True)
+                self.wedged = True
                 return False
             if self.watch.finished.is_set():
                 return False
             await asyncio.sleep(0.05)
         return True
+
+    def time_to_finish_s(self, steps: int) -> float:
+        """A bound on the rest of the run: twice the steps left at the recent pace, plus two minutes."""
+        done = self.watch.steps_done[-200:]
+        if len(done) < 2:
+            return 600.0
+        pace = (done[-1].t - done[0].t) / max(1, done[-1].step - done[0].step)
+        return 2 * max(0, steps - done[-1].step) * pace + 120.0
 
     def _services_up(self) -> bool:
         if any(p.poll() is not None for p in self.stack.processes.values()):
@@ -375,7 +384,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             await chaos.run(kinds, args.faults)
             if chaos.wedged:
                 launcher.send_signal(signal.SIGTERM)
-            returncode = await asyncio.wait_for(launcher.wait(), max(600.0, steps * 1.0))
+            try:
+                returncode = await asyncio.wait_for(launcher.wait(), chaos.time_to_finish_s(steps))
+            except TimeoutError:
+                print("  WEDGED: the job did not finish in time", flush=True)
+                chaos.wedged, returncode = True, -1
         finally:
             if launcher.returncode is None:
                 launcher.kill()

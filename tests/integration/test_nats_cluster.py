@@ -8,12 +8,32 @@ nobody is declared dead, training goes on; and a rank SIGKILLed after that still
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+
+import nats.errors
+from nats.aio.client import Client
 
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol.job_record import JOBS_BUCKET
 
 from .jobs import every_rank_at, finish, kill, launch, rank_steps, stop_all, tail, until, watcher
+
+
+async def kv_leader(nc: Client, timeout_s: float = 30.0) -> str:
+    """The server leading the job records' stream (asked again while the cluster is still electing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            info = await nc.jetstream(timeout=2.0).stream_info(f"KV_{JOBS_BUCKET}")
+            if info.cluster is not None and info.cluster.leader:
+                return info.cluster.leader
+        except (nats.errors.Error, TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no leader for KV_{JOBS_BUCKET} within {timeout_s} s")
+        await asyncio.sleep(0.2)
+
 
 STEPS_DURING_OUTAGE = 60
 """About 5 s of training: longer than JetStream takes to elect new stream leaders."""
@@ -40,9 +60,7 @@ async def test_losing_a_nats_node_then_the_kv_leader_declares_nobody_and_a_kill_
                 if round_ == "any node":
                     victim = stack.cluster.servers[1]
                 else:
-                    info = await nc.jetstream(timeout=5.0).stream_info(f"KV_{JOBS_BUCKET}")
-                    assert info.cluster is not None and info.cluster.leader
-                    victim = stack.cluster.by_name(info.cluster.leader)
+                    victim = stack.cluster.by_name(await kv_leader(nc))
                 target = max(rank_steps(watch)) + STEPS_DURING_OUTAGE
 
                 def trained(target: int = target) -> bool:

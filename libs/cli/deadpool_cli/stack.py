@@ -175,9 +175,13 @@ class Stack:
                         key = f"nats-{server.name}"
                         died.setdefault(key, now)
                         if now - died[key] >= self.config.restart_after_s:
+                            try:
+                                await asyncio.to_thread(server.start)
+                            except RuntimeError as exc:  # tried again next round: the supervisor goes on
+                                print(f"deadpool stack: NATS server {server.name} did not restart: {exc}", flush=True)
+                                continue
                             del died[key]
                             self.restarts[key] = self.restarts.get(key, 0) + 1
-                            await asyncio.to_thread(server.start)
             await asyncio.sleep(SUPERVISE_PERIOD_S)
 
     def _check_alive(self) -> None:

@@ -60,6 +60,8 @@ VERSION = "0.1.0"
 REVIEW_PERIOD_S = 1.0
 """Stragglers and culprit-less stalls are reviewed this often (verdicts run every check period)."""
 START_RETRY_S = 0.5
+KV_KEYS_TIMEOUT_S = 5.0
+KV_GET_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -161,13 +163,13 @@ class DetectorService:
         js = self.nc.jetstream(timeout=5.0)
         try:
             kv = await js.key_value(JOBS_BUCKET)
-            keys = await kv.keys()
+            keys = await asyncio.wait_for(kv.keys(), KV_KEYS_TIMEOUT_S)
         except (BucketNotFoundError, NoKeysError):
             return
         now = time.time()
         for key in keys:
             try:
-                entry = await kv.get(key)
+                entry = await asyncio.wait_for(kv.get(key), KV_GET_TIMEOUT_S)
                 summary, _ = unpack_record(entry.value or b"")
             except (KeyNotFoundError, ProtocolError) as exc:
                 self.log.warning("job record not loaded", job=key, reason=str(exc))

@@ -13,6 +13,7 @@ against a revision someone else changed is refused by the server. `save` then ra
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgpack
@@ -29,7 +30,10 @@ from deadpool_swapper.placement import MemberInfo
 __all__ = ["JobRecords", "RecordConflictError", "UnreadableRecordError", "state_from_record", "state_to_record"]
 
 KV_TIMEOUT_S = 2.0
-"""How long one KV request waits (give the JetStream context opened with this timeout)."""
+"""How long one KV request may take (also the JetStream context's request timeout). Every KV call is
+bounded here as well: some of nats.py's (`keys()`, a watch) have no timeout of their own, and one
+that never returned once stopped both swappers for good while a NATS node was down."""
+KEYS_TIMEOUT_S = 5.0
 
 
 class RecordConflictError(RuntimeError):
@@ -151,7 +155,7 @@ class JobRecords:
     async def load_all(self) -> list[JobState]:
         """Every readable record; the jobs of unreadable ones are listed in `unreadable`."""
         try:
-            keys = await self.kv.keys()
+            keys = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
         except NoKeysError:
             return []
         states = []
@@ -168,7 +172,7 @@ class JobRecords:
         """The job's record as it is now in KV (None if there is none), remembering its revision.
         Raises UnreadableRecordError if there is one that cannot be read."""
         try:
-            entry = await self.kv.get(job)
+            entry = await asyncio.wait_for(self.kv.get(job), KV_TIMEOUT_S)
         except KeyNotFoundError:
             self.revisions.pop(job, None)
             return None
@@ -195,9 +199,9 @@ class JobRecords:
             revision = self.revisions.get(state.job)
             try:
                 if revision is None:
-                    revision = await self.kv.create(state.job, value)
+                    revision = await asyncio.wait_for(self.kv.create(state.job, value), KV_TIMEOUT_S)
                 else:
-                    revision = await self.kv.update(state.job, value, last=revision)
+                    revision = await asyncio.wait_for(self.kv.update(state.job, value, last=revision), KV_TIMEOUT_S)
             except KeyWrongLastSequenceError as exc:
                 if attempt == 0 and await self._adopt_unconfirmed(state.job):
                     continue
@@ -217,7 +221,7 @@ class JobRecords:
         if unconfirmed is None:
             return False
         try:
-            entry = await self.kv.get(job)
+            entry = await asyncio.wait_for(self.kv.get(job), KV_TIMEOUT_S)
         except KeyNotFoundError:
             return False
         if entry.revision is None or entry.value != unconfirmed:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import nats.errors
@@ -30,6 +30,7 @@ from deadpool_runtime import stopped_within
 
 __all__ = ["LEASE_BUCKET", "LeaderLease", "LeaseConfig"]
 
+T = TypeVar("T")
 LEASE_BUCKET = "deadpool-swapper-lease"
 LEASE_KEY = "leader"
 
@@ -73,6 +74,10 @@ class LeaderLease:
             kv = await js.create_key_value(KeyValueConfig(bucket=LEASE_BUCKET, history=1, replicas=replicas))
         return cls(kv, holder, config, log)
 
+    async def _bounded(self, call: Awaitable[T]) -> T:
+        """Every KV call within the lease's TTL: one that hangs must not stop the lease loop."""
+        return await asyncio.wait_for(call, self.config.ttl_s)
+
     def held(self) -> bool:
         """Whether we may act as leader now."""
         return time.monotonic() < self._valid_until
@@ -99,7 +104,7 @@ class LeaderLease:
     async def _renew(self, started: float) -> None:
         assert self._revision is not None
         try:
-            self._revision = await self.kv.update(LEASE_KEY, self._value(), last=self._revision)
+            self._revision = await self._bounded(self.kv.update(LEASE_KEY, self._value(), last=self._revision))
         except KeyWrongLastSequenceError:
             self.log.warning("lease taken over by another swapper", holder=self.holder)
             self._revision, self._valid_until = None, 0.0
@@ -108,7 +113,7 @@ class LeaderLease:
 
     async def _watch(self, started: float) -> None:
         try:
-            entry = await self.kv.get(LEASE_KEY)
+            entry = await self._bounded(self.kv.get(LEASE_KEY))
         except KeyNotFoundError:
             await self._acquire(started, last=None)
             return
@@ -126,9 +131,9 @@ class LeaderLease:
     async def _acquire(self, started: float, last: int | None) -> None:
         try:
             if last is None:
-                revision = await self.kv.create(LEASE_KEY, self._value())
+                revision = await self._bounded(self.kv.create(LEASE_KEY, self._value()))
             else:
-                revision = await self.kv.update(LEASE_KEY, self._value(), last=last)
+                revision = await self._bounded(self.kv.update(LEASE_KEY, self._value(), last=last))
         except KeyWrongLastSequenceError:
             self._seen = None  # someone renewed or took it first
             return
@@ -136,26 +141,32 @@ class LeaderLease:
         self._valid_until = started + self.config.valid_fraction * self.config.ttl_s
         self._seen = None
 
-    async def run(self, stop: asyncio.Event, on_change: Callable[[bool], Awaitable[None]]) -> None:
-        """Keep the lease (or wait for it) until `stop`; `on_change(leading)` on every change."""
+    async def run(self, stop: asyncio.Event, on_change: Callable[[bool], Coroutine[Any, Any, None]]) -> None:
+        """Keep the lease (or wait for it) until `stop`; `on_change(leading)` on every change.
+
+        `on_change` runs in a task of its own (taking the lead loads every job record, which may
+        take longer than the lease lasts), so renewals never wait for it; it must check `held()`
+        itself, since several may be queued."""
         leading = False
+        changes: set[asyncio.Task[None]] = set()
         while not stop.is_set():
             now_leading = await self.step()
             if now_leading != leading:
                 leading = now_leading
-                await on_change(leading)
+                task: asyncio.Task[None] = asyncio.create_task(on_change(leading))
+                changes.add(task)
+                task.add_done_callback(changes.discard)
             period = self.config.renew_s if self._revision is not None else self.config.poll_s
             await stopped_within(stop, period)
-        if leading:
-            await on_change(False)
         await self.release()
+        await on_change(False)
 
     async def release(self) -> None:
         """Give the lease up (a clean stop), so a standby need not wait for it to expire."""
         if self._revision is None:
             return
         try:
-            await self.kv.delete(LEASE_KEY, last=self._revision)
+            await self._bounded(self.kv.delete(LEASE_KEY, last=self._revision))
         except (TimeoutError, nats.errors.Error) as exc:
             self.log.warning("lease not released", error=repr(exc))
         self._revision, self._valid_until = None, 0.0

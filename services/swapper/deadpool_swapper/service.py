@@ -92,11 +92,14 @@ class SwapperService:
 
     # ------------------------------------------------------------------ leadership
 
-    async def _on_lead_change(self, leading: bool) -> None:
+    async def _on_lead_change(self, _leading: bool) -> None:
+        """Follow the lease, whatever the change that woke us said (changes may queue up)."""
+        assert self.lease is not None
         async with self._transition:
-            if leading and not self._leading:
+            held = self.lease.held()
+            if held and not self._leading:
                 await self._take_lead()
-            elif not leading and self._leading:
+            elif not held and self._leading:
                 await self._step_down()
 
     async def _take_lead(self) -> None:
