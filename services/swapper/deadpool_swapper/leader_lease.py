@@ -15,6 +15,7 @@ carries a revision check, so a stale leader's write is refused, never merged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -141,25 +142,31 @@ class LeaderLease:
         self._valid_until = started + self.config.valid_fraction * self.config.ttl_s
         self._seen = None
 
-    async def run(self, stop: asyncio.Event, on_change: Callable[[bool], Coroutine[Any, Any, None]]) -> None:
-        """Keep the lease (or wait for it) until `stop`; `on_change(leading)` on every change.
-
-        `on_change` runs in a task of its own (taking the lead loads every job record, which may
-        take longer than the lease lasts), so renewals never wait for it; it must check `held()`
-        itself, since several may be queued."""
-        leading = False
-        changes: set[asyncio.Task[None]] = set()
+    async def run(
+        self,
+        stop: asyncio.Event,
+        follow: Callable[[bool], Coroutine[Any, Any, None]],
+        acting: Callable[[], bool],
+    ) -> None:
+        """Keep the lease (or wait for it) until `stop`. Every round in which holding the lease and
+        `acting()` (the service acts as leader) disagree, `follow(held)` is started in a task of its
+        own, one at a time: taking the lead loads every job record, which may take longer than the
+        lease lasts, so renewals never wait for it; and a take-over that failed (or gave the lease
+        back) is simply tried again next round. Comparing with what the service does, not with the
+        last change announced, matters: a lease given back and silently taken again once left a
+        swapper holding the lease for ever without acting, and its standby waiting for ever."""
+        following: asyncio.Task[None] | None = None
         while not stop.is_set():
-            now_leading = await self.step()
-            if now_leading != leading:
-                leading = now_leading
-                task: asyncio.Task[None] = asyncio.create_task(on_change(leading))
-                changes.add(task)
-                task.add_done_callback(changes.discard)
+            held = await self.step()
+            if held != acting() and (following is None or following.done()):
+                following = asyncio.create_task(follow(held))
             period = self.config.renew_s if self._revision is not None else self.config.poll_s
             await stopped_within(stop, period)
         await self.release()
-        await on_change(False)
+        if following is not None and not following.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(following), self.config.ttl_s)
+        await follow(False)
 
     async def release(self) -> None:
         """Give the lease up (a clean stop), so a standby need not wait for it to expire."""

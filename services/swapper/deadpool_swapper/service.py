@@ -303,7 +303,7 @@ class SwapperService:
             metadata={"instance": self.instance},
         )
         self.log.info("swapper ready", instance=self.instance, replication=self.config.replication)
-        await self.lease.run(stop, self._on_lead_change)
+        await self.lease.run(stop, self._on_lead_change, lambda: self._leading)
         await service.stop()
         self.tracer.shutdown()
 
