@@ -345,6 +345,8 @@ def summarise(faults: list[Fault]) -> dict[str, Any]:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-"))
+    if workdir.exists() and any(workdir.iterdir()):
+        raise SystemExit(f"{workdir} is not empty: a run starts from an empty NATS (no JetStream state of an old run)")
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"work dir {workdir}", flush=True)
     kinds = [k for k in args.kinds.split(",") if k]
