@@ -17,7 +17,8 @@ from typing import Any
 from . import rendezvous_members
 from .conftest import stop_processes
 
-RELEASE_BOUND_S = 1.0
+RELEASE_BOUND_S = 0.5
+"""Well within the issue's 1 s: a back-off inside torch once cost up to 1.3 s, often less."""
 GET_TIMEOUT_S = 90.0
 
 
@@ -45,7 +46,7 @@ def test_a_member_waiting_for_a_peer_that_never_comes_is_released_and_forms_the_
         stop_processes(processes)
 
 
-def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_newer_generation(ctx: Any) -> None:
+def run_against_a_host_that_is(ctx: Any, sig: signal.Signals) -> None:
     ports, results, newer, hold = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     host = ctx.Process(target=rendezvous_members.rendezvous_host, args=(ports, hold), daemon=True)
     host.start()
@@ -53,12 +54,12 @@ def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_new
     try:
         port = ports.get(timeout=GET_TIMEOUT_S)
         assert host.pid is not None
-        os.kill(host.pid, signal.SIGSTOP)  # frozen: its store accepts connections, answers nothing
+        os.kill(host.pid, sig)  # SIGSTOP: it accepts connections, answers nothing; SIGKILL: it refuses them
         client = ctx.Process(target=rendezvous_members.client_of_frozen_host, args=(port, results, newer), daemon=True)
         client.start()
         processes.append(client)
         assert results.get(timeout=GET_TIMEOUT_S)[0] == "forming"
-        time.sleep(1.5)  # blocked: connecting to, or waiting on, the frozen host
+        time.sleep(1.5)  # blocked: connecting to, or waiting on, the host
         told = time.monotonic()
         newer.set()
         kind, generation, t, detail = results.get(timeout=GET_TIMEOUT_S)
@@ -67,5 +68,15 @@ def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_new
     finally:
         if host.pid is not None and host.is_alive():
             os.kill(host.pid, signal.SIGCONT)
-        hold.set()
+            hold.set()  # not once it was killed: a process killed inside Event.wait never acknowledges
         stop_processes(processes)
+
+
+def test_a_member_whose_rendezvous_host_is_frozen_is_released_when_told_of_a_newer_generation(ctx: Any) -> None:
+    run_against_a_host_that_is(ctx, signal.SIGSTOP)
+
+
+def test_a_member_whose_rendezvous_host_died_is_released_when_told_of_a_newer_generation(ctx: Any) -> None:
+    """torch's TCPStore retries a refused connection with a back-off nothing can interrupt: members
+    once waited up to 1.3 s after being told (seen in the chaos benchmark's rendezvous-host faults)."""
+    run_against_a_host_that_is(ctx, signal.SIGKILL)

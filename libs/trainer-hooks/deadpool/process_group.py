@@ -16,13 +16,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from deadpool.generation_waits import GenerationWaits
+from deadpool.generation_waits import GenerationWaits, SupersededError
 from deadpool_protocol import Rebuild
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
 
 CONNECT_ATTEMPT_S = 0.5
 """One attempt to connect to a rendezvous store; between attempts the member checks for supersession."""
+PROBE_TIMEOUT_S = 0.2
+PROBE_RETRY_S = 0.02
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
@@ -98,6 +100,8 @@ class Rendezvous:
         while True:
             waits.check(generation)
             attempts += 1
+            if command.rendezvous_member != member:
+                _await_listening(address, lambda: waits.superseded(generation), deadline_s, generation)
             before = _socket_fds()
 
             def breaker(before: dict[int, str] = before) -> None:
@@ -127,6 +131,29 @@ class Rendezvous:
 
 class RendezvousUnreachableError(RuntimeError):
     """The generation's rendezvous store could not be reached within the bound."""
+
+
+def _await_listening(
+    address: tuple[str, int], superseded: Callable[[], bool], deadline_s: float, generation: int
+) -> None:
+    """Return once something accepts connections at `address`.
+
+    A rendezvous host that died refuses connections at once, but TCPStore's constructor retries with
+    a back-off of up to a second, in which no newer generation can interrupt it (there is no socket
+    to shut down between tries): members waited 0.6 to 1.3 s for a generation they had already been
+    told was superseded. Plain connects, every `PROBE_RETRY_S`, check for supersession between."""
+    while True:
+        if superseded():
+            raise SupersededError(f"generation {generation} was superseded")
+        try:
+            with socket.create_connection(address, timeout=PROBE_TIMEOUT_S):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline_s:
+                raise RendezvousUnreachableError(
+                    f"rendezvous store {address[0]}:{address[1]} of generation {generation} refused: {exc}"
+                ) from exc
+            time.sleep(PROBE_RETRY_S)
 
 
 def pick_backend(configured: str) -> str:
