@@ -130,3 +130,24 @@ def rendezvous_host(port_out: Any, hold: Any) -> None:
     port_out.put(me.rendezvous.port)
     hold.wait()
     del master
+
+
+def resetting_host(port_out: Any, hold: Any) -> None:
+    """Accepts every connection and resets it at once, as a host dying while a client connects
+    does: torch's client then sleeps a back-off before it tries again."""
+    import socket
+    import struct
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    port_out.put(listener.getsockname()[1])
+    while not hold.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close sends a reset
+        conn.close()
+    listener.close()

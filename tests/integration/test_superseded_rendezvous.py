@@ -46,15 +46,18 @@ def test_a_member_waiting_for_a_peer_that_never_comes_is_released_and_forms_the_
         stop_processes(processes)
 
 
-def run_against_a_host_that_is(ctx: Any, sig: signal.Signals) -> None:
+def run_against_a_host_that_is(
+    ctx: Any, sig: signal.Signals | None, body: Any = rendezvous_members.rendezvous_host
+) -> None:
     ports, results, newer, hold = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    host = ctx.Process(target=rendezvous_members.rendezvous_host, args=(ports, hold), daemon=True)
+    host = ctx.Process(target=body, args=(ports, hold), daemon=True)
     host.start()
     processes = [host]
     try:
         port = ports.get(timeout=GET_TIMEOUT_S)
         assert host.pid is not None
-        os.kill(host.pid, sig)  # SIGSTOP: it accepts connections, answers nothing; SIGKILL: it refuses them
+        if sig is not None:
+            os.kill(host.pid, sig)  # SIGSTOP: it accepts connections, answers nothing; SIGKILL: it refuses them
         client = ctx.Process(target=rendezvous_members.client_of_frozen_host, args=(port, results, newer), daemon=True)
         client.start()
         processes.append(client)
@@ -80,3 +83,9 @@ def test_a_member_whose_rendezvous_host_died_is_released_when_told_of_a_newer_ge
     """torch's TCPStore retries a refused connection with a back-off nothing can interrupt: members
     once waited up to 1.3 s after being told (seen in the chaos benchmark's rendezvous-host faults)."""
     run_against_a_host_that_is(ctx, signal.SIGKILL)
+
+
+def test_a_member_in_torchs_connect_back_off_is_released_when_told_of_a_newer_generation(ctx: Any) -> None:
+    """A host that resets connections (one dying as we connect) puts torch's client in a back-off
+    sleep with no socket to break: the member stops waiting for that constructor."""
+    run_against_a_host_that_is(ctx, None, rendezvous_members.resetting_host)

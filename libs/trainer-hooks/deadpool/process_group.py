@@ -79,8 +79,9 @@ class Rendezvous:
         `deadline_s` (monotonic) passed (RendezvousUnreachableError).
 
         An attempt against a host that is frozen (SIGSTOP: the kernel accepts the connection, nobody
-        answers) blocks inside torch's constructor whatever its timeout says, so each attempt is a
-        breakable wait: supersession, or the deadline, shuts down the socket it opened."""
+        answers) blocks inside torch's constructor whatever its timeout says, and one against a host
+        that dies as we connect sleeps in torch's back-off, so each attempt is a breakable wait:
+        supersession, or the deadline, shuts down the socket it opened and stops waiting for it."""
         generation = command.generation
         if command.rendezvous_member == member:
             if self._master is None:
@@ -109,12 +110,11 @@ class Rendezvous:
                     if before.get(fd) != link and _connects_to(fd, address[1]):
                         _shutdown_connected(fd, link)
 
-            timer = threading.Timer(max(0.0, deadline_s - time.monotonic()), breaker)
-            timer.daemon = True
-            timer.start()
             try:
                 with waits.breakable(generation, breaker):
-                    client = dist.TCPStore(address[0], address[1], None, False, self.connect_attempt)
+                    client = _construct_client(
+                        address, self.connect_attempt, lambda: waits.superseded(generation), deadline_s, breaker
+                    )
                 break
             except RuntimeError as exc:  # torch's DistNetworkError and friends
                 if time.monotonic() >= deadline_s:
@@ -122,8 +122,6 @@ class Rendezvous:
                         f"rendezvous store {address[0]}:{address[1]} of generation {generation} "
                         f"unreachable after {attempts} attempt(s): {exc}"
                     ) from exc
-            finally:
-                timer.cancel()
         client.set_timeout(self.timeout)
         opened = {fd: link for fd, link in _socket_fds().items() if before.get(fd) != link}
         return dist.PrefixStore(f"{command.job}/g{generation}/", client), opened
@@ -131,6 +129,42 @@ class Rendezvous:
 
 class RendezvousUnreachableError(RuntimeError):
     """The generation's rendezvous store could not be reached within the bound."""
+
+
+def _construct_client(
+    address: tuple[str, int],
+    attempt: datetime.timedelta,
+    superseded: Callable[[], bool],
+    deadline_s: float,
+    breaker: Callable[[], None],
+) -> dist.TCPStore:
+    """A TCPStore client of `address`, constructed on a helper thread that this one stops waiting
+    for once the generation is superseded or `deadline_s` passes.
+
+    Shutting the client's socket down ends most waits inside the constructor, but not its own
+    retries: when a connection is reset (the host dying as we connect), torch sleeps a back-off of up
+    to a second, with no socket to break, before it tries again. An abandoned constructor ends within
+    its `attempt` plus that back-off, and whatever it built is dropped with its thread."""
+    outcome: list[dist.TCPStore | BaseException] = []
+    done = threading.Event()
+
+    def construct() -> None:
+        try:
+            outcome.append(dist.TCPStore(address[0], address[1], None, False, attempt))
+        except BaseException as exc:  # handed to the waiting thread
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=construct, name="rendezvous-connect", daemon=True).start()
+    while not done.wait(PROBE_RETRY_S):
+        if superseded() or time.monotonic() >= deadline_s:
+            breaker()
+            raise RendezvousUnreachableError(f"gave up connecting to the rendezvous store {address[0]}:{address[1]}")
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 def _await_listening(
