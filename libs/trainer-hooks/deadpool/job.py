@@ -173,7 +173,10 @@ class Job:
         self._link = ControlLink(config, log, on_command=self._on_command)
         if config.rank_hint < 0:  # a spare is not ready to take a rank before it has warmed up
             self._link.progress = replace(self._link.progress, section=WARM_UP_SECTION)
-        self._stuck = StuckCollectiveWatch(self._link, self._report_stuck, log, step_time_s=self._recent_step_s)
+        computes_itself = self._backend == "gloo" and all(p.device.type == "cpu" for p in module.parameters())
+        self._stuck = StuckCollectiveWatch(
+            self._link, self._report_stuck, log, step_time_s=self._recent_step_s, blocked_means_stuck=computes_itself
+        )
         self._link.start(
             MemberHello(
                 job=config.job,
