@@ -103,7 +103,10 @@ def _parser() -> argparse.ArgumentParser:
     swapper.add_argument("--replication", type=int, default=2, help="stores each snapshot goes to")
     swapper.add_argument("--trace-file", default="", help="incident traces as JSON lines")
     swapper.add_argument(
-        "--last-call-s", type=float, default=0.1, help="after a failure, wait this long for others (one rebuild)"
+        "--last-call-s",
+        type=float,
+        default=None,
+        help="after a failure, wait this long for others, to swap them in one rebuild (default 0.05)",
     )
     _add_replicas(swapper)
 
@@ -146,15 +149,16 @@ def main(argv: list[str] | None = None) -> None:
         from deadpool_swapper import SwapperConfig, SwapperServiceConfig
         from deadpool_swapper import main as swapper_main
 
+        last_call_s = SwapperConfig.last_call_s if args.last_call_s is None else args.last_call_s
         try:
             swapper_config = SwapperServiceConfig(
                 args.nats,
                 replication=args.replication,
                 trace_file=args.trace_file,
                 js_replicas=args.js_replicas,
-                last_call_s=args.last_call_s,
+                last_call_s=last_call_s,
             )
-            SwapperConfig(replication=args.replication, last_call_s=args.last_call_s)  # checks the values
+            SwapperConfig(replication=args.replication, last_call_s=last_call_s)  # checks the values
         except ValueError as exc:
             sys.exit(f"deadpool swapper: {exc}")
         swapper_main(swapper_config)
