@@ -37,7 +37,9 @@ __all__ = [
 CONNECT_ATTEMPT_S = 0.5
 """One attempt to connect to a rendezvous store; between attempts the member checks for supersession."""
 PROBE_TIMEOUT_S = 0.2
+"""One plain connect to a rendezvous host, before an attempt (`_await_listening`)."""
 PROBE_RETRY_S = 0.02
+"""Between probes, and how often a member waiting for a TCPStore constructor checks for supersession."""
 
 _COLLECTIVE_ERROR_MARKERS = (
     "gloo",
