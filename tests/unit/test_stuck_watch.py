@@ -104,26 +104,21 @@ def test_a_blocked_training_thread_is_judged_stuck_long_before_leave_wait(traini
         watch.close()
 
 
-def test_a_computing_training_thread_is_left_to_finish_until_leave_wait(training: Any) -> None:
-    thread = start("compute", *training)
-    watch, stuck = watching(Link(thread), 0.0, True)
+@pytest.mark.parametrize(
+    ("body", "blocked_means_stuck"),
+    [("compute", True), ("block", False)],
+    ids=["a computing thread", "a blocked thread where blocking is legitimate (a GPU driver)"],
+)
+def test_a_thread_that_may_be_working_is_judged_only_after_leave_wait(
+    training: Any, body: str, blocked_means_stuck: bool
+) -> None:
+    thread = start(body, *training)
+    watch, stuck = watching(Link(thread), 0.0, blocked_means_stuck)
     broken = time.monotonic()
     watch.watch(GENERATION)
     try:
-        assert stuck.judged.wait(NOTICE_TIMEOUT_S)
-        assert stuck.at - broken >= LEAVE_WAIT_MIN_S, "a computing thread was judged before leave_wait_s"
-    finally:
-        watch.close()
-
-
-def test_where_blocking_is_legitimate_a_blocked_thread_gets_leave_wait_too(training: Any) -> None:
-    thread = start("block", *training)
-    watch, stuck = watching(Link(thread), 0.0, False)
-    broken = time.monotonic()
-    watch.watch(GENERATION)
-    try:
-        assert stuck.judged.wait(NOTICE_TIMEOUT_S)
-        assert stuck.at - broken >= LEAVE_WAIT_MIN_S
+        assert stuck.judged.wait(NOTICE_TIMEOUT_S), "a thread still in a broken collective was never judged"
+        assert stuck.at - broken >= LEAVE_WAIT_MIN_S, "judged before leave_wait_s"
     finally:
         watch.close()
 
