@@ -26,12 +26,12 @@ class Service:
         self.takeovers = 0
         self.lease: LeaderLease | None = None
 
-    async def follow(self, held: bool) -> None:
+    async def follow(self) -> None:
         assert self.lease is not None
-        if held and self.lease.held() and not self.acting:
+        if self.lease.held() and not self.acting:
             if self.failures:
                 self.failures -= 1
-                await self.lease.release()  # "cannot take the lead: records unreadable"
+                await self.lease.release()  # "cannot take the lead: records unreachable"
                 return
             self.acting, self.takeovers = True, self.takeovers + 1
         elif not self.lease.held():

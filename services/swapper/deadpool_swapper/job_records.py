@@ -139,8 +139,6 @@ class JobRecords:
         self.kv = kv
         self.log = log
         self.revisions: dict[str, int] = {}
-        self.unreadable: set[str] = set()
-        """Jobs whose record exists but could not be read (never treated as new jobs)."""
         self._unconfirmed: dict[str, bytes] = {}
         """Per job, the value of a write that failed without an answer (it may have been stored)."""
 
@@ -153,7 +151,7 @@ class JobRecords:
         return cls(kv, log)
 
     async def load_all(self) -> list[JobState]:
-        """Every readable record; the jobs of unreadable ones are listed in `unreadable`."""
+        """Every readable record (an unreadable one is logged by `load` and left alone)."""
         try:
             keys = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
         except NoKeysError:
@@ -181,10 +179,8 @@ class JobRecords:
         try:
             state = state_from_record(entry.value)
         except (ProtocolError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
-            self.unreadable.add(job)
             self.log.error("job record unreadable: the job is left alone", job=job, reason=repr(exc))
             raise UnreadableRecordError(f"job {job}: record unreadable ({exc!r})") from exc
-        self.unreadable.discard(job)
         self.revisions[job] = entry.revision
         return state
 

@@ -145,28 +145,29 @@ class LeaderLease:
     async def run(
         self,
         stop: asyncio.Event,
-        follow: Callable[[bool], Coroutine[Any, Any, None]],
+        follow: Callable[[], Coroutine[Any, Any, None]],
         acting: Callable[[], bool],
     ) -> None:
         """Keep the lease (or wait for it) until `stop`. Every round in which holding the lease and
-        `acting()` (the service acts as leader) disagree, `follow(held)` is started in a task of its
-        own, one at a time: taking the lead loads every job record, which may take longer than the
-        lease lasts, so renewals never wait for it; and a take-over that failed (or gave the lease
-        back) is simply tried again next round. Comparing with what the service does, not with the
-        last change announced, matters: a lease given back and silently taken again once left a
-        swapper holding the lease for ever without acting, and its standby waiting for ever."""
+        `acting()` (the service acts as leader) disagree, `follow()` (which reads `held()`) is
+        started in a task of its own, one at a time: taking the lead loads every job record, which
+        may take longer than the lease lasts, so renewals never wait for it; and a take-over that
+        failed (or gave the lease back) is simply tried again next round. Comparing with what the
+        service does, not with the last change announced, matters: a lease given back and silently
+        taken again once left a swapper holding the lease for ever without acting, and its standby
+        waiting for ever."""
         following: asyncio.Task[None] | None = None
         while not stop.is_set():
             held = await self.step()
             if held != acting() and (following is None or following.done()):
-                following = asyncio.create_task(follow(held))
+                following = asyncio.create_task(follow())
             period = self.config.renew_s if self._revision is not None else self.config.poll_s
             await stopped_within(stop, period)
         await self.release()
         if following is not None and not following.done():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(following), self.config.ttl_s)
-        await follow(False)
+        await follow()  # released: held() is False now, so the service steps down
 
     async def release(self) -> None:
         """Give the lease up (a clean stop), so a standby need not wait for it to expire."""

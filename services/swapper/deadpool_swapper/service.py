@@ -92,8 +92,8 @@ class SwapperService:
 
     # ------------------------------------------------------------------ leadership
 
-    async def _on_lead_change(self, _leading: bool) -> None:
-        """Follow the lease, whatever the change that woke us said (changes may queue up)."""
+    async def _on_lead_change(self) -> None:
+        """Follow the lease as it is now (take the lead, or step down)."""
         assert self.lease is not None
         async with self._transition:
             held = self.lease.held()
@@ -109,7 +109,7 @@ class SwapperService:
             states = await self.records.load_all()
             stream = await stream_position(self.nc)
         except (TimeoutError, nats.errors.Error) as exc:
-            self.log.error("cannot take the lead: job records unreadable; giving the lease up", error=repr(exc))
+            self.log.error("cannot take the lead: job records unreachable; giving the lease up", error=repr(exc))
             await self.lease.release()  # a lease held by an instance that cannot act would wedge every job
             return
         self.core.jobs = {s.job: s for s in states}
