@@ -5,7 +5,7 @@
 
 The example job (or `--script`: any script that takes the example's arguments) runs under the
 project's own control plane, as shipped for high availability: a 3-node NATS cluster (JetStream
-replicas 3), two detectors, two swappers (one leads), two stores, every service restarted 1 s after it
+replicas 3), two detectors, two swappers (one leads), three stores, every service restarted 1 s after it
 dies (as systemd's `Restart=always` would), 4 ranks and 3 warm spares, and the launcher's respawns.
 Faults come one after another at random moments (inside steps, while snapshots stream, during
 recoveries), each once the job has recovered from the one before:
@@ -19,13 +19,22 @@ recoveries), each once the job has recovered from the one before:
     swapper           the leading swapper SIGKILLed
     detector          a detector SIGKILLed
     nats              a NATS server SIGKILLed
+    store_kill        a snapshot store holding snapshots SIGKILLed, while snapshots stream
+    store_host        a store's host lost: the store frozen (SIGSTOP: its connections hang, as with a
+                      link down) until the swapper has placed its snapshots elsewhere, then SIGKILLed
+    corrupt           bytes flipped in a store's copies of one rank's snapshots, then that rank SIGKILLed
+                      (its replacement must refuse the corrupt copy and restore from the other)
 
 Per fault: downtime_s, from the fault to the first step completed by every rank after it (the
-members' own completion times). A run is wedged if no rank completes a step for longer than the
-slowest recovery the timeouts allow (`wedge_s`: collective timeout + heartbeat timeout + fence
-timeout). Then the same job runs again without faults, and the final weights and optimizer shards
-of both runs are compared with `torch.equal`. A human table, then one JSON object as the last line.
-Goal: 50 faults, wedged 0, bit_identical true, overlapping-fault downtime p99 <= 1 s.
+members' own completion times); for a store fault also heal_s, from the fault until the swapper has
+placed the snapshots anew (or seen the store back, empty) and every rank's committed step has its
+replicas again. `lost_committed` counts restores that found no copy of the committed step. A run is
+wedged if no rank completes a step for longer than the slowest recovery the timeouts allow
+(`wedge_s`: collective timeout + heartbeat timeout + fence timeout). Then the same job runs again
+without faults, and the final weights and optimizer shards of both runs are compared with
+`torch.equal`. A human table, then one JSON object as the last line.
+Goal: 50 faults, wedged 0, lost_committed 0, every store fault healed, bit_identical true,
+overlapping-fault downtime p99 <= 1 s.
 """
 
 from __future__ import annotations
@@ -69,9 +78,21 @@ KINDS = (
     "swapper",
     "detector",
     "nats",
+    "store_kill",
+    "store_host",
+    "corrupt",
 )
+STORE_KINDS = ("store_kill", "store_host")
 OVERLAPPING = ("kill2", "kill_in_recovery", "spare_takeover", "rendezvous_host")
-SPARES_NEEDED = {"kill": 1, "kill2": 2, "kill_in_recovery": 2, "stop": 1, "spare_takeover": 2, "rendezvous_host": 2}
+SPARES_NEEDED = {
+    "kill": 1,
+    "kill2": 2,
+    "kill_in_recovery": 2,
+    "stop": 1,
+    "spare_takeover": 2,
+    "rendezvous_host": 2,
+    "corrupt": 1,
+}
 NEW_GENERATION = set(SPARES_NEEDED)
 """Faults after which training resumes only in a newer generation."""
 
@@ -88,7 +109,10 @@ SETTLE_S = (1.0, 3.0)
 NATS_SETTLE_S = 6.0
 """After a NATS server came back, time for its JetStream streams to catch up before the next fault."""
 SPARE_WAIT_S = 90.0
-GOAL = {"faults": 50, "wedged": 0, "bit_identical": True, "overlap_downtime_s_p99_max": 1.0}
+STORES = 3
+"""One more than the replication, so a lost store's copies can be made again elsewhere."""
+HEAL_WAIT_S = 30.0
+GOAL = {"faults": 50, "wedged": 0, "lost_committed": 0, "bit_identical": True, "overlap_downtime_s_p99_max": 1.0}
 
 
 @dataclass
@@ -218,7 +242,53 @@ class Chaos:
             server = rng.choice(self.stack.cluster.servers)
             server.kill()
             return f"SIGKILL NATS server {server.name}", {}
+        if kind in STORE_KINDS:
+            status = await self._status()
+            placed = sorted({n for names in status.get("placement", []) for n in names})
+            name = rng.choice(placed or self.stack.names("store"))
+            before = {s["store"]: s.get("incarnation", "") for s in status.get("stores", [])}
+            extra = {"store": name, "incarnation": before.get(name, ""), "version": status.get("placement_version")}
+            if kind == "store_kill":
+                pid = self.stack.kill(name)
+                return f"SIGKILL {name} (pid {pid})", extra
+            process = self.stack.processes[name]
+            process.send_signal(signal.SIGSTOP)  # silent, connections hang: a host whose link went down
+            placed_elsewhere = await self._wait_healed(extra, HEAL_WAIT_S)
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return f"SIGSTOP {name} (pid {process.pid}), SIGKILL once placed elsewhere ({placed_elsewhere})", extra
+        if kind == "corrupt":
+            victim = rng.choice(ranks)
+            rank = ranks.index(victim)
+            placement = (await self._status()).get("placement", [])
+            store = placement[rank][0] if rank < len(placement) and placement[rank] else "store-0"
+            body = json.dumps({"job": self.job, "rank": rank}).encode()
+            try:
+                reply = json.loads((await self.nc.request(f"deadpool.store.{store}.corrupt", body, timeout=2.0)).data)
+            except Exception as exc:
+                reply = {"corrupted": [], "error": repr(exc)}
+            detail = self._kill(victim)
+            return f"flipped bytes of rank {rank} steps {reply['corrupted']} on {store}; {detail}", {"store": store}
         raise ValueError(f"unknown fault kind {kind!r}")
+
+    async def _healed(self, extra: dict[str, Any]) -> bool:
+        """The swapper knows the store is gone (a new placement without it, or the store back with a new
+        incarnation) and every rank's committed step has its replicas again."""
+        status = await self._status()
+        if not status or status.get("replicas_short", 1) != 0:
+            return False
+        name = extra["store"]
+        placed = {n for names in status.get("placement", []) for n in names}
+        back = any(s["store"] == name and s.get("incarnation", "") != extra["incarnation"] for s in status["stores"])
+        return back or (name not in placed and status.get("placement_version") != extra["version"])
+
+    async def _wait_healed(self, extra: dict[str, Any], timeout_s: float) -> bool:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if await self._healed(extra):
+                return True
+            await asyncio.sleep(0.02)
+        return False
 
     # ------------------------------------------------------------------ the loop
 
@@ -302,10 +372,17 @@ class Chaos:
             if resumed:
                 fault.t_resumed = back() or 0.0
                 fault.downtime_s = fault.t_resumed - t
+            if kind in STORE_KINDS:
+                healed = await self._wait_healed(extra, HEAL_WAIT_S)
+                fault.extra["heal_s"] = round(time.time() - t, 4) if healed else None
+                if not healed:
+                    print(f"  NOT HEALED: {extra['store']}'s copies not made again in {HEAL_WAIT_S:.0f} s", flush=True)
             if kind == "nats":
                 await self._wait(self._services_up, 30.0, "the NATS server to restart")
                 nats_back_t = time.time()
             down = f"{fault.downtime_s:.3f} s" if fault.downtime_s is not None else "NOT RECOVERED"
+            if "heal_s" in fault.extra:
+                down += f", replicas again after {fault.extra['heal_s']} s"
             gen = self.watch.rebuild.generation if self.watch.rebuild else 0
             print(
                 f"{time.strftime('%H:%M:%S', time.localtime(t))} fault {index:2d} {kind:>16}: downtime {down} "
@@ -354,10 +431,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"unknown fault kinds: {sorted(unknown)} (choose from {', '.join(KINDS)})")
     steps = args.warm_up_steps + args.faults * args.steps_per_fault
+    if "corrupt" in kinds:  # the stores' byte-flipping endpoint (and the members' signals) are armed
+        os.environ["DEADPOOL_FAULT_INJECTION"] = "1"
     config = StackConfig(
         workdir=workdir,
         nats_nodes=args.nats_nodes,
-        stores=2,
+        stores=STORES,
         swappers=2,
         detectors=2,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
@@ -416,6 +495,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     by_kind = summarise(faults)
     overlap = [f.downtime_s for f in faults if f.kind in OVERLAPPING and f.downtime_s is not None]
     recovered = sum(f.downtime_s is not None for f in faults)
+    heals = [f.extra.get("heal_s") for f in faults if f.kind in STORE_KINDS]
+    healed = [h for h in heals if h is not None]
+    lost_committed = sum(f.evidence.get("cause") == "snapshot_unavailable" for f in watch.failures)
     result = {
         "faults": len(faults),
         "recovered": recovered,
@@ -426,6 +508,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "downtime_s_p99": {k: v["downtime_s_p99"] for k, v in by_kind.items()},
         "overlap_downtime_s_p99": round(percentile(overlap, 99), 4) if overlap else None,
         "lost_steps_max": max((i.lost_steps for i in incidents), default=0),
+        "lost_committed": lost_committed,
+        "store_faults": len(heals),
+        "store_not_healed": len(heals) - len(healed),
+        "heal_s_p50": round(statistics.median(healed), 4) if healed else None,
+        "heal_s_max": round(max(healed), 4) if healed else None,
         "incidents": len(incidents),
         "generations": watch.rebuild.generation if watch.rebuild else 0,
         "longest_stall_s": round(chaos.longest_stall_s, 3),
@@ -444,6 +531,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     result["goal_met"] = (
         result["faults"] >= GOAL["faults"]
         and result["wedged"] == 0
+        and lost_committed == 0
+        and result["store_not_healed"] == 0
         and identical
         and (result["overlap_downtime_s_p99"] or 0.0) <= GOAL["overlap_downtime_s_p99_max"]
     )
@@ -477,6 +566,10 @@ def main() -> None:
         f"bit-identical {result['bit_identical']} ({result['tensors_compared']} tensors), "
         f"overlapping-fault downtime p99 {result['overlap_downtime_s_p99']} s, "
         f"lost steps max {result['lost_steps_max']}"
+    )
+    print(
+        f"store faults {result['store_faults']}, not healed {result['store_not_healed']}, heal p50 "
+        f"{result['heal_s_p50']} s, max {result['heal_s_max']} s; lost committed {result['lost_committed']}"
     )
     print(json.dumps(result))
 

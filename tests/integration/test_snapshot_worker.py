@@ -1,9 +1,12 @@
-"""The snapshot thread never makes training wait on the network: a slow store makes captures skip."""
+"""Every rank snapshots every step it is due: a capture waits for the previous snapshot's stream, and a
+stream stuck on a store that never answers is abandoned after the bound (or at once, when the store is
+no longer placed)."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,14 +48,19 @@ class SilentStore:
         self.server.close()
 
 
-def test_a_capture_is_skipped_while_the_previous_snapshot_still_streams() -> None:
+def model_and_plan() -> tuple[nn.Linear, Any, Any]:
     torch.manual_seed(0)
     first_layer = nn.Linear(64, 64)
     model = nn.Sequential(first_layer, nn.Linear(64, 8))
     sources = collect_sources(model, None)
     layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+    return first_layer, sources, layout
+
+
+def test_a_capture_waits_for_the_previous_stream_and_abandons_a_stuck_one_after_its_bound() -> None:
+    first_layer, sources, layout = model_and_plan()
     store = SilentStore()
-    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096)
+    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096, wait_s=0.3)
     stores = [StoreAddress("silent", "127.0.0.1", store.port)]
     try:
         first = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores)
@@ -64,17 +72,31 @@ def test_a_capture_is_skipped_while_the_previous_snapshot_still_streams() -> Non
 
         with torch.no_grad():
             first_layer.weight.add_(1.0)  # training goes on while step 1 streams
-        assert worker.capture(UploadKey("j", 1, 0, "m", 2), layout, sources, b"", stores) is None
-        assert worker.skipped == 1
-        worker.fence_optimizer_step()  # nothing to wait for: returns at once
-
-        store.release()  # the store hangs up: the upload fails, reported, not raised
-        assert first.done.wait(WAIT_S) and first.sealed_on == []
-        third = worker.capture(UploadKey("j", 1, 0, "m", 3), layout, sources, b"", stores)
-        assert third is not None and third.done.wait(WAIT_S)
-        slot = worker.local(3)
+        second = worker.capture(UploadKey("j", 1, 0, "m", 2), layout, sources, b"", stores)
+        assert second is not None, "step 2 is captured, not skipped: every rank holds the same steps"
+        assert worker.waits == 1 and worker.skipped == 0
+        assert first.done.is_set() and first.sealed_on == [], "the stuck upload was abandoned"
+        assert worker.wait_captured(WAIT_S)
+        slot = worker.local(2)
         assert slot is not None and slot.buffer is not None
         assert torch.equal(slot.buffer.views[0], first_layer.weight)
         assert worker.local(1) is not None  # the older snapshot is the other ping-pong buffer
     finally:
+        store.release()
+        worker.close()
+
+
+def test_dropping_a_store_that_is_no_longer_placed_frees_a_stream_blocked_on_it_at_once() -> None:
+    _, sources, layout = model_and_plan()
+    store = SilentStore()
+    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096, wait_s=60.0)
+    try:
+        request = worker.capture(
+            UploadKey("j", 1, 0, "m", 1), layout, sources, b"", [StoreAddress("silent", "127.0.0.1", store.port)]
+        )
+        assert request is not None and not request.done.wait(0.3)  # blocked on the silent store
+        worker.drop_stores(keep={"another"})
+        assert request.done.wait(WAIT_S) and request.sealed_on == []
+    finally:
+        store.release()
         worker.close()

@@ -63,7 +63,7 @@ def test_a_newer_generation_replaces_a_step_and_an_older_one_is_refused() -> Non
 
 
 def test_the_last_two_committed_steps_and_newer_ones_are_kept() -> None:
-    memory = SnapshotMemory(capacity_bytes=10_000, keep_committed=2)
+    memory = SnapshotMemory(capacity_bytes=10_000, keep_committed=2, uncommitted_max=8)
     for step in range(1, 7):
         upload(memory, step, bytes([step]) * 8)
     memory.commit("j", 3)
@@ -74,11 +74,28 @@ def test_the_last_two_committed_steps_and_newer_ones_are_kept() -> None:
     assert memory.commit("j", 4) == []  # commits never go back
 
 
-def test_uncommitted_snapshots_per_rank_are_bounded() -> None:
+def test_uncommitted_snapshots_per_rank_are_bounded_and_the_next_commit_candidate_stays() -> None:
     memory = SnapshotMemory(capacity_bytes=10_000, uncommitted_max=2)
     for step in range(1, 5):
         upload(memory, step, b"x" * 8)
-    assert [s for s in range(1, 5) if _has(memory, s)] == [3, 4]
+    # Step 1 is the next to commit (other ranks may still be streaming it): it is never the one freed.
+    assert [s for s in range(1, 5) if _has(memory, s)] == [1, 4]
+    memory.commit("j", 1)
+    upload(memory, 5, b"x" * 8)
+    upload(memory, 6, b"x" * 8)
+    assert [s for s in range(1, 7) if _has(memory, s)] == [1, 4, 6]
+
+
+def test_an_upload_never_sealed_is_freed_after_its_bound() -> None:
+    memory = SnapshotMemory(capacity_bytes=100)
+    put_chunk(memory, PutChunk("j", 1, 0, "m0", 5, 0, 4, 40), b"abcd")  # 40 bytes announced, 4 sent
+    assert memory.unsealed == 1 and memory.used_bytes == 40
+    started = memory._snapshots[("j", 0, 5)].started_t
+    assert memory.expire_unsealed(started + 1.0, max_age_s=5.0) == []
+    assert memory.expire_unsealed(started + 6.0, max_age_s=5.0) == [("j", 0, 5)]
+    assert memory.unsealed == 0 and memory.used_bytes == 0
+    upload(memory, 6, b"y" * 8)
+    assert memory.expire_unsealed(started + 100.0, max_age_s=5.0) == [], "a sealed snapshot is not an upload"
 
 
 def test_a_snapshot_that_would_exceed_capacity_is_refused_and_committed_data_stays() -> None:

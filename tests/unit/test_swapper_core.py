@@ -93,6 +93,7 @@ def test_without_rank_claims_formation_proceeds_after_the_grace_period() -> None
     core.on_hello(hello("a", -1), 0.0)
     core.on_hello(hello("b", -1), 0.5)
     assert published(core.tick(1.0), Rebuild) == []
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 2.5), 2.5)  # still announcing
     (rebuild,) = published(core.tick(2.6), Rebuild)
     assert rebuild.ranks == ["a", "b"]
 

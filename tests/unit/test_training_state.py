@@ -12,7 +12,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.job import BucketRebuildError, check_wrapped
 from deadpool.snapshot_layout import ALIGN_BYTES, FlatBuffer, SnapshotLayout, plan_layout
-from deadpool.training_state import SnapshotMeta, collect_sources, load_module, load_optimizer, restore_rng
+from deadpool.training_state import (
+    SnapshotMeta,
+    check_fits,
+    collect_sources,
+    load_module,
+    load_optimizer,
+    restore_rng,
+)
 
 
 def model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -103,3 +110,22 @@ def test_a_ddp_wrapper_that_rebuilds_buckets_is_refused(gloo_world_of_one: None)
     with pytest.raises(BucketRebuildError, match="find_unused_parameters=True"):
         check_wrapped(DistributedDataParallel(model))
     check_wrapped(DistributedDataParallel(model, find_unused_parameters=True))
+
+
+def test_a_snapshot_of_another_model_is_refused_by_its_layout_before_any_byte_is_received() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    sources = collect_sources(model, None)
+    check_fits(model, plan_layout(list(zip(sources.names, sources.tensors, strict=True))))  # its own: fits
+
+    wider = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5))
+    other = collect_sources(wider, None)
+    with pytest.raises(ValueError, match=r"param\.0 is \(5, 4\)/float32, the model's \(3, 4\)/float32"):
+        check_fits(model, plan_layout(list(zip(other.names, other.tensors, strict=True))))
+    halved = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).to(torch.float64)
+    doubles = collect_sources(halved, None)
+    with pytest.raises(ValueError, match="float64"):
+        check_fits(model, plan_layout(list(zip(doubles.names, doubles.tensors, strict=True))))
+    deeper = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 3))
+    more = collect_sources(deeper, None)
+    with pytest.raises(ValueError, match="which the model does not have"):
+        check_fits(model, plan_layout(list(zip(more.names, more.tensors, strict=True))))

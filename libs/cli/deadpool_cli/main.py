@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     store.add_argument("--advertise-host", default="", help="address members connect to (default: --host)")
     store.add_argument("--capacity-bytes", type=int, default=8 * 1024**3)
     store.add_argument("--nice", type=int, default=0, help="added CPU niceness (e.g. 10 on hosts that also train)")
+    store.add_argument(
+        "--node", default="", help="this host's name, as members name theirs (default: DEADPOOL_HOST or the hostname)"
+    )
+    store.add_argument(
+        "--unsealed-max-s", type=float, default=60.0, help="an upload not sealed within this long is freed"
+    )
 
     status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
     _add_nats(status)
@@ -168,7 +174,15 @@ def main(argv: list[str] | None = None) -> None:
 
         store_main(
             StoreConfig(
-                args.nats, args.id, args.host, args.port, args.advertise_host, args.capacity_bytes, nice=args.nice
+                args.nats,
+                args.id,
+                args.host,
+                args.port,
+                args.advertise_host,
+                args.capacity_bytes,
+                nice=args.nice,
+                node=args.node,
+                unsealed_max_s=args.unsealed_max_s,
             )
         )
     elif command == "launch":
@@ -321,7 +335,19 @@ async def _status(args: argparse.Namespace) -> int:
         info = state["members"].get(member, {})
         print(f"  rank {rank}: {member} (host {info.get('host', '?')}, pid {info.get('pid', '?')})")
     print(f"  spares: {', '.join(state['spares']) or 'none'}")
-    print(f"  stores: {', '.join(s['store'] for s in state['stores']) or 'none'}")
+    lag, short = state.get("commit_lag_steps", 0), state.get("replicas_short", 0)
+    print(f"  commit lag: {lag} step(s) stored past the committed one; ranks short of replicas: {short}")
+    placement = state.get("placement", [])
+    for store in state["stores"]:
+        ranks = [r for r, names in enumerate(placement) if store["store"] in names]
+        used, capacity = store.get("used_bytes", 0), store.get("capacity_bytes", 0)
+        print(
+            f"  store {store['store']} ({store.get('node') or store['host']}:{store['port']}): "
+            f"{used / 2**20:.1f} of {capacity / 2**20:.0f} MiB, {store.get('snapshots', 0)} snapshot(s), "
+            f"{store.get('unsealed', 0)} upload(s) open, ranks {ranks}"
+        )
+    if not state["stores"]:
+        print("  stores: none alive")
     for inc in state["incidents"]:
         print(
             f"  incident {inc['incident_id']}: rank {inc['rank']} {inc['reason']}, downtime {inc['downtime_s']:.3f} s, "

@@ -38,9 +38,11 @@ __all__ = [
     "MemberErrorCause",
     "MemberHello",
     "Message",
+    "Placement",
     "ProtocolError",
     "Rebuild",
     "RebuildAck",
+    "Replicate",
     "SnapshotComplete",
     "StoreAddress",
     "StoreStatus",
@@ -370,10 +372,14 @@ class Rebuild(JobMessage):
     placement: list[list[str]]
     incident: str
     t_decided: float
+    restore_generation: int = 0
+    """The generation that produced the committed `restore_step` (0: unknown, any is accepted). A
+    store's copy from another generation belongs to an abandoned timeline and is not restored."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(self.generation >= 1, "a rebuild names generation 1 or later")
+        _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
         _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
         _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
         _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
@@ -382,10 +388,7 @@ class Rebuild(JobMessage):
         _need(self.rendezvous_member in self.ranks, "the rendezvous host holds no rank")
         _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
         _check_step(self.restore_step)
-        _need(len(self.placement) == self.world_size, "placement does not cover every rank")
-        known = {s.store for s in self.stores}
-        for stores in self.placement:
-            _need(set(stores) <= known, "placement names an unknown store")
+        _check_placement(self.stores, self.placement, self.world_size)
 
     def rank_of(self, member: str) -> int:
         """The rank `member` holds in this generation, or NO_RANK."""
@@ -393,6 +396,57 @@ class Rebuild(JobMessage):
             return self.ranks.index(member)
         except ValueError:
             return NO_RANK
+
+
+def _check_placement(stores: list[StoreAddress], placement: list[list[str]], world_size: int) -> None:
+    _need(len(placement) == world_size, "placement does not cover every rank")
+    known = {s.store for s in stores}
+    for address in stores:
+        _need_name(address.store, "store")
+        _need(0 < address.port < 65536, "a store's port is out of range")
+    for names in placement:
+        _need(set(names) <= known, "placement names an unknown store")
+        _need(len(set(names)) == len(names), "placement names a store twice for one rank")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement(JobMessage):
+    """The swapper's new placement of the ranks' snapshots within `generation`, without a rebuild: a
+    store was lost (or one came back to an under-replicated job). Members stream their next snapshots
+    to `placement[rank]`; `version` counts placements within the generation (the rebuild's is 0)."""
+
+    KIND: ClassVar[str] = "placement"
+    version: int
+    stores: list[StoreAddress]
+    placement: list[list[str]]
+    reason: str
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(self.generation >= 1, "a placement belongs to a generation that was announced")
+        _need(self.version >= 1, "a placement after the rebuild's has version 1 or later")
+        _check_placement(self.stores, self.placement, len(self.placement))
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(JobMessage):
+    """The swapper asks store `source` to copy its sealed snapshot (rank, step) to `target` over the
+    data plane, so a committed step has its replicas again after a store was lost."""
+
+    KIND: ClassVar[str] = "replicate"
+    rank: int
+    step: int
+    source: str
+    target: StoreAddress
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _check_rank(self.rank)
+        _need(self.rank >= 0 and self.step >= 0, "a replica has a rank and a step")
+        _need_name(self.source, "store")
+        _need_name(self.target.store, "store")
+        _need(self.source != self.target.store, "a store does not replicate to itself")
+        _need(0 < self.target.port < 65536, "the target's port is out of range")
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,8 +596,17 @@ class StoreStatus(Message):
     capacity_bytes: int
     snapshots: int
     t: float
+    node: str = ""
+    """The host the store runs on, by the same name members give theirs (`DEADPOOL_HOST`), so a
+    rank's snapshots are kept off its own host; '' means the address `host` stands for it."""
+    unsealed: int = 0
+    """Uploads in progress (or abandoned, until `unsealed_max_s` frees them)."""
+    incarnation: str = ""
+    """Changes each time the store process starts: a store restarted (empty) under the same name is
+    known as such even if it came back before anyone missed it."""
 
     def check(self) -> None:
         _need_name(self.store, "store")
+        _need(self.capacity_bytes >= 0 and self.snapshots >= 0 and self.unsealed >= 0, "a negative count")
         _need(0 < self.port < 65536, "port out of range")
         _need(self.used_bytes >= 0, "used_bytes is negative")

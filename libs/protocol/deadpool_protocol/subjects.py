@@ -11,11 +11,16 @@ from dataclasses import dataclass
 
 from deadpool_protocol.names import require_name
 
-__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects"]
+__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects", "store_replicate"]
 
 PREFIX = "deadpool"
 STORE_STATUS = f"{PREFIX}.store.status"
 SWAPPER_STATUS = f"{PREFIX}.swapper.status"
+
+
+def store_replicate(store: str) -> str:
+    """Where the swapper asks one store to copy a snapshot to another (`Replicate`)."""
+    return f"{PREFIX}.store.{require_name(store, 'store')}.replicate"
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,11 @@ class Subjects:
     def void(self) -> str:
         """The swapper's notice that a generation will not (or no longer) train: `GenerationVoid`."""
         return self._s("void")
+
+    @property
+    def placement(self) -> str:
+        """The swapper's new snapshot placement within a generation (`Placement`)."""
+        return self._s("placement")
 
     @property
     def commit(self) -> str:

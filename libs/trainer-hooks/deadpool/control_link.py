@@ -37,6 +37,7 @@ from deadpool_protocol import (
     JobFinished,
     JobMessage,
     MemberHello,
+    Placement,
     ProtocolError,
     Rebuild,
     RebuildAck,
@@ -78,9 +79,17 @@ Command = Rebuild | GenerationVoid | JobFinished
 
 
 class ControlLink:
-    def __init__(self, config: MemberConfig, log: Any, on_command: Callable[[Command], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: MemberConfig,
+        log: Any,
+        on_command: Callable[[Command], None] | None = None,
+        on_placement: Callable[[Placement], None] | None = None,
+    ) -> None:
         self.config = config
         self._on_command_cb = on_command
+        self._on_placement_cb = on_placement
+        """Called on the control thread with each newer placement (quick and thread-safe, too)."""
         """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
         (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
         self.log = log
@@ -94,6 +103,8 @@ class ControlLink:
         self._finished: JobFinished | None = None
         self._void = 0
         """The newest generation the swapper said will not form or train again."""
+        self._placement: Placement | None = None
+        """The newest placement within a generation (by generation, then version)."""
         self._ack: RebuildAck | None = None
         """Our ack of the newest generation we completed, sent again if that rebuild is retransmitted."""
         self._events: EventPublisher | None = None
@@ -123,6 +134,10 @@ class ControlLink:
         """The newest rebuild command seen, and when it arrived (wall clock)."""
         with self._cond:
             return self._rebuild, self._rebuild_received_t
+
+    def latest_placement(self) -> Placement | None:
+        with self._cond:
+            return self._placement
 
     def finished(self) -> JobFinished | None:
         with self._cond:
@@ -187,6 +202,7 @@ class ControlLink:
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
+        await subscribe_validated(self._nc, self.subjects.placement, Placement, self._on_placement, self.log)
         self._ready.set()
         await self._register()
         beat = asyncio.create_task(self._heartbeats())
@@ -278,6 +294,18 @@ class ControlLink:
             self._void = void.generation
             self._cond.notify_all()
         self._command(void)
+
+    async def _on_placement(self, placement: Placement, _msg: Msg) -> None:
+        with self._cond:
+            newest = self._placement
+            if newest is not None and (placement.generation, placement.version) <= (newest.generation, newest.version):
+                return  # a retransmission, or an older one
+            self._placement = placement
+        if self._on_placement_cb is not None:
+            try:
+                self._on_placement_cb(placement)
+            except Exception:
+                self.log.exception("placement callback failed")
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:

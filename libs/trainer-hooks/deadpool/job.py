@@ -68,6 +68,7 @@ from deadpool_protocol import (
     MemberError,
     MemberErrorCause,
     MemberHello,
+    Placement,
     Rebuild,
     StoreAddress,
 )
@@ -152,6 +153,8 @@ class Job:
         self._next_step = 0
         self._completed_step = NO_STEP
         self._placement: list[StoreAddress] = []
+        self._placement_version = 0
+        """Which placement of the generation `_placement` is (the rebuild's is 0; see `Placement`)."""
         self._plan: tuple[int, int, SnapshotSources, SnapshotLayout] | None = None
         self._finished = False
         self._closed = False
@@ -164,13 +167,15 @@ class Job:
         self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
-        self._worker = SnapshotWorker(log, config.snapshot_chunk_bytes, config.snapshot_stream_nice)
+        self._worker = SnapshotWorker(
+            log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, wait_s=config.snapshot_wait_s
+        )
         if arm_from_env():
             log.warning(
                 "fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, "
                 "SIGURG resets the group's connections, SIGWINCH slows"
             )
-        self._link = ControlLink(config, log, on_command=self._on_command)
+        self._link = ControlLink(config, log, on_command=self._on_command, on_placement=self._on_placement)
         if config.rank_hint < 0:  # a spare is not ready to take a rank before it has warmed up
             self._link.progress = replace(self._link.progress, section=WARM_UP_SECTION)
         computes_itself = self._backend == "gloo" and all(p.device.type == "cpu" for p in module.parameters())
@@ -257,6 +262,7 @@ class Job:
             extra = {
                 "rank": self.rank,
                 "snapshots_skipped": worker.skipped,
+                "snapshot_waits": worker.waits,
                 "snapshots_streamed": worker.captures,
                 "snapshot_copy_cpu_s": worker.copy_cpu_s,
                 "snapshot_stream_cpu_s": worker.stream_cpu_s,
@@ -377,10 +383,36 @@ class Job:
 
     def _capture(self, step: int) -> Any:
         assert self.rank is not None
+        self._adopt_placement()
         sources, layout = self._sources()
         meta = SnapshotMeta.capture(step, layout, self.optimizer, sources, self.extra_state).encode()
         key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
         return self._worker.capture(key, layout, sources, meta, self._placement)
+
+    def _adopt_placement(self) -> None:
+        """Stream from now on where the swapper's newest placement of this generation says (a store was
+        lost, or one came back): no rebuild, the next snapshot simply goes elsewhere."""
+        newest = self._link.latest_placement()
+        if newest is None or newest.generation != self.generation or newest.version <= self._placement_version:
+            return
+        assert self.rank is not None
+        addresses = {s.store: s for s in newest.stores}
+        self._placement = [addresses[name] for name in newest.placement[self.rank]]
+        self._placement_version = newest.version
+        self.log.info(
+            "snapshots placed anew",
+            version=newest.version,
+            stores=[s.store for s in self._placement],
+            why=newest.reason,
+        )
+
+    def _on_placement(self, placement: Placement) -> None:
+        """Control thread: uploads to stores this rank's snapshots no longer go to are abandoned now
+        (one blocked on a lost host would otherwise hold the stream until its socket timeout)."""
+        rank = self.rank
+        if rank is None or placement.generation != self.generation or rank >= len(placement.placement):
+            return
+        self._worker.drop_stores(keep=set(placement.placement[rank]))
 
     # ------------------------------------------------------------------ failures and rebuilds
 

@@ -6,11 +6,10 @@ No torch here: the launcher imports this module too.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deadpool_protocol.names import require_name
+from deadpool_protocol.names import host_name, require_name
 from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT
 
 __all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
@@ -38,15 +37,10 @@ class ENV:
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
     SNAPSHOT_STREAM_NICE = "DEADPOOL_SNAPSHOT_STREAM_NICE"
     STATS_DIR = "DEADPOOL_STATS_DIR"
+    SNAPSHOT_WAIT_S = "DEADPOOL_SNAPSHOT_WAIT_S"
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
     """The member's index among those its launcher started (0, 1, ...): which local GPU it may use."""
-
-
-def host_name() -> str:
-    """This host's name, reduced to the characters a DeadPool name may hold."""
-    raw = socket.gethostname().split(".")[0] or "host"
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
 
 
 @dataclass(frozen=True)
@@ -83,6 +77,11 @@ class MemberConfig:
     """CPU niceness of the thread that streams snapshots (0-19; 0: like training). Raise it only where
     training saturates the CPU and step time matters more than snapshot freshness: see
     `deadpool.snapshot_worker`."""
+    snapshot_wait_s: float = 60.0
+    """How long a capture may wait for the previous snapshot to finish streaming (every rank snapshots
+    every step it is due, so commits keep pace: see `deadpool.snapshot_worker`); past it, the uploads
+    in progress are abandoned. A lost store's uploads are abandoned long before, when the swapper
+    places the snapshots elsewhere."""
     heartbeat_via_launcher: bool = False
     """Send heartbeats to the launcher, which batches its members' beats (set by `deadpool launch`)."""
     stats_dir: str = ""
@@ -108,6 +107,8 @@ class MemberConfig:
             object.__setattr__(self, "rendezvous_wait_s", self.pg_timeout_s)
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
+        if self.snapshot_wait_s <= 0:
+            raise ValueError("snapshot_wait_s must be positive")
         if not 0 <= self.snapshot_stream_nice <= 19:
             raise ValueError(f"snapshot_stream_nice must be 0 to 19, not {self.snapshot_stream_nice}")
 
@@ -137,6 +138,7 @@ class MemberConfig:
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
             snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
             snapshot_stream_nice=int(env.get(ENV.SNAPSHOT_STREAM_NICE, "0")),
+            snapshot_wait_s=float(env.get(ENV.SNAPSHOT_WAIT_S, "60")),
             stats_dir=env.get(ENV.STATS_DIR, ""),
             heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
         )

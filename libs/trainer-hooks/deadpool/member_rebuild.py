@@ -41,7 +41,14 @@ from deadpool.process_group import RendezvousUnreachableError, is_collective_err
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_partitions
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreClientError, StoreConnection
-from deadpool.training_state import Partition, SnapshotMeta, load_module, load_optimizer, restore_rng
+from deadpool.training_state import (
+    Partition,
+    SnapshotMeta,
+    check_fits,
+    load_module,
+    load_optimizer,
+    restore_rng,
+)
 from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, Rebuild, RebuildAck
 
 if TYPE_CHECKING:
@@ -248,6 +255,7 @@ class MemberRebuild:
         job.rank, job.world_size, job.generation = self.rank, command.world_size, self.generation
         stores = {s.store: s for s in command.stores}
         job._placement = [stores[name] for name in command.placement[self.rank]]
+        job._placement_version = 0
         job._next_step = job._completed_step = step
         job._worker.forget_after(step)
 
@@ -299,9 +307,11 @@ class MemberRebuild:
             slot = job._worker.local(step)
             if slot is not None and slot.buffer is not None:
                 return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
-        preferred = command.placement[rank]
-        ordered = sorted(command.stores, key=lambda s: s.store not in preferred)
-        errors = []
+        preferred = command.placement[rank]  # the rank's own stores first, in placement order
+        ordered = sorted(
+            command.stores, key=lambda s: preferred.index(s.store) if s.store in preferred else len(preferred)
+        )
+        errors: list[str] = []
         pin = torch.cuda.is_available() and any(p.is_cuda for p in job.module.parameters())
         for address in ordered:
             got: dict[str, Any] = {}
@@ -310,15 +320,21 @@ class MemberRebuild:
                 meta = SnapshotMeta.decode(meta_bytes)
                 if meta.step != step or meta.layout.total_bytes != total_bytes:
                     raise StoreClientError(f"store sent step {meta.step} of {total_bytes} bytes, not step {step}")
+                try:
+                    check_fits(job.module, meta.layout)
+                except ValueError as exc:
+                    raise StoreClientError(f"store's snapshot does not fit this model: {exc}") from exc
                 got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)
                 return got["buffer"].bytes_view()  # type: ignore[no-any-return]
 
             connection = StoreConnection(address)
             try:
                 with job._waits.breakable(self.generation, connection.abort):
-                    connection.fetch(command.job, rank, step, destination)
+                    connection.fetch(command.job, rank, step, destination, command.restore_generation)
+                self.log.info("snapshot fetched", store=address.store, step=step, skipped=errors)
                 return got["buffer"], got["meta"], "store"
             except (StoreClientError, ValueError) as exc:
+                self.log.warning("store's copy refused; trying the next", store=address.store, reason=str(exc))
                 errors.append(str(exc))
             finally:
                 connection.close()

@@ -1,21 +1,28 @@
 """Per-step snapshots off the training thread: two ping-pong buffers, a capture, a stream.
 
-After optimizer step s the training thread calls `capture(s, …)`. If the snapshot thread is still
-streaming an earlier step, step s is skipped (training never waits on the network; the interval adapts
-by itself). Otherwise the thread copies the state into the buffer not holding the newest snapshot
-(`torch._foreach_copy_`, which releases the GIL) and then streams it to the rank's stores. The next
-optimizer step waits in `wait_captured()` (an optimizer step pre-hook) only if that copy is still
-running; it normally finished long before, during forward and backward.
+After optimizer step s the training thread calls `capture(s, …)`. The thread copies the state into the
+buffer not holding the newest snapshot (`torch._foreach_copy_`, which releases the GIL) and then
+streams it to the rank's stores. The next optimizer step waits in `wait_captured()` (an optimizer step
+pre-hook) only if that copy is still running; it normally finished long before, during forward and
+backward.
+
+Every rank snapshots every step it is due, never skipping one. A step commits only once every rank's
+snapshot of it is stored, so a skip decided by one rank alone (its stream still busy) left ranks
+holding different steps, and on a saturated host an earlier 4-rank run fell 6 steps behind. Instead,
+if the previous snapshot is still streaming when the next is due, the capture waits for it
+(`wait_s`, then the stuck uploads are abandoned): the committed step then trails training by at most
+one snapshot, and the price of a stream slower than a step is paid in step time, where it shows.
 
 On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
 stream wait on the copy's event: the GPU orders the two, the CPU never blocks.
 
 Two threads: the copy (the next optimizer step may wait for it) and the stream. The stream has a
-whole step to finish; if it has not, the next capture is skipped. Both run at normal priority by
+whole step to finish; if it has not, the next capture waits for it. Both run at normal priority by
 default. `stream_nice` lowers the stream's priority, for CPU training that keeps every core busy:
 the stream then runs in the moments training leaves idle, which took the GPT-medium step-time ratio
-from 1.056 to 1.023 on 2 cores. The price, on a saturated host: snapshots fall behind by several
-steps (at nice 19 a 4-rank tiny-GPT job that failed after step 7 went back to step 1), and a
+from 1.056 to 1.023 on 2 cores. The price, on a saturated host: captures wait for the stream (before
+captures waited, snapshots fell behind by several steps: at nice 19 a 4-rank tiny-GPT job that failed
+after step 7 went back to step 1), and a
 SIGKILLed member takes 1.5 s to die, because its low-priority thread must be scheduled to exit
 (docs/performance.md).
 """
@@ -38,6 +45,9 @@ from deadpool.training_state import SnapshotSources
 from deadpool_protocol import StoreAddress
 
 __all__ = ["CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
+
+ABANDON_WAIT_S = 5.0
+"""After abandoning a stuck stream's uploads, how long a capture waits for the stream to notice."""
 
 
 @dataclass
@@ -67,13 +77,20 @@ class CaptureRequest:
 
 
 class SnapshotWorker:
-    def __init__(self, log: Any, chunk_bytes: int, stream_nice: int = 0) -> None:
+    def __init__(self, log: Any, chunk_bytes: int, stream_nice: int = 0, wait_s: float = 60.0) -> None:
         self.log = log
         self.chunk_bytes = chunk_bytes
         self.stream_nice = stream_nice
+        self.wait_s = wait_s
         self.slots = [SnapshotSlot(), SnapshotSlot()]
         self.skipped = 0
-        self._busy = False
+        """Captures given up: the stream stayed stuck even after its uploads were abandoned."""
+        self.waits = 0
+        """Captures that waited for the previous snapshot to finish streaming."""
+        self._idle = threading.Event()
+        self._idle.set()
+        self._lock = threading.Lock()
+        """Guards `_connections` (the stream thread adds, the control thread drops lost stores)."""
         self._captured = threading.Event()
         self._captured.set()
         self._cancel_below_generation = 0
@@ -104,10 +121,16 @@ class SnapshotWorker:
         meta: bytes,
         stores: Sequence[StoreAddress],
     ) -> CaptureRequest | None:
-        """Start snapshot `key.step`; returns None if it was skipped because the last one is still streaming."""
-        if self._busy:
-            self.skipped += 1
-            return None
+        """Start snapshot `key.step`, first waiting for the previous one to finish streaming (bounded).
+        Returns None only if the stream stayed stuck even after its uploads were abandoned."""
+        if not self._idle.is_set():
+            self.waits += 1
+            if not self._idle.wait(self.wait_s):
+                self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
+                self.drop_stores(keep=set())
+                if not self._idle.wait(ABANDON_WAIT_S):
+                    self.skipped += 1
+                    return None
         slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
         if slot.buffer is None or (slot.buffer.layout is not layout and slot.buffer.layout != layout):
             slot.buffer = FlatBuffer(layout, pin=_on_cuda(sources.tensors))
@@ -129,7 +152,7 @@ class SnapshotWorker:
             with torch.no_grad():
                 torch._foreach_copy_(early_views, early_sources)
         self._last_request = request
-        self._busy = True
+        self._idle.clear()
         self._captured.clear()
         self._requests.put(request)
         return request
@@ -152,6 +175,17 @@ class SnapshotWorker:
         for slot in self.slots:
             if slot.step > step:
                 slot.step = -1
+
+    def drop_stores(self, keep: set[str]) -> None:
+        """Abandon the uploads to every store not in `keep` (from any thread): lost, or placed elsewhere.
+        An upload blocked on one fails at once and the stream goes on with the next store."""
+        with self._lock:
+            dropped = [name for name in self._connections if name not in keep]
+            connections = [self._connections.pop(name) for name in dropped]
+        for conn in connections:
+            conn.abort()
+        if dropped:
+            self.log.info("snapshot uploads to stores no longer placed abandoned", stores=dropped)
 
     def cancel_uploads_before(self, generation: int) -> None:
         """Abandon uploads of older generations: their steps will be recomputed."""
@@ -220,7 +254,7 @@ class SnapshotWorker:
                 self.log.exception("snapshot copy failed", step=request.key.step)
                 self._captured.set()
                 request.done.set()
-                self._busy = False
+                self._idle.set()
                 continue
             finally:
                 self.copy_cpu_s += time.thread_time() - started
@@ -245,7 +279,7 @@ class SnapshotWorker:
             finally:
                 self.stream_cpu_s += time.thread_time() - started
                 request.done.set()
-                self._busy = False
+                self._idle.set()
 
     def _copy(self, request: CaptureRequest) -> None:
         if request.cuda_event is not None:
@@ -266,11 +300,12 @@ class SnapshotWorker:
             return key.generation < self._cancel_below_generation
 
         for address in request.stores:
-            conn = self._connections.get(address.store)
-            if conn is None or conn.address != address:
-                if conn is not None:
-                    conn.close()
-                conn = self._connections[address.store] = StoreConnection(address)
+            with self._lock:
+                conn = self._connections.get(address.store)
+                if conn is None or conn.address != address:
+                    if conn is not None:
+                        conn.close()
+                    conn = self._connections[address.store] = StoreConnection(address)
             try:
                 conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
                 request.sealed_on.append(address.store)

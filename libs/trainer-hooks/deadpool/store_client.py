@@ -30,6 +30,10 @@ from deadpool_protocol.dataplane import (
 
 __all__ = ["FetchedSnapshot", "SnapshotCancelledError", "StoreClientError", "StoreConnection", "UploadKey"]
 
+CONNECT_TIMEOUT_S = 2.0
+"""Connecting to a store, at most: a host that was lost (its link down) answers nothing, and a
+connect in progress cannot be broken from another thread. Stores are a hop or two away."""
+
 
 class StoreClientError(RuntimeError):
     """A store refused or failed an upload or fetch; the text says which and why."""
@@ -83,7 +87,8 @@ class StoreConnection:
         if self._aborted:
             raise ConnectionAbortedError("the connection was aborted")
         if self._sock is None:
-            sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout_s)
+            sock = socket.create_connection((self.address.host, self.address.port), timeout=CONNECT_TIMEOUT_S)
+            sock.settimeout(self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
@@ -116,10 +121,20 @@ class StoreConnection:
         if not reply.ok:
             raise StoreClientError(f"store {self.address.store} refused step {key.step}: {reply.error}")
 
-    def fetch(self, job: str, rank: int, step: int, destination: Callable[[bytes, int], memoryview]) -> FetchedSnapshot:
-        """Fetch (job, rank, step). `destination(meta, total_bytes)` returns the buffer to fill.
+    def fetch(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        destination: Callable[[bytes, int], memoryview],
+        generation: int = 0,
+    ) -> FetchedSnapshot:
+        """Fetch (job, rank, step). `destination(meta, total_bytes)` returns the buffer to fill (and
+        may raise StoreClientError to refuse the snapshot before any byte of it is received).
 
-        Every chunk's checksum is verified; a mismatch raises and the buffer must not be used.
+        `generation`, if not 0, is the only generation whose copy is valid (the one that committed the
+        step); a store holding another's is refused. Every chunk's checksum is verified; a mismatch
+        raises and the buffer must not be used.
         """
         try:
             sock = self._connected()
@@ -128,6 +143,11 @@ class StoreConnection:
             assert isinstance(reply, FetchReply)
             if not reply.ok:
                 raise StoreClientError(f"store {self.address.store}: {reply.error}")
+            if generation and reply.generation != generation:
+                raise StoreClientError(
+                    f"store {self.address.store} holds generation {reply.generation}'s copy of step {step}, "
+                    f"not the committed one of generation {generation} (an abandoned timeline)"
+                )
             target = destination(reply.meta, reply.total_bytes)
             if len(target) != reply.total_bytes:
                 raise StoreClientError("destination buffer does not match the snapshot's size")

@@ -37,6 +37,7 @@ __all__ = [
     "Partition",
     "SnapshotMeta",
     "SnapshotSources",
+    "check_fits",
     "collect_sources",
     "load_module",
     "load_optimizer",
@@ -289,6 +290,25 @@ class SnapshotMeta:
         if not 0 <= meta.shared_count <= len(meta.layout.specs):
             raise ValueError("malformed snapshot metadata: shared_count outside the layout")
         return meta
+
+
+def check_fits(module: nn.Module, layout: SnapshotLayout) -> None:
+    """Raise ValueError, saying why, unless every parameter and buffer `layout` holds is one of
+    `module`'s, with its shape and dtype. Checked on a fetched snapshot's layout before its bytes are
+    received, so a snapshot of another model (or a mangled layout) is never loaded."""
+    tensors: dict[str, torch.Tensor] = {f"param.{i}": t for i, t in enumerate(module.parameters())}
+    tensors |= {f"buffer.{i}": t for i, t in enumerate(module.buffers())}
+    for spec in layout.specs:
+        if spec.name.partition(".")[0] not in ("param", "buffer"):
+            continue
+        own = tensors.get(spec.name)
+        if own is None:
+            raise ValueError(f"snapshot holds {spec.name}, which the model does not have")
+        dtype = str(own.dtype).removeprefix("torch.")
+        if tuple(own.shape) != spec.shape or dtype != spec.dtype:
+            raise ValueError(
+                f"snapshot's {spec.name} is {spec.shape}/{spec.dtype}, the model's {tuple(own.shape)}/{dtype}"
+            )
 
 
 def load_module(module: nn.Module, parts: Sequence[FlatBuffer]) -> None:

@@ -8,7 +8,9 @@ sender's manifest. Rules:
   rollback is the valid one); an older generation's upload is refused;
 - a snapshot is served only once sealed: every chunk present and every checksum verified;
 - per job, the last `keep_committed` committed steps are kept, plus anything newer than the latest
-  commit (bounded by `uncommitted_max` per rank); everything else is freed;
+  commit (bounded by `uncommitted_max` per rank: past it the oldest are freed, but never the oldest of
+  all, which is the next step to commit); everything else is freed;
+- an upload that is not sealed within `unsealed_max_s` (its sender died or gave up) is freed;
 - a new snapshot that would exceed `capacity_bytes` is refused with a clear error; nothing committed is
   ever evicted to make room.
 
@@ -21,6 +23,7 @@ A buffer that a fetch is still sending from is never reused.
 from __future__ import annotations
 
 import mmap
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -55,6 +58,8 @@ class StoredSnapshot:
     meta: bytes = b""
     readers: int = 0
     """Fetches sending from `data` right now; while any are, the buffer is not reused."""
+    started_t: float = 0.0
+    """When the upload began (monotonic clock), for freeing uploads that are never sealed."""
 
     @property
     def key(self) -> SnapshotKey:
@@ -80,6 +85,20 @@ class SnapshotMemory:
 
     def committed_steps(self, job: str) -> list[int]:
         return list(self._committed.get(job, []))
+
+    def sealed_of(self, job: str, rank: int) -> list[StoredSnapshot]:
+        return [v for (j, r, _), v in self._snapshots.items() if j == job and r == rank and v.sealed]
+
+    @property
+    def unsealed(self) -> int:
+        return sum(not snap.sealed for snap in self._snapshots.values())
+
+    def expire_unsealed(self, now: float, max_age_s: float) -> list[SnapshotKey]:
+        """Free uploads begun more than `max_age_s` before `now` (monotonic) and never sealed."""
+        stale = [k for k, v in self._snapshots.items() if not v.sealed and now - v.started_t > max_age_s]
+        for key in stale:
+            self._drop(key)
+        return stale
 
     def chunk_target(self, chunk: PutChunk) -> memoryview:
         """Where chunk `chunk`'s bytes go: its slice of the snapshot's memory.
@@ -186,6 +205,7 @@ class SnapshotMemory:
             member=chunk.member,
             total_bytes=chunk.total_bytes,
             data=self._allocate(chunk.total_bytes),
+            started_t=time.monotonic(),
         )
         self._snapshots[key] = snap
         self.used_bytes += chunk.total_bytes
@@ -194,7 +214,8 @@ class SnapshotMemory:
     def _bound_uncommitted(self, job: str, rank: int) -> None:
         latest = self._committed[job][-1] if self._committed.get(job) else -1
         newer = sorted(key for key in self._snapshots if key[0] == job and key[1] == rank and key[2] > latest)
-        for key in newer[: max(0, len(newer) - self.uncommitted_max)]:
+        # The oldest is the next step to commit (the others ranks may still be streaming it): keep it.
+        for key in newer[1:][: max(0, len(newer) - self.uncommitted_max)]:
             self._drop(key)
 
     def _allocate(self, nbytes: int) -> mmap.mmap:

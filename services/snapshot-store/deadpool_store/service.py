@@ -1,6 +1,8 @@
 """`deadpool store`: a snapshot store process (RAM copies of snapshots, served over the data plane).
 
-NATS side: announces itself and its memory use on `deadpool.store.status`, reports each sealed
+NATS side: announces itself and its memory use on `deadpool.store.status` (every 0.5 s: the swapper
+takes a store silent for 1.5 s as lost), copies a snapshot to another store when the swapper asks on
+`deadpool.store.<id>.replicate` (after a store was lost), reports each sealed
 snapshot on `deadpool.<job>.snapshot.complete` (an event: stored in the events stream, retried until
 the server has it, without holding up the data plane), frees old snapshots on
 `deadpool.<job>.commit`, and
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,16 +24,21 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from deadpool_protocol import Commit, SnapshotComplete, StoreStatus, Subjects
+from deadpool_protocol import Commit, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_protocol.names import host_name
+from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_store import fault_injection
 from deadpool_store.dataplane_server import DataPlaneServer
-from deadpool_store.memory import SnapshotMemory, StoredSnapshot
+from deadpool_store.memory import SnapshotMemory, StoredSnapshot, StoreError
+from deadpool_store.replicator import ReplicaRefusedError, push_snapshot
 
 __all__ = ["StoreConfig", "main"]
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
+REPLICATIONS_MAX = 8
+"""Copies to other stores under way at once; past it a request is dropped (the swapper asks again)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,13 @@ class StoreConfig:
     port: int = 0
     advertise_host: str = ""
     capacity_bytes: int = 8 * 1024**3
-    status_period_s: float = 1.0
+    status_period_s: float = 0.5
+    node: str = ""
+    """This host's name as members give theirs (default: `DEADPOOL_HOST`, else the hostname)."""
+    unsealed_max_s: float = 60.0
+    """An upload not sealed this long after it began is freed (its sender died or gave up)."""
+    replicate_timeout_s: float = 60.0
+    """One copy to another store, at most (the swapper asks again if it did not arrive)."""
     nice: int = 0
     """Added CPU niceness. 0 by default: on a 2-core machine fully busy with CPU training, nice 10 starved
     ingest (10 of 120 captures skipped in bench/overhead.py) with no measurable gain in step time."""
@@ -56,6 +70,10 @@ class StoreService:
         self.server = DataPlaneServer(self.memory, self._on_sealed, log)
         self.events = EventPublisher(nc, log)
         self.port = 0
+        self.node = config.node or os.environ.get("DEADPOOL_HOST", "") or host_name()
+        self.incarnation = secrets.token_hex(6)
+        self._replicating: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
+        """Copies under way, by (job, rank, step, target): a repeated request joins the one running."""
 
     def status(self) -> StoreStatus:
         return StoreStatus(
@@ -66,6 +84,9 @@ class StoreService:
             capacity_bytes=self.memory.capacity_bytes,
             snapshots=len(self.memory),
             t=time.time(),
+            node=self.node,
+            unsealed=self.memory.unsealed,
+            incarnation=self.incarnation,
         )
 
     async def _on_sealed(self, snap: StoredSnapshot) -> None:
@@ -87,12 +108,45 @@ class StoreService:
         if freed:
             self.log.debug("snapshots freed", job=commit.job, step=commit.step, freed=len(freed))
 
+    async def _on_replicate(self, request: Replicate, _msg: Msg) -> None:
+        key = (request.job, request.rank, request.step, request.target.store)
+        if key in self._replicating:
+            return  # the swapper asked again while the copy runs
+        if len(self._replicating) >= REPLICATIONS_MAX:
+            self.log.warning("replication refused: too many under way", job=request.job, limit=REPLICATIONS_MAX)
+            return
+        try:
+            snap = self.memory.get(request.job, request.rank, request.step)
+        except StoreError as exc:
+            self.log.warning("cannot replicate", job=request.job, rank=request.rank, step=request.step, reason=str(exc))
+            return
+        task = asyncio.create_task(self._replicate(snap, request))
+        self._replicating[key] = task
+        task.add_done_callback(lambda _: self._replicating.pop(key, None))
+
+    async def _replicate(self, snap: StoredSnapshot, request: Replicate) -> None:
+        started = time.monotonic()
+        where = {"job": request.job, "rank": request.rank, "step": request.step, "target": request.target.store}
+        try:
+            await asyncio.wait_for(push_snapshot(snap, request.target), self.config.replicate_timeout_s)
+        except (OSError, TimeoutError, ProtocolError, ReplicaRefusedError, asyncio.IncompleteReadError) as exc:
+            self.log.warning("replication failed", **where, reason=repr(exc))
+            return
+        self.log.info("replicated", **where, nbytes=snap.total_bytes, took_s=round(time.monotonic() - started, 4))
+
+    async def _corrupt_endpoint(self, req: Request) -> None:
+        result = fault_injection.corrupt_request(self.memory, req.data)
+        self.log.warning("snapshots corrupted on request", **result)
+        await req.respond(json.dumps(result).encode())
+
     async def _status_endpoint(self, req: Request) -> None:
         await req.respond(json.dumps(to_fields(self.status())).encode())
 
     async def run(self, stop: asyncio.Event) -> None:
         self.port = await self.server.start(self.config.host, self.config.port)
         await subscribe_validated(self.nc, Subjects.any_job().commit, Commit, self._on_commit, self.log)
+        replicate = store_replicate(self.config.store_id)
+        await subscribe_validated(self.nc, replicate, Replicate, self._on_replicate, self.log)
         service = await add_service(
             self.nc,
             name="deadpool-store",
@@ -105,12 +159,25 @@ class StoreService:
             subject=f"deadpool.store.{self.config.store_id}.status",
             handler=self._status_endpoint,
         )
+        if fault_injection.armed():
+            self.log.warning("fault injection armed: deadpool.store.<id>.corrupt flips bytes in stored snapshots")
+            await service.add_endpoint(
+                name="corrupt",
+                subject=f"deadpool.store.{self.config.store_id}.corrupt",
+                handler=self._corrupt_endpoint,
+            )
         self.log.info("store ready", host=self.config.host, port=self.port, capacity_bytes=self.config.capacity_bytes)
         while True:
+            for job, rank, step in self.memory.expire_unsealed(time.monotonic(), self.config.unsealed_max_s):
+                self.log.warning(
+                    "unsealed upload freed", job=job, rank=rank, step=step, after_s=self.config.unsealed_max_s
+                )
             await publish(self.nc, STORE_STATUS, self.status())
             if await stopped_within(stop, self.config.status_period_s):
                 break
         await service.stop()
+        for task in list(self._replicating.values()):
+            task.cancel()
         await self.server.stop()
         await self.events.drain(2.0)
 

@@ -37,13 +37,22 @@ from deadpool_protocol import (
     MemberDone,
     MemberErrorCause,
     MemberHello,
+    Placement,
     Rebuild,
     RebuildAck,
+    Replicate,
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
 )
-from deadpool_swapper.placement import MemberInfo, StoreInfo, pick_rendezvous, pick_spare, place_snapshots
+from deadpool_swapper.placement import (
+    MemberInfo,
+    StoreInfo,
+    pick_rendezvous,
+    pick_spare,
+    place_snapshots,
+    under_placed,
+)
 
 __all__ = [
     "Action",
@@ -66,8 +75,9 @@ FAILED_KEPT = 256
 @dataclass(frozen=True)
 class SwapperConfig:
     replication: int = 2
-    store_timeout_s: float = 5.0
-    """A store silent for longer is left out of new placements."""
+    store_timeout_s: float = 1.5
+    """A store silent for longer is taken as lost: jobs whose snapshots it held get a new placement
+    and their committed step is copied again (stores announce themselves every 0.5 s)."""
     rebuild_retransmit_s: float = 1.0
     """A rebuild not acked by every rank (and a void notice not yet followed by a rebuild) is published
     again after this long: commands travel on core NATS, and members confirm them."""
@@ -102,8 +112,9 @@ class SwapperConfig:
 @dataclass(frozen=True)
 class Publish:
     subject_kind: str
-    """Which job subject: 'rebuild', 'void', 'commit', 'finished' or 'incident'."""
-    message: Rebuild | GenerationVoid | Commit | JobFinished | Incident
+    """Which job subject: 'rebuild', 'void', 'commit', 'finished', 'incident' or 'placement'; or
+    'replicate' (the source store's own subject)."""
+    message: Rebuild | GenerationVoid | Commit | JobFinished | Incident | Placement | Replicate
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,19 @@ class JobState:
     """The events-stream sequence of the last event applied (kept by the shell, saved with the record)."""
     stream_id: str = ""
     """Which incarnation of the events stream `applied_seq` counts in."""
+    placement_version: int = 0
+    """Placements published within the current generation (the rebuild's own is 0)."""
+    placement_sent_t: float = 0.0
+    """When the newest placement was last sent; it is sent again until a step commits under it."""
+    placement_confirmed: bool = True
+    """A step committed under the newest placement (so every member has it)."""
+    committed_generation: int = 0
+    """The generation whose snapshots make up the committed step (the only valid copies of it)."""
+    committed_holders: dict[int, set[str]] = field(default_factory=dict)
+    """rank -> the stores holding its snapshot of the committed step (replicas made later included)."""
+    replicate_sent_t: float = 0.0
+    rank_bytes: dict[int, int] = field(default_factory=dict)
+    """rank -> the size of its last snapshot (placement reserves room for it)."""
 
     def vacant_ranks(self) -> list[int]:
         return [r for r, m in enumerate(self.ranks) if m not in self.members]
@@ -252,14 +276,36 @@ class SwapperCore:
         return reply(True, "registered as spare"), Decision(actions, reason)
 
     def on_store_status(self, status: StoreStatus, now: float) -> Decision:
-        """Record a store's announcement. Jobs waiting for one to form do so at their next tick."""
+        """Record a store's announcement. Jobs waiting for one to form do so at their next tick. A store
+        that started again under the same name holds nothing: no copy counts on it any more (the next
+        tick copies the committed step again)."""
+        known = self.stores.get(status.store)
+        if known is not None and known.incarnation != status.incarnation:
+            for state in self.jobs.values():
+                for holders in state.committed_holders.values():
+                    holders.discard(status.store)
+                for by_rank in state.completes.values():
+                    for stores in by_rank.values():
+                        stores.discard(status.store)
         self.stores[status.store] = StoreInfo(
-            status.store, status.host, status.port, now, status.used_bytes, status.capacity_bytes
+            status.store,
+            status.host,
+            status.port,
+            now,
+            status.used_bytes,
+            status.capacity_bytes,
+            status.node,
+            status.snapshots,
+            status.unsealed,
+            status.incarnation,
         )
         return Decision([], f"store {status.store} seen")
 
     def live_stores(self, now: float) -> list[StoreInfo]:
         return [s for s in self.stores.values() if now - s.last_seen <= self.config.store_timeout_s]
+
+    def _live_names(self, now: float) -> set[str]:
+        return {s.store for s in self.live_stores(now)}
 
     def _try_formation(self, state: JobState, now: float) -> Decision:
         if len(state.members) < state.world_size:
@@ -437,8 +483,12 @@ class SwapperCore:
         assert generation > state.generation and generation > state.void_generation, "generations only grow"
         state.generation = generation
         state.attempts += 1
-        state.placement = place_snapshots(state.ranks, state.members, stores, self.config.replication)
+        state.placement = place_snapshots(
+            state.ranks, state.members, stores, self.config.replication, state.rank_bytes, state.placement
+        )
+        state.placement_version, state.placement_confirmed = 0, True
         state.completes = {s: v for s, v in state.completes.items() if s <= state.restore_step}
+        restoring_committed = state.restore_step == state.committed_step and state.restore_step != NO_STEP
         state.done.clear()
         command = Rebuild(
             job=state.job,
@@ -454,6 +504,7 @@ class SwapperCore:
             placement=state.placement,
             incident=",".join(i.incident_id for i in state.open_incidents),
             t_decided=now,
+            restore_generation=state.committed_generation if restoring_committed else 0,
         )
         command.check()
         state.pending = PendingRebuild(command, t_sent=now)
@@ -547,6 +598,16 @@ class SwapperCore:
             decision = self._start_rebuild(state, now)
             actions += decision.actions
             reason = decision.reason
+        actions += self._heal_placement(state, now)
+        retransmit = self.config.rebuild_retransmit_s
+        if not state.placement_confirmed and now - state.placement_sent_t >= retransmit and state.pending is None:
+            state.placement_sent_t = now  # until a step commits under it, a member may not have it
+            actions.append(Publish("placement", self._placement_message(state, "sent again")))
+        if now - state.replicate_sent_t >= retransmit and state.pending is None:
+            wanted = self._replicas_wanted(state, now)
+            if wanted:
+                state.replicate_sent_t = now
+                actions += wanted
         pending = state.pending
         if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
             pending.t_sent = now
@@ -570,6 +631,11 @@ class SwapperCore:
             deadline = min(deadline, state.pending.t_sent + self.config.rebuild_retransmit_s)
         if state.generation == 0:
             deadline = min(deadline, now + 0.1)
+        placed = {name for names in state.placement for name in names}
+        for name in placed:  # the moment a placed store counts as lost
+            store = self.stores.get(name)
+            if store is not None:
+                deadline = min(deadline, store.last_seen + self.config.store_timeout_s + 0.01)
         return max(now, deadline)
 
     # ---------------------------------------------------------------- commits and completion
@@ -580,26 +646,111 @@ class SwapperCore:
             return Decision([], f"snapshot of unknown or unformed job {sc.job}")
         if sc.generation < state.generation and sc.step > state.restore_step:
             return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
-        if sc.step <= state.committed_step or sc.rank >= state.world_size:
-            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: already committed or no such rank")
+        if sc.rank >= state.world_size:
+            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: no such rank")
+        if sc.step == state.committed_step and sc.generation == state.committed_generation:
+            holders = state.committed_holders.setdefault(sc.rank, set())  # a replica made again, or a late copy
+            if sc.store in holders:
+                return Decision([], f"committed step {sc.step} rank {sc.rank} on {sc.store}: already counted")
+            holders.add(sc.store)
+            return Decision([Persist(state.job)], f"committed step {sc.step} rank {sc.rank} now also on {sc.store}")
+        if sc.step <= state.committed_step:
+            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: already committed")
+        state.rank_bytes[sc.rank] = sc.nbytes
         state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
-        newly = [s for s in sorted(state.completes) if self._is_complete(state, s)]
+        live = self._live_names(now)
+        newly = [s for s in sorted(state.completes) if self._is_complete(state, s, live)]
         if not newly:
             return Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
         step = newly[-1]
         assert step > state.committed_step, "a committed step never goes back"
         state.committed_step = step
+        state.committed_generation = state.generation
+        state.committed_holders = {rank: set(stores) for rank, stores in state.completes[step].items()}
+        state.placement_confirmed = True
         state.completes = {s: v for s, v in state.completes.items() if s > step}
         commit = Commit(state.job, state.generation, step)
         return Decision([Persist(state.job), Publish("commit", commit)], f"step {step} committed")
 
-    def _is_complete(self, state: JobState, step: int) -> bool:
+    def _is_complete(self, state: JobState, step: int, live: set[str]) -> bool:
+        """Every rank's snapshot of `step` is sealed on as many live stores as its placement names
+        (stores that were lost since do not count: their copies are gone)."""
         by_rank = state.completes.get(step, {})
         for rank in range(state.world_size):
             needed = len(state.placement[rank]) if rank < len(state.placement) else 1
-            if len(by_rank.get(rank, ())) < max(1, needed):
+            if len(by_rank.get(rank, set()) & live) < max(1, needed):
                 return False
         return True
+
+    # ---------------------------------------------------------------- store loss, without a rebuild
+
+    def _heal_placement(self, state: JobState, now: float) -> list[Action]:
+        """A store of the placement is lost (or the job has fewer replicas than it could): place the
+        ranks again within the generation, and copy the committed step to its new stores."""
+        if state.generation == 0 or state.pending is not None or state.hold_until or not state.placement:
+            return []  # a rebuild is under way or coming: it places the snapshots itself
+        live = self.live_stores(now)
+        names = {s.store for s in live}
+        if not live or not under_placed(state.placement, names, self.config.replication):
+            return []
+        placement = place_snapshots(
+            state.ranks, state.members, live, self.config.replication, state.rank_bytes, state.placement
+        )
+        if placement == state.placement:
+            return []
+        lost = sorted({n for ranks in state.placement for n in ranks} - names)
+        state.placement = placement
+        state.placement_version += 1
+        state.placement_sent_t, state.placement_confirmed = now, False
+        reason = f"stores lost: {lost}" if lost else "stores came back: more replicas"
+        state.replicate_sent_t = now
+        message = self._placement_message(state, reason)
+        return [Persist(state.job), Publish("placement", message), *self._replicas_wanted(state, now)]
+
+    def _placement_message(self, state: JobState, reason: str) -> Placement:
+        named = sorted({name for names in state.placement for name in names})
+        stores = [StoreAddress(n, self.stores[n].host, self.stores[n].port) for n in named if n in self.stores]
+        return Placement(state.job, state.generation, state.placement_version, stores, state.placement, reason)
+
+    def _replicas_wanted(self, state: JobState, now: float) -> list[Action]:
+        """Copies of the committed step to make: from a surviving holder to each store of the rank's
+        placement that lacks it, until the rank has as many live copies as its placement names."""
+        if state.committed_step == NO_STEP or not state.committed_holders:
+            return []
+        live = {s.store: s for s in self.live_stores(now)}
+        actions: list[Action] = []
+        for rank, placed in enumerate(state.placement):
+            holders = sorted(state.committed_holders.get(rank, set()) & set(live))
+            if not holders:
+                continue  # every copy of it is gone: the next commit, or a rebuild, has to do
+            short = len(placed) - len(holders)
+            for target in [n for n in placed if n not in holders][: max(0, short)]:
+                address = live[target]
+                actions.append(
+                    Publish(
+                        "replicate",
+                        Replicate(
+                            state.job,
+                            state.generation,
+                            rank,
+                            state.committed_step,
+                            holders[0],
+                            StoreAddress(address.store, address.host, address.port),
+                        ),
+                    )
+                )
+        return actions
+
+    def replicas_short(self, job: str, now: float) -> int:
+        """Ranks whose committed step has fewer live copies than their placement names (status, tests)."""
+        state = self.jobs.get(job)
+        if state is None or state.committed_step == NO_STEP:
+            return 0
+        live = self._live_names(now)
+        return sum(
+            len(state.committed_holders.get(rank, set()) & live) < len(placed)
+            for rank, placed in enumerate(state.placement)
+        )
 
     def on_done(self, done: MemberDone, now: float) -> Decision:
         state = self.jobs.get(done.job)

@@ -80,6 +80,11 @@ def state_to_record(state: JobState) -> bytes:
         "formed": state.formed,
         "applied_seq": state.applied_seq,
         "stream_id": state.stream_id,
+        "placement_version": state.placement_version,
+        "placement_confirmed": state.placement_confirmed,
+        "committed_generation": state.committed_generation,
+        "committed_holders": [[rank, sorted(stores)] for rank, stores in state.committed_holders.items()],
+        "rank_bytes": [[rank, nbytes] for rank, nbytes in state.rank_bytes.items()],
     }
     return pack_record(summary, private)
 
@@ -115,6 +120,11 @@ def state_from_record(data: bytes) -> JobState:
         formed=p.get("formed", summary.generation > 1 or (summary.generation == 1 and p.get("pending") is None)),
         applied_seq=p.get("applied_seq", 0),
         stream_id=p.get("stream_id", ""),
+        placement_version=p.get("placement_version", 0),
+        placement_confirmed=p.get("placement_confirmed", True),
+        committed_generation=p.get("committed_generation", 0),
+        committed_holders={int(rank): set(stores) for rank, stores in p.get("committed_holders", [])},
+        rank_bytes={int(rank): int(nbytes) for rank, nbytes in p.get("rank_bytes", [])},
     )
     for step, rank, stores in p.get("completes", []):
         state.completes.setdefault(int(step), {})[int(rank)] = set(stores)

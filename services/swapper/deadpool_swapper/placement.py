@@ -7,7 +7,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemberInfo", "StoreInfo", "pick_rendezvous", "pick_spare", "place_snapshots"]
+__all__ = [
+    "SNAPSHOTS_PER_RANK",
+    "MemberInfo",
+    "StoreInfo",
+    "pick_rendezvous",
+    "pick_spare",
+    "place_snapshots",
+    "under_placed",
+]
 
 
 @dataclass
@@ -30,6 +38,20 @@ class StoreInfo:
     last_seen: float
     used_bytes: int = 0
     capacity_bytes: int = 0
+    node: str = ""
+    """The host the store runs on, by the members' naming ('' : its address stands for it)."""
+    snapshots: int = 0
+    unsealed: int = 0
+    incarnation: str = ""
+
+    @property
+    def node_name(self) -> str:
+        return self.node or self.host
+
+
+SNAPSHOTS_PER_RANK = 3
+"""How many snapshots of one rank a store holds at once, at most, in steady state: the committed step,
+the next candidate and the one streaming in. Placement reserves that much room per rank placed."""
 
 
 def pick_spare(spares: Sequence[str], members: Mapping[str, MemberInfo], avoid_hosts: set[str]) -> str | None:
@@ -53,16 +75,61 @@ def pick_rendezvous(ranks: Sequence[str], newcomers: set[str], attempt: int = 0)
 
 
 def place_snapshots(
-    ranks: Sequence[str], members: Mapping[str, MemberInfo], stores: Sequence[StoreInfo], replication: int
+    ranks: Sequence[str],
+    members: Mapping[str, MemberInfo],
+    stores: Sequence[StoreInfo],
+    replication: int,
+    rank_bytes: Mapping[int, int] | None = None,
+    previous: Sequence[Sequence[str]] = (),
 ) -> list[list[str]]:
-    """For each rank, the stores its snapshots go to: `replication` of them (or all, if fewer exist),
-    stores on other hosts than the member first, spread round-robin by rank."""
-    ordered = sorted(stores, key=lambda s: s.store)
-    count = min(replication, len(ordered))
+    """For each rank, the stores its snapshots go to: `replication` of them (all, if fewer exist).
+
+    Deterministic for the same inputs (a standby swapper decides alike). Rules, in order:
+    - a store of `previous[rank]` that is still in `stores` keeps the rank (a placement change moves
+      only what the lost store held, so no other replica has to be made again);
+    - a store on the rank's own host is taken only when no store elsewhere has room: losing the host
+      would lose the copy with the member;
+    - a store without room for `SNAPSHOTS_PER_RANK` snapshots of the rank (`rank_bytes`, when known)
+      on top of what it holds and what this placement gave it already is taken last;
+    - among equals, the store given the fewest ranks so far (spreading ranks), then the one with the
+      most free room, then by name.
+    """
+    sizes = rank_bytes or {}
+    count = min(replication, len(stores))
+    by_name = {s.store: s for s in stores}
+    planned: dict[str, int] = {s.store: 0 for s in stores}
+    """Bytes this placement reserves on each store so far."""
+    given: dict[str, int] = {s.store: 0 for s in stores}
+    """Ranks this placement gave each store so far."""
     placement: list[list[str]] = []
     for rank, member in enumerate(ranks):
         host = members[member].host if member in members else ""
-        rotated = ordered[rank % len(ordered) :] + ordered[: rank % len(ordered)] if ordered else []
-        rotated.sort(key=lambda s: s.host == host)  # stable: keeps the rotation among equals
-        placement.append([s.store for s in rotated[:count]])
+        need = SNAPSHOTS_PER_RANK * sizes.get(rank, 0)
+        kept = [name for name in (previous[rank] if rank < len(previous) else []) if name in by_name][:count]
+
+        def free(store: StoreInfo) -> int:
+            if store.capacity_bytes <= 0:
+                return 0
+            return store.capacity_bytes - store.used_bytes - planned[store.store]
+
+        def preference(store: StoreInfo, host: str = host, need: int = need) -> tuple[bool, bool, int, int, str]:
+            room = free(store)
+            return (store.node_name == host, room < need, given[store.store], -room, store.store)
+
+        chosen = list(kept)
+        for store in sorted((s for s in stores if s.store not in kept), key=preference):
+            if len(chosen) >= count:
+                break
+            chosen.append(store.store)
+        for name in chosen:
+            given[name] += 1
+            if name not in kept:
+                planned[name] += need
+        placement.append(chosen)
     return placement
+
+
+def under_placed(placement: Sequence[Sequence[str]], live: set[str], replication: int) -> bool:
+    """Whether a placement names a store that is gone, or gives a rank fewer stores than it could have."""
+    want = min(replication, len(live))
+    return any(not set(names) <= live or len(names) < want for names in placement)

@@ -35,13 +35,14 @@ from deadpool_protocol import (
     Incident,
     MemberHello,
     ProtocolError,
+    Replicate,
     StoreStatus,
     Subjects,
     decode,
     encode,
 )
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
 from deadpool_swapper.core import Fence, Publish, SwapperConfig, SwapperCore
@@ -174,9 +175,12 @@ class SwapperService:
 
     async def _publish(self, action: Publish) -> None:
         message = action.message
-        subjects = Subjects.for_job(message.job)
+        if isinstance(message, Replicate):
+            subject = store_replicate(message.source)
+        else:
+            subject = getattr(Subjects.for_job(message.job), action.subject_kind)
         try:
-            await publish(self.nc, getattr(subjects, action.subject_kind), message)
+            await publish(self.nc, subject, message)
         except nats.errors.Error as exc:  # retransmission covers commands; an incident is also in KV
             self.log.warning("publish failed", job=message.job, kind=message.KIND, error=repr(exc))
         if isinstance(message, Incident):
@@ -265,6 +269,10 @@ class SwapperService:
             "open_incidents": [to_fields(i) for i in state.open_incidents],
             "incidents": [to_fields(i) | {"detect_s": i.detect_s, "downtime_s": i.downtime_s} for i in state.incidents],
             "stores": [to_fields(s) for s in self.core.live_stores(time.time())],
+            "placement": state.placement,
+            "placement_version": state.placement_version,
+            "replicas_short": self.core.replicas_short(state.job, time.time()),
+            "commit_lag_steps": max(state.completes, default=state.committed_step) - state.committed_step,
         }
         await self.nc.publish(msg.reply, json.dumps(body).encode())
 

@@ -1,0 +1,35 @@
+"""Test and benchmark faults for a store, armed only by `DEADPOOL_FAULT_INJECTION=1`: flip bytes inside
+the store's own copies of a rank's snapshots, so the restore path's verification is shown on a real
+store (the checksums the seal recorded no longer match the bytes it serves)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from deadpool_store.memory import SnapshotMemory
+
+__all__ = ["ENV_FAULT_INJECTION", "armed", "corrupt_request"]
+
+ENV_FAULT_INJECTION = "DEADPOOL_FAULT_INJECTION"
+
+
+def armed() -> bool:
+    return os.environ.get(ENV_FAULT_INJECTION) == "1"
+
+
+def corrupt_request(memory: SnapshotMemory, body: bytes) -> dict[str, Any]:
+    """`{"job": J, "rank": R}`: flip one byte in the middle of every sealed snapshot of (J, R)."""
+    try:
+        request = json.loads(body)
+        job, rank = str(request["job"]), int(request["rank"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"corrupted": [], "error": f"want {{'job': ..., 'rank': ...}}: {exc}"}
+    steps = []
+    for snap in memory.sealed_of(job, rank):
+        if snap.total_bytes:
+            middle = snap.total_bytes // 2
+            snap.data[middle] = snap.data[middle] ^ 0xFF
+            steps.append(snap.step)
+    return {"corrupted": sorted(steps), "error": ""}
