@@ -81,6 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--collective-timeout-s", type=float, default=0.0, help="how long a collective may block (default 60)"
     )
+    launch.add_argument(
+        "--durable-dir", default="", help="persist snapshots there as torch.distributed.checkpoint files"
+    )
+    launch.add_argument("--durable-every-steps", type=int, default=100, help="persist every N steps")
+    launch.add_argument("--durable-keep", type=int, default=3, help="persisted steps each rank keeps")
+    launch.add_argument(
+        "--resume-from", default="", help="start from the newest step every rank has intact in this durable dir"
+    )
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
 
@@ -229,6 +237,16 @@ def _launch(args: argparse.Namespace) -> int:
 
     configure_logging("launcher")
     job = args.job or f"{Path(args.script).stem.replace('.', '_')}-{secrets.token_hex(3)}"
+    durable_env: dict[str, str] = {}
+    if args.durable_dir:
+        durable_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
+        durable_env[ENV.DURABLE_EVERY_STEPS] = str(args.durable_every_steps)
+        durable_env[ENV.DURABLE_KEEP] = str(args.durable_keep)
+    if args.resume_from:
+        if not Path(args.resume_from).is_dir():
+            print(f"deadpool launch: --resume-from {args.resume_from}: no such directory", file=sys.stderr)
+            return 2
+        durable_env[ENV.RESUME_FROM] = str(Path(args.resume_from).resolve())
     result = {"code": 1}
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-")) if not args.nats else Path()
     stack_config = StackConfig(workdir=workdir)
@@ -257,6 +275,7 @@ def _launch(args: argparse.Namespace) -> int:
                 rendezvous_host=args.rendezvous_host,
                 respawns=args.respawns,
                 collective_timeout_s=args.collective_timeout_s,
+                extra_env=durable_env,
             )
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 

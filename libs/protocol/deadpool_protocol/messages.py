@@ -460,7 +460,8 @@ class RebuildAck(JobMessage):
     last_completed_step: int
     """The step this member had completed before it rolled back (NO_STEP for a spare)."""
     restore_source: str
-    """'local' (own ping-pong buffer), 'store' (fetched), or 'fresh' (no restore)."""
+    """'local' (own ping-pong buffer), 'store' (fetched), 'durable' (resumed from the durable tier's
+    files), or 'fresh' (no restore)."""
     marks: dict[str, float]
     """Wall-clock times of this member's rebuild: 'received' (command in), 'out' (its broken process
     group dropped), 'begin' (training thread starts the rebuild), 'restored' (state loaded),
@@ -473,7 +474,7 @@ class RebuildAck(JobMessage):
         _check_rank(self.rank)
         _check_step(self.restore_step)
         _check_step(self.last_completed_step)
-        _need(self.restore_source in {"local", "store", "fresh"}, "unknown restore_source")
+        _need(self.restore_source in {"local", "store", "durable", "fresh"}, "unknown restore_source")
         _need(all(v >= 0.0 for v in self.marks.values()), "a time mark is negative")
 
 

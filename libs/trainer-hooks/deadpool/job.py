@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import Command, ControlLink
 from deadpool.ddp_check import BucketRebuildError, check_wrapped
+from deadpool.durable_tier import DurableWriter
 from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
 from deadpool.generation_waits import GenerationWaits, SupersededError
 from deadpool.member_config import MemberConfig
@@ -167,8 +168,13 @@ class Job:
         self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
+        durable = (
+            DurableWriter(config.durable_dir, config.job, config.durable_every_steps, config.durable_keep, log)
+            if config.durable_dir
+            else None
+        )
         self._worker = SnapshotWorker(
-            log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, wait_s=config.snapshot_wait_s
+            log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, config.snapshot_wait_s, durable
         )
         if arm_from_env():
             log.warning(
@@ -263,6 +269,10 @@ class Job:
                 "rank": self.rank,
                 "snapshots_skipped": worker.skipped,
                 "snapshot_waits": worker.waits,
+                "durable_persisted": worker.durable.persisted if worker.durable else 0,
+                "durable_skipped": worker.durable.skipped if worker.durable else 0,
+                "durable_bytes": worker.durable.bytes_written if worker.durable else 0,
+                "durable_s": worker.durable.seconds if worker.durable else 0.0,
                 "snapshots_streamed": worker.captures,
                 "snapshot_copy_cpu_s": worker.copy_cpu_s,
                 "snapshot_stream_cpu_s": worker.stream_cpu_s,
@@ -387,7 +397,9 @@ class Job:
         sources, layout = self._sources()
         meta = SnapshotMeta.capture(step, layout, self.optimizer, sources, self.extra_state).encode()
         key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
-        return self._worker.capture(key, layout, sources, meta, self._placement)
+        durable = self._worker.durable
+        persist = self.world_size if durable is not None and durable.due(step) else 0
+        return self._worker.capture(key, layout, sources, meta, self._placement, persist)
 
     def _adopt_placement(self) -> None:
         """Stream from now on where the swapper's newest placement of this generation says (a store was

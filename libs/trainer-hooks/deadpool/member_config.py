@@ -38,6 +38,10 @@ class ENV:
     SNAPSHOT_STREAM_NICE = "DEADPOOL_SNAPSHOT_STREAM_NICE"
     STATS_DIR = "DEADPOOL_STATS_DIR"
     SNAPSHOT_WAIT_S = "DEADPOOL_SNAPSHOT_WAIT_S"
+    DURABLE_DIR = "DEADPOOL_DURABLE_DIR"
+    DURABLE_EVERY_STEPS = "DEADPOOL_DURABLE_EVERY_STEPS"
+    DURABLE_KEEP = "DEADPOOL_DURABLE_KEEP"
+    RESUME_FROM = "DEADPOOL_RESUME_FROM"
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
     """The member's index among those its launcher started (0, 1, ...): which local GPU it may use."""
@@ -82,6 +86,13 @@ class MemberConfig:
     every step it is due, so commits keep pace: see `deadpool.snapshot_worker`); past it, the uploads
     in progress are abandoned. A lost store's uploads are abandoned long before, when the swapper
     places the snapshots elsewhere."""
+    durable_dir: str = ""
+    """Persist snapshots there as `torch.distributed.checkpoint` files (`deadpool.durable_tier`); '' off."""
+    durable_every_steps: int = 100
+    durable_keep: int = 3
+    """Persisted steps each rank keeps."""
+    resume_from: str = ""
+    """A durable directory the job starts from when it forms (the newest step every rank has intact)."""
     heartbeat_via_launcher: bool = False
     """Send heartbeats to the launcher, which batches its members' beats (set by `deadpool launch`)."""
     stats_dir: str = ""
@@ -107,6 +118,8 @@ class MemberConfig:
             object.__setattr__(self, "rendezvous_wait_s", self.pg_timeout_s)
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
+        if self.durable_every_steps < 1 or self.durable_keep < 1:
+            raise ValueError("durable_every_steps and durable_keep must be at least 1")
         if self.snapshot_wait_s <= 0:
             raise ValueError("snapshot_wait_s must be positive")
         if not 0 <= self.snapshot_stream_nice <= 19:
@@ -139,6 +152,10 @@ class MemberConfig:
             snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
             snapshot_stream_nice=int(env.get(ENV.SNAPSHOT_STREAM_NICE, "0")),
             snapshot_wait_s=float(env.get(ENV.SNAPSHOT_WAIT_S, "60")),
+            durable_dir=env.get(ENV.DURABLE_DIR, ""),
+            durable_every_steps=int(env.get(ENV.DURABLE_EVERY_STEPS, "100")),
+            durable_keep=int(env.get(ENV.DURABLE_KEEP, "3")),
+            resume_from=env.get(ENV.RESUME_FROM, ""),
             stats_dir=env.get(ENV.STATS_DIR, ""),
             heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
         )

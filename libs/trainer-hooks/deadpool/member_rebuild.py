@@ -2,6 +2,7 @@
 
     LEAVE     drop the old process group                          no wait
     RESTORE   the restore step: own buffer, else a store          each store: its socket timeout; breakable
+              (a job resumed from the durable tier loads its files in EXCHANGE: the ranks agree there)
     CONNECT   a client of the generation's rendezvous store       attempts of 1 s until `rendezvous_wait_s`; breakable
     FORM      `init_process_group` of the generation              the collective timeout; breakable
     EXCHANGE  the replicated shares, between the ranks            the collective timeout; breakable
@@ -31,14 +32,16 @@ import enum
 import time
 import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deadpool.control_link import Progress
 from deadpool.ddp_check import check_wrapped
+from deadpool.durable_tier import agree_on_step
 from deadpool.process_group import RendezvousUnreachableError, is_collective_error
-from deadpool.replica_exchange import ReplicaMismatchError, exchange_partitions
+from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreClientError, StoreConnection
 from deadpool.training_state import (
@@ -112,6 +115,8 @@ class MemberRebuild:
         self.group: Any = None
         self._store: Any = None
         self._store_sockets: dict[int, str] = {}
+        self.resuming = command.restore_step == NO_STEP and bool(job.config.resume_from)
+        """Formation of a job resumed from the durable tier: the ranks agree on the step once grouped."""
 
     def run(self) -> bool:
         """Carry the rebuild out; True if this member holds a rank in the end, False if it stays a spare."""
@@ -164,6 +169,8 @@ class MemberRebuild:
                 )
             if not meta.partitioned:
                 load_module(self.job.module, [self.snapshot])
+        elif self.resuming:
+            pass  # the files are read once the group exists (`exchange`): every rank must take the same step
         elif self.survivor:  # formation again (a member died in the first one): back to the start
             for param in self.job.module.parameters():
                 param.grad = None  # of a first step that never completed; no optimizer step ran
@@ -204,6 +211,8 @@ class MemberRebuild:
             raise RendezvousFailedError(f"process group of generation {self.generation} not formed: {exc}") from exc
 
     def exchange(self) -> None:
+        if self.resuming:
+            self._resume_from_durable()
         if self.snapshot is not None and self.meta is not None:
             try:
                 self.replicas = exchange_partitions(
@@ -217,6 +226,41 @@ class MemberRebuild:
             if self.meta.partitioned:
                 load_module(self.job.module, [self.snapshot, *self.replicas])
         self.marks["rendezvous"] = time.time()
+
+    def _resume_from_durable(self) -> None:
+        """Agree with every rank on the newest persisted step they all have intact, and load ours."""
+        directory = Path(self.job.config.resume_from)
+        world = self.command.world_size
+        try:
+            step, buffer, meta, refused = agree_on_step(
+                directory, self.rank, world, self.group, exchange_device(self.group)
+            )
+        except RuntimeError as exc:  # the new group broke under the agreement
+            self.job._waits.check(self.generation)
+            raise RendezvousFailedError(f"durable resume of generation {self.generation}: {exc}") from exc
+        for reason in refused:
+            self.log.warning("persisted step refused", reason=reason)
+        if buffer is None or meta is None:
+            raise MemberCannotContinueError(
+                MemberErrorCause.SNAPSHOT_UNAVAILABLE,
+                f"no step in {directory} that all {world} ranks have complete and intact"
+                + (f" (refused here: {refused[0]})" if refused else ""),
+            )
+        try:
+            check_fits(self.job.module, meta.layout)
+        except ValueError as exc:
+            raise MemberCannotContinueError(
+                MemberErrorCause.REPLICAS_DISAGREE, f"{directory} step {step} does not fit this model: {exc}"
+            ) from exc
+        if meta.partitioned and meta.partition != Partition(self.rank, world):
+            raise MemberCannotContinueError(
+                MemberErrorCause.REPLICAS_DISAGREE,
+                f"{directory} step {step} rank {self.rank} is partition {meta.partition}, not of {world} ranks",
+            )
+        self.snapshot, self.meta, self.source = buffer, meta, "durable"
+        if not meta.partitioned:
+            load_module(self.job.module, [buffer])
+        self.log.info("resumed from the durable tier", directory=str(directory), step=step)
 
     def apply(self) -> None:
         job = self.job
@@ -243,7 +287,7 @@ class MemberRebuild:
                     optimizer,
                     [self.snapshot, *self.replicas],
                     self.meta,
-                    take_buffers=self.source == "store",
+                    take_buffers=self.source in ("store", "durable"),
                 )
             except ValueError as exc:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
@@ -260,10 +304,11 @@ class MemberRebuild:
         job._worker.forget_after(step)
 
     def seal(self) -> None:
-        """Formation: store step 0 before training, so a recovery always has a committed step to go to."""
+        """Formation: store the first step (0, or the resumed one) before training, so a recovery always has
+        a committed step to go to."""
         if self.command.restore_step != NO_STEP:
             return
-        request = self.job._capture(0)
+        request = self.job._capture(self.job._next_step)  # step 0, or the step a resumed job starts at
         deadline = time.monotonic() + FORMATION_SNAPSHOT_WAIT_S
         while request is not None and not request.done.wait(SEAL_POLL_S):
             self.job._waits.check(self.generation)

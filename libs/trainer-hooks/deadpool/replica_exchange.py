@@ -23,7 +23,7 @@ import torch.distributed as dist
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.training_state import SnapshotMeta
 
-__all__ = ["ReplicaMismatchError", "exchange_partitions"]
+__all__ = ["ReplicaMismatchError", "exchange_device", "exchange_partitions"]
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -42,7 +42,7 @@ def exchange_partitions(
         "partition": [meta.partition.rank, meta.partition.world_size],
         "shared": meta.shared_layout().to_fields(),
     }
-    device = _exchange_device(group)
+    device = exchange_device(group)
     packed = msgpack.packb(mine, use_bin_type=True)
     gathered = [msgpack.unpackb(b, raw=False) for b in _all_gather_bytes(packed, world_size, group, device)]
     _check_consistent(gathered, rank, world_size)
@@ -93,7 +93,8 @@ def _check_consistent(gathered: list[Any], rank: int, world_size: int) -> None:
             raise ReplicaMismatchError(f"rank {rank}: partitions arrived from ranks {owners}, not one per rank")
 
 
-def _exchange_device(group: Any) -> torch.device:
+def exchange_device(group: Any) -> torch.device:
+    """Where small collectives on `group` keep their tensors (NCCL moves device tensors only)."""
     if dist.get_backend(group) == "nccl":  # pragma: no cover - needs a GPU
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from deadpool.durable_tier import DurableWriter
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import SnapshotSources
@@ -74,11 +75,21 @@ class CaptureRequest:
     done: threading.Event = field(default_factory=threading.Event)
     """Set when the upload to every store ended (sealed or failed)."""
     sealed_on: list[str] = field(default_factory=list)
+    persist_world_size: int = 0
+    """If not 0, the durable tier persists this snapshot too (of a job of that many ranks)."""
 
 
 class SnapshotWorker:
-    def __init__(self, log: Any, chunk_bytes: int, stream_nice: int = 0, wait_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        log: Any,
+        chunk_bytes: int,
+        stream_nice: int = 0,
+        wait_s: float = 60.0,
+        durable: DurableWriter | None = None,
+    ) -> None:
         self.log = log
+        self.durable = durable
         self.chunk_bytes = chunk_bytes
         self.stream_nice = stream_nice
         self.wait_s = wait_s
@@ -120,6 +131,7 @@ class SnapshotWorker:
         sources: SnapshotSources,
         meta: bytes,
         stores: Sequence[StoreAddress],
+        persist_world_size: int = 0,
     ) -> CaptureRequest | None:
         """Start snapshot `key.step`, first waiting for the previous one to finish streaming (bounded).
         Returns None only if the stream stayed stuck even after its uploads were abandoned."""
@@ -144,7 +156,12 @@ class SnapshotWorker:
         slot.meta = meta
         early_views, early_sources = slot.early_views, sources.early_tensors
         request = CaptureRequest(
-            slot=slot, key=key, sources=sources.late_tensors, views=slot.late_views, stores=list(stores)
+            slot=slot,
+            key=key,
+            sources=sources.late_tensors,
+            views=slot.late_views,
+            stores=list(stores),
+            persist_world_size=persist_world_size,
         )
         if _on_cuda(sources.tensors):
             request.cuda_event = self._issue_cuda_copy(request, early_views, early_sources)
@@ -195,6 +212,8 @@ class SnapshotWorker:
         self._requests.put(None)
         for thread in self._threads:
             thread.join(timeout=10)
+        if self.durable is not None:
+            self.durable.close()
         for conn in self._connections.values():
             conn.close()
 
@@ -274,6 +293,16 @@ class SnapshotWorker:
             try:
                 self._stream(request)
                 self.captures += 1
+                if request.persist_world_size and self.durable is not None and request.slot.buffer is not None:
+                    key = request.key  # the buffer is this thread's until it is done: copy it aside now
+                    self.durable.offer(
+                        key.step,
+                        key.rank,
+                        request.persist_world_size,
+                        key.generation,
+                        request.slot.buffer,
+                        request.slot.meta,
+                    )
             except Exception:
                 self.log.exception("snapshot stream failed", step=request.key.step)
             finally:
