@@ -24,6 +24,9 @@ recoveries), each once the job has recovered from the one before:
                       link down) until the swapper has placed its snapshots elsewhere, then SIGKILLed
     corrupt           bytes flipped in a store's copies of one rank's snapshots, then that rank SIGKILLed
                       (its replacement must refuse the corrupt copy and restore from the other)
+    replicas_lost     both stores holding one rank's snapshots SIGKILLed, and that rank with them: the
+                      fallback chain ends in the durable tier (the job persists every
+                      `--durable-every-steps` steps)
 
 Per fault: downtime_s, from the fault to the first step completed by every rank after it (the
 members' own completion times); for a store fault also heal_s, from the fault until the swapper has
@@ -81,6 +84,7 @@ KINDS = (
     "store_kill",
     "store_host",
     "corrupt",
+    "replicas_lost",
 )
 STORE_KINDS = ("store_kill", "store_host")
 OVERLAPPING = ("kill2", "kill_in_recovery", "spare_takeover", "rendezvous_host")
@@ -92,6 +96,7 @@ SPARES_NEEDED = {
     "spare_takeover": 2,
     "rendezvous_host": 2,
     "corrupt": 1,
+    "replicas_lost": 1,
 }
 NEW_GENERATION = set(SPARES_NEEDED)
 """Faults after which training resumes only in a newer generation."""
@@ -269,6 +274,14 @@ class Chaos:
                 reply = {"corrupted": [], "error": repr(exc)}
             detail = self._kill(victim)
             return f"flipped bytes of rank {rank} steps {reply['corrupted']} on {store}; {detail}", {"store": store}
+        if kind == "replicas_lost":
+            victim = rng.choice(ranks)
+            rank = ranks.index(victim)
+            placement = (await self._status()).get("placement", [])
+            lost = placement[rank] if rank < len(placement) else []
+            for name in lost:
+                self.stack.kill(name)
+            return f"SIGKILL {', '.join(lost)} (every copy of rank {rank}); {self._kill(victim)}", {"stores": lost}
         raise ValueError(f"unknown fault kind {kind!r}")
 
     async def _healed(self, extra: dict[str, Any]) -> bool:
@@ -397,6 +410,9 @@ async def launch(stack_url: str, job: str, args: argparse.Namespace, steps: int,
     command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack_url, "--job", job]
     command += ["--nproc", str(NPROC), "--spares", str(SPARES), "--respawns", str(4 * args.faults + 4)]
     command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    if args.durable_every_steps:
+        durable = str(out.parent / f"durable-{out.name}")
+        command += ["--durable-dir", durable, "--durable-every-steps", str(args.durable_every_steps)]
     command += [args.script, "--steps", str(steps), "--model-size", args.model_size, "--seed", str(args.seed)]
     command += ["--out", str(out)]
     with open(log, "wb") as sink:
@@ -497,7 +513,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     recovered = sum(f.downtime_s is not None for f in faults)
     heals = [f.extra.get("heal_s") for f in faults if f.kind in STORE_KINDS]
     healed = [h for h in heals if h is not None]
-    lost_committed = sum(f.evidence.get("cause") == "snapshot_unavailable" for f in watch.failures)
+    # Committed steps that could not be restored: restores that went below the committed step (to the
+    # durable tier), and restores that found nothing at all (the job ended).
+    lost_committed = sum(int(i.evidence.get("lost_committed_steps", "0")) for i in incidents)
+    lost_committed += sum(f.evidence.get("cause") == "snapshot_unavailable" for f in watch.failures)
+    links = [i.evidence.get("restore_link", "") for i in incidents]
     result = {
         "faults": len(faults),
         "recovered": recovered,
@@ -509,6 +529,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_downtime_s_p99": round(percentile(overlap, 99), 4) if overlap else None,
         "lost_steps_max": max((i.lost_steps for i in incidents), default=0),
         "lost_committed": lost_committed,
+        "restore_links": {link: links.count(link) for link in sorted(set(links))},
         "store_faults": len(heals),
         "store_not_healed": len(heals) - len(healed),
         "heal_s_p50": round(statistics.median(healed), 4) if healed else None,
@@ -551,6 +572,9 @@ def main() -> None:
     parser.add_argument("--nats-nodes", type=int, default=3)
     parser.add_argument("--workdir", default="")
     parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument(
+        "--durable-every-steps", type=int, default=5, help="the chaos job's durable tier (0: none; not the reference)"
+    )
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print("")

@@ -11,6 +11,8 @@ from typing import Any
 from deadpool_protocol import (
     Commit,
     Failure,
+    Incident,
+    JobFinished,
     MemberHello,
     Placement,
     Rebuild,
@@ -176,3 +178,65 @@ def test_a_store_restarted_under_its_name_is_known_empty_and_the_committed_step_
     assert core.replicas_short("j", 1.1) >= 1
     replicas = published(core.tick(2.2), Replicate)
     assert replicas and all(r.target.store == restarted and r.source != restarted for r in replicas)
+
+
+def kill_rank(core: SwapperCore, member: str, rank: int, now: float) -> Rebuild:
+    core.on_failure(Failure("j", core.jobs["j"].generation, member, rank, "exit", {}, now, now), now)
+    (rebuild,) = published(core.tick(now + 0.1), Rebuild)
+    assert isinstance(rebuild, Rebuild)
+    return rebuild
+
+
+def ack_all(core: SwapperCore, rebuild: Rebuild, source: str, restored: int, now: float) -> Decision:
+    decision = Decision([], "")
+    for member in rebuild.ranks:
+        marks = {"begin": now, "restored": now, "rendezvous": now, "ready": now}
+        ack = RebuildAck("j", rebuild.generation, member, rebuild.rank_of(member), restored, 5, source, marks, now)
+        decision = core.on_ack(ack, now)
+    return decision
+
+
+def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_its_step_is_committed() -> None:
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.3)
+    complete(core, 5, formation.placement, 0.4)
+    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
+    lost = tuple(formation.placement[1])  # both stores holding rank 1's snapshots
+    announce(core, 2.0, tuple(s for s in STORES if s not in lost))
+    rebuild = kill_rank(core, "r1", 1, 2.0)
+    assert rebuild.durable and rebuild.restore_step == -1
+    assert core.jobs["j"].open_incidents[0].evidence["restore_link"] == "durable"
+    assert "no copy of rank(s) [1] to be had" in core.jobs["j"].open_incidents[0].evidence["restore_reason"]
+
+    sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 0, "r0", 3, 1000)
+    core.on_snapshot_complete(sc, 2.2)  # the resumed step, sealed before the acks
+    (incident,) = published(ack_all(core, rebuild, "durable", 3, 2.3), Incident)
+    state = core.jobs["j"]
+    assert state.committed_step == 3 and state.committed_generation == rebuild.generation
+    assert incident.restore_step == 3 and incident.evidence["lost_committed_steps"] == "2"
+    assert state.committed_holders == {0: {rebuild.placement[0][0]}}
+
+
+def unavailable(core: SwapperCore, rebuild: Rebuild, rank: int, now: float) -> Decision:
+    member = rebuild.ranks[rank]
+    marks = {"begin": now, "ready": now}
+    ack = RebuildAck("j", rebuild.generation, member, rank, rebuild.restore_step, -1, "unavailable", marks, now)
+    return core.on_ack(ack, now)
+
+
+def test_a_member_that_finds_no_copy_moves_the_rebuild_down_the_chain_until_the_job_ends_saying_why() -> None:
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.3)
+    complete(core, 5, formation.placement, 0.4)
+    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
+    announce(core, 1.0)
+    first = kill_rank(core, "r1", 1, 1.0)
+    assert (first.restore_step, first.durable) == (5, False)
+    (second,) = published(unavailable(core, first, 1, 1.2), Rebuild)  # the stores' copies were gone after all
+    assert (second.restore_step, second.durable, second.generation) == (4, False, first.generation + 1)
+    assert core.jobs["j"].open_incidents[0].evidence["restore_link"] == "older_committed"
+    (third,) = published(unavailable(core, second, 1, 1.3), Rebuild)
+    assert third.durable
+    assert published(unavailable(core, first, 1, 1.35), Rebuild) == [], "a repeated old ack: no-op"
+    (ended,) = published(unavailable(core, third, 0, 1.4), JobFinished)
+    assert ended.failed and "every copy of the committed step is gone" in ended.reason

@@ -53,6 +53,7 @@ NO_RANK = -1
 """`rank` of a member that holds none (a spare, or a member not yet placed)."""
 NO_STEP = -1
 """`step` meaning "no step": nothing committed yet, or a fresh start."""
+RESTORE_SOURCES = frozenset({"local", "store", "durable", "fresh", "unavailable"})
 
 
 class ProtocolError(ValueError):
@@ -375,6 +376,9 @@ class Rebuild(JobMessage):
     restore_generation: int = 0
     """The generation that produced the committed `restore_step` (0: unknown, any is accepted). A
     store's copy from another generation belongs to an abandoned timeline and is not restored."""
+    durable: bool = False
+    """No RAM copy is left: restore from the durable tier, the newest step every rank has intact
+    (the ranks agree on it; `restore_step` is NO_STEP)."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -461,7 +465,8 @@ class RebuildAck(JobMessage):
     """The step this member had completed before it rolled back (NO_STEP for a spare)."""
     restore_source: str
     """'local' (own ping-pong buffer), 'store' (fetched), 'durable' (resumed from the durable tier's
-    files), or 'fresh' (no restore)."""
+    files), 'fresh' (no restore), or 'unavailable': this member found no copy of the restore step and
+    waits for the next command (the swapper then tries the next link of its fallback chain)."""
     marks: dict[str, float]
     """Wall-clock times of this member's rebuild: 'received' (command in), 'out' (its broken process
     group dropped), 'begin' (training thread starts the rebuild), 'restored' (state loaded),
@@ -474,7 +479,7 @@ class RebuildAck(JobMessage):
         _check_rank(self.rank)
         _check_step(self.restore_step)
         _check_step(self.last_completed_step)
-        _need(self.restore_source in {"local", "store", "durable", "fresh"}, "unknown restore_source")
+        _need(self.restore_source in RESTORE_SOURCES, "unknown restore_source")
         _need(all(v >= 0.0 for v in self.marks.values()), "a time mark is negative")
 
 

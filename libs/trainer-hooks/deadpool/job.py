@@ -44,6 +44,7 @@ from deadpool.member_rebuild import (
     MemberFencedError,
     MemberRebuild,
     RendezvousFailedError,
+    RestoreUnavailableError,
 )
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
@@ -489,8 +490,12 @@ class Job:
         (after reporting it) if it cannot carry the rebuild out, JobFailedError if the job ended."""
         while True:
             self._stuck.clear()
+            rebuild = MemberRebuild(self, command, marks)
             try:
-                return MemberRebuild(self, command, marks).run()
+                return rebuild.run()
+            except RestoreUnavailableError as exc:
+                self._leave_group()
+                rebuild.report_unavailable(str(exc))
             except SupersededError:
                 self._leave_group()
                 self.log.info("generation superseded during its rebuild", generation=command.generation)

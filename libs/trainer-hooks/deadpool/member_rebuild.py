@@ -20,8 +20,12 @@ Three other ways out, each a specific exception for the job to act on:
 - `RendezvousFailedError`: the group could not be formed (a peer died meanwhile, the host is
   unreachable). Not this member's fault: it awaits the next command, and the swapper or the detector
   provides one (a failure's rebuild, or a regroup).
+- `RestoreUnavailableError`: no copy of what the rebuild restores could be had (no store holds it,
+  or the durable tier has no step every rank has intact). The member tells the swapper (an ack with
+  source 'unavailable') and awaits the next command: the next link of the swapper's fallback chain.
 - `MemberCannotContinueError`: something a spare would meet as well (the user's factory or wrapper
-  raised, no store has the snapshot, the ranks' snapshots do not fit together). The member reports
+  raised, a job resumed with `--resume-from` finds nothing to resume, the ranks' snapshots do not fit
+  together). The member reports
   it with its cause and the swapper ends the job with that reason.
 - `MemberFencedError`: the rebuild gives this member's rank to someone else.
 """
@@ -63,6 +67,7 @@ __all__ = [
     "MemberRebuild",
     "RebuildState",
     "RendezvousFailedError",
+    "RestoreUnavailableError",
 ]
 
 FORMATION_SNAPSHOT_WAIT_S = 120.0
@@ -86,6 +91,10 @@ class MemberFencedError(RuntimeError):
 
 class RendezvousFailedError(Exception):
     """The generation's process group could not be formed (the cause is chained)."""
+
+
+class RestoreUnavailableError(Exception):
+    """No copy of the rebuild's restore step (or of any durable step) could be had; the text says why."""
 
 
 class MemberCannotContinueError(RuntimeError):
@@ -115,8 +124,11 @@ class MemberRebuild:
         self.group: Any = None
         self._store: Any = None
         self._store_sockets: dict[int, str] = {}
-        self.resuming = command.restore_step == NO_STEP and bool(job.config.resume_from)
-        """Formation of a job resumed from the durable tier: the ranks agree on the step once grouped."""
+        config = job.config
+        self.resuming = command.durable or (command.restore_step == NO_STEP and bool(config.resume_from))
+        """Restoring from the durable tier (a job resumed with `--resume-from`, or no RAM copy left): the
+        ranks agree on the step once grouped."""
+        self.durable_dir = (config.durable_dir or config.resume_from) if command.durable else config.resume_from
 
     def run(self) -> bool:
         """Carry the rebuild out; True if this member holds a rank in the end, False if it stays a spare."""
@@ -229,8 +241,10 @@ class MemberRebuild:
 
     def _resume_from_durable(self) -> None:
         """Agree with every rank on the newest persisted step they all have intact, and load ours."""
-        directory = Path(self.job.config.resume_from)
         world = self.command.world_size
+        if not self.durable_dir:  # every rank is configured alike: they all say so
+            raise RestoreUnavailableError("no RAM copy is left and this job has no durable tier (--durable-dir)")
+        directory = Path(self.durable_dir)
         try:
             step, buffer, meta, refused = agree_on_step(
                 directory, self.rank, world, self.group, exchange_device(self.group)
@@ -241,11 +255,12 @@ class MemberRebuild:
         for reason in refused:
             self.log.warning("persisted step refused", reason=reason)
         if buffer is None or meta is None:
-            raise MemberCannotContinueError(
-                MemberErrorCause.SNAPSHOT_UNAVAILABLE,
-                f"no step in {directory} that all {world} ranks have complete and intact"
-                + (f" (refused here: {refused[0]})" if refused else ""),
+            why = f"no step in {directory} that all {world} ranks have complete and intact" + (
+                f" (refused here: {refused[0]})" if refused else ""
             )
+            if self.command.durable:
+                raise RestoreUnavailableError(why)
+            raise MemberCannotContinueError(MemberErrorCause.SNAPSHOT_UNAVAILABLE, why)
         try:
             check_fits(self.job.module, meta.layout)
         except ValueError as exc:
@@ -317,6 +332,26 @@ class MemberRebuild:
         if request is None or not request.done.is_set() or not request.sealed_on:
             self.log.warning("step 0 snapshot not stored before training; an early failure cannot be recovered")
 
+    def report_unavailable(self, reason: str) -> None:
+        """Tell the swapper this member found no copy of the restore step (it waits for the next command)."""
+        job, command = self.job, self.command
+        self.marks["ready"] = time.time()
+        job._link.progress = replace(job._link.progress, rebuilding=False, awaiting_rebuild=True)
+        job._link.ack(
+            RebuildAck(
+                job=job.config.job,
+                generation=self.generation,
+                member=job.config.member,
+                rank=self.rank,
+                restore_step=command.restore_step,
+                last_completed_step=job._completed_step if self.survivor else NO_STEP,
+                restore_source="unavailable",
+                marks=self.marks,
+                t_ready=self.marks["ready"],
+            )
+        )
+        self.log.warning("restore unavailable; the swapper tries the next link", reason=reason[:500])
+
     def ack(self, last_completed: int) -> None:
         job, command = self.job, self.command
         self.marks["ready"] = time.time()
@@ -327,7 +362,7 @@ class MemberRebuild:
                 generation=self.generation,
                 member=job.config.member,
                 rank=self.rank,
-                restore_step=command.restore_step,
+                restore_step=self.meta.step if self.source == "durable" and self.meta else command.restore_step,
                 last_completed_step=last_completed,
                 restore_source=self.source,
                 marks=self.marks,
@@ -383,7 +418,4 @@ class MemberRebuild:
                 errors.append(str(exc))
             finally:
                 connection.close()
-        raise MemberCannotContinueError(
-            MemberErrorCause.SNAPSHOT_UNAVAILABLE,
-            f"no store could provide rank {rank} step {step}: {'; '.join(errors)}",
-        )
+        raise RestoreUnavailableError(f"no store could provide rank {rank} step {step}: {'; '.join(errors)}")

@@ -20,15 +20,16 @@ def armed() -> bool:
 
 
 def corrupt_request(memory: SnapshotMemory, body: bytes) -> dict[str, Any]:
-    """`{"job": J, "rank": R}`: flip one byte in the middle of every sealed snapshot of (J, R)."""
+    """`{"job": J, "rank": R}`: flip one byte in the middle of every sealed snapshot of (J, R), or only
+    of step S with `"step": S`."""
     try:
         request = json.loads(body)
-        job, rank = str(request["job"]), int(request["rank"])
+        job, rank, step = str(request["job"]), int(request["rank"]), int(request.get("step", -1))
     except (ValueError, KeyError, TypeError) as exc:
         return {"corrupted": [], "error": f"want {{'job': ..., 'rank': ...}}: {exc}"}
     steps = []
     for snap in memory.sealed_of(job, rank):
-        if snap.total_bytes:
+        if snap.total_bytes and step in (-1, snap.step):
             middle = snap.total_bytes // 2
             snap.data[middle] = snap.data[middle] ^ 0xFF
             steps.append(snap.step)

@@ -53,6 +53,7 @@ from deadpool_swapper.placement import (
     place_snapshots,
     under_placed,
 )
+from deadpool_swapper.restore_chain import CommittedCopies, RestoreChoice, choose_restore
 
 __all__ = [
     "Action",
@@ -220,6 +221,17 @@ class JobState:
     replicate_sent_t: float = 0.0
     rank_bytes: dict[int, int] = field(default_factory=dict)
     """rank -> the size of its last snapshot (placement reserves room for it)."""
+    previous_committed: CommittedCopies = field(default_factory=CommittedCopies)
+    """The committed step before the current one, which stores keep too (the chain's second link)."""
+    unavailable: set[tuple[int, int]] = field(default_factory=set)
+    """(rank, step) a member reported it found no copy of, since the last generation that formed."""
+    durable_failed: bool = False
+    """A durable restore was reported impossible since the last generation that formed."""
+    durable_completes: dict[int, set[str]] = field(default_factory=dict)
+    """rank -> stores holding the resumed step's snapshot, while a durable rebuild is pending."""
+
+    def committed_copies(self) -> CommittedCopies:
+        return CommittedCopies(self.committed_step, self.committed_generation, self.committed_holders)
 
     def vacant_ranks(self) -> list[int]:
         return [r for r, m in enumerate(self.ranks) if m not in self.members]
@@ -282,7 +294,7 @@ class SwapperCore:
         known = self.stores.get(status.store)
         if known is not None and known.incarnation != status.incarnation:
             for state in self.jobs.values():
-                for holders in state.committed_holders.values():
+                for holders in [*state.committed_holders.values(), *state.previous_committed.holders.values()]:
                     holders.discard(status.store)
                 for by_rank in state.completes.values():
                     for stores in by_rank.values():
@@ -476,9 +488,31 @@ class SwapperCore:
         # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt.
         rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts)]
         # Until a generation has formed, every attempt starts fresh (a rank that died during formation
-        # may never have stored step 0). Every later generation restores a committed step; members ack
-        # formation only once their step-0 snapshot is sealed on its stores, so step 0 is always there.
-        state.restore_step = NO_STEP if not state.formed else max(state.committed_step, 0)
+        # may never have stored step 0). Every later generation restores a committed step (members ack
+        # formation only once their first snapshot is sealed on its stores), or, when no RAM copy of one
+        # is left, the durable tier: the fallback chain (`restore_chain`).
+        choice: RestoreChoice | None = choose_restore(
+            state.formed,
+            [("committed", state.committed_copies()), ("older_committed", state.previous_committed)],
+            state.ranks,
+            newcomers,
+            {s.store for s in stores},
+            state.unavailable,
+            state.durable_failed,
+            state.world_size,
+        )
+        if choice is None:
+            why = (
+                "every copy of the committed step is gone: no live store holds it for some rank, and no "
+                "member could restore from a durable tier (none configured, or no step all ranks have intact)"
+            )
+            return self._end_job(state, now, why)
+        if state.formed and state.committed_step == NO_STEP and not state.unavailable:
+            # Formed, and step 0's reports not in yet: members ack formation once it is sealed.
+            choice = RestoreChoice(0, 0, False, "committed", "step 0, stored at formation")
+        state.restore_step = choice.step
+        for incident in state.open_incidents:
+            incident.evidence["restore_link"], incident.evidence["restore_reason"] = choice.link, choice.reason
         generation = state.generation + 1
         assert generation > state.generation and generation > state.void_generation, "generations only grow"
         state.generation = generation
@@ -488,7 +522,7 @@ class SwapperCore:
         )
         state.placement_version, state.placement_confirmed = 0, True
         state.completes = {s: v for s, v in state.completes.items() if s <= state.restore_step}
-        restoring_committed = state.restore_step == state.committed_step and state.restore_step != NO_STEP
+        state.durable_completes = {}
         state.done.clear()
         command = Rebuild(
             job=state.job,
@@ -504,7 +538,8 @@ class SwapperCore:
             placement=state.placement,
             incident=",".join(i.incident_id for i in state.open_incidents),
             t_decided=now,
-            restore_generation=state.committed_generation if restoring_committed else 0,
+            restore_generation=choice.generation,
+            durable=choice.durable,
         )
         command.check()
         state.pending = PendingRebuild(command, t_sent=now)
@@ -513,7 +548,7 @@ class SwapperCore:
                 incident.t_decided = now
         return Decision(
             [Persist(state.job), Publish("rebuild", command)],
-            f"generation {state.generation}: {reason}; restore step {state.restore_step}",
+            f"generation {state.generation}: {reason}; restore {choice.link}: {choice.reason}",
         )
 
     def _end_job(self, state: JobState, now: float, reason: str) -> Decision:
@@ -531,6 +566,8 @@ class SwapperCore:
             return Decision([], f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending")
         if ack.member not in pending.rank_members:
             return Decision([], f"ack from {ack.member}, which holds no rank in generation {ack.generation}")
+        if ack.restore_source == "unavailable":
+            return self._restore_unavailable(state, pending, ack, now)
         pending.acks[ack.member] = ack
         missing = len(pending.rank_members) - len(pending.acks)  # O(1): thousands of acks per generation
         if missing:
@@ -538,6 +575,10 @@ class SwapperCore:
         state.pending = None
         state.attempts = 0
         state.formed = True
+        state.unavailable.clear()
+        state.durable_failed = False
+        if pending.command.durable:
+            self._adopt_durable_step(state, pending)
         actions: list[Action] = [Persist(state.job)]
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
         state.open_incidents.clear()
@@ -546,6 +587,33 @@ class SwapperCore:
         what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
         return Decision(actions, f"generation {state.generation} {what}: every rank acked")
 
+    def _restore_unavailable(self, state: JobState, pending: PendingRebuild, ack: RebuildAck, now: float) -> Decision:
+        """A member found no copy of what the rebuild restores: the next link of the chain, at once (the
+        others are waiting for it in the rendezvous; the newer generation releases them)."""
+        command = pending.command
+        if command.durable:
+            state.durable_failed = True
+            what = f"rank {ack.rank} ({ack.member}) could not restore from a durable tier"
+        else:
+            state.unavailable.add((ack.rank, command.restore_step))
+            what = f"rank {ack.rank} ({ack.member}) found no copy of step {command.restore_step}"
+        decision = self._publish_rebuild(state, now, newcomers=set(), reason=f"{what}: next link")
+        return Decision([Persist(state.job), *decision.actions], f"{what}; {decision.reason}")
+
+    def _adopt_durable_step(self, state: JobState, pending: PendingRebuild) -> None:
+        """A durable restore formed: the step the ranks agreed on is the committed step now. It goes back
+        (the only place it may): the RAM copies of the steps after it are gone, which the incidents say."""
+        step = max(a.restore_step for a in pending.acks.values())
+        lost = max(0, state.committed_step - step)
+        for incident in state.open_incidents:
+            incident.evidence["lost_committed_steps"] = str(lost)
+        state.previous_committed = CommittedCopies()
+        state.committed_step, state.committed_generation = step, state.generation
+        state.committed_holders = {r: set(s) for r, s in state.durable_completes.items()}
+        state.durable_completes = {}
+        state.restore_step = step
+        state.completes = {}
+
     def _close(self, state: JobState, incident: OpenIncident, pending: PendingRebuild) -> Incident:
         acks = list(pending.acks.values())
         t_resumed = max(a.t_ready for a in acks)
@@ -553,6 +621,7 @@ class SwapperCore:
         # restores from (a survivor whose own buffers no longer hold the restore step fetches too).
         last_completed = max((a.last_completed_step for a in acks), default=NO_STEP)
         last_completed = max(last_completed, state.restore_step)
+        restored = max(a.restore_step for a in acks) if pending.command.durable else pending.command.restore_step
         phases = incident_phases(incident, acks)
         return Incident(
             job=state.job,
@@ -566,8 +635,8 @@ class SwapperCore:
             t_detected=incident.t_detected,
             t_decided=incident.t_decided,
             t_resumed=t_resumed,
-            restore_step=pending.command.restore_step,
-            lost_steps=max(0, last_completed - pending.command.restore_step),
+            restore_step=restored,
+            lost_steps=max(0, last_completed - restored),
             phases=phases,
             evidence=incident.evidence,
         )
@@ -648,6 +717,10 @@ class SwapperCore:
             return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
         if sc.rank >= state.world_size:
             return Decision([], f"snapshot step {sc.step} rank {sc.rank}: no such rank")
+        pending = state.pending
+        if pending is not None and pending.command.durable and sc.generation == pending.command.generation:
+            state.durable_completes.setdefault(sc.rank, set()).add(sc.store)  # the resumed step, sealed
+            return Decision([Persist(state.job)], f"resumed step {sc.step} rank {sc.rank} on {sc.store}")
         if sc.step == state.committed_step and sc.generation == state.committed_generation:
             holders = state.committed_holders.setdefault(sc.rank, set())  # a replica made again, or a late copy
             if sc.store in holders:
@@ -664,6 +737,8 @@ class SwapperCore:
             return Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
         step = newly[-1]
         assert step > state.committed_step, "a committed step never goes back"
+        if state.committed_step != NO_STEP:
+            state.previous_committed = state.committed_copies()
         state.committed_step = step
         state.committed_generation = state.generation
         state.committed_holders = {rank: set(stores) for rank, stores in state.completes[step].items()}

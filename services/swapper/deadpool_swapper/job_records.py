@@ -26,6 +26,7 @@ from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.job_record import JOBS_BUCKET, JobSummary, pack_record, unpack_record
 from deadpool_swapper.core import JobState, OpenIncident, PendingRebuild
 from deadpool_swapper.placement import MemberInfo
+from deadpool_swapper.restore_chain import CommittedCopies
 
 __all__ = ["JobRecords", "RecordConflictError", "UnreadableRecordError", "state_from_record", "state_to_record"]
 
@@ -85,6 +86,14 @@ def state_to_record(state: JobState) -> bytes:
         "committed_generation": state.committed_generation,
         "committed_holders": [[rank, sorted(stores)] for rank, stores in state.committed_holders.items()],
         "rank_bytes": [[rank, nbytes] for rank, nbytes in state.rank_bytes.items()],
+        "previous_committed": [
+            state.previous_committed.step,
+            state.previous_committed.generation,
+            [[rank, sorted(stores)] for rank, stores in state.previous_committed.holders.items()],
+        ],
+        "unavailable": sorted([rank, step] for rank, step in state.unavailable),
+        "durable_failed": state.durable_failed,
+        "durable_completes": [[rank, sorted(stores)] for rank, stores in state.durable_completes.items()],
     }
     return pack_record(summary, private)
 
@@ -125,7 +134,15 @@ def state_from_record(data: bytes) -> JobState:
         committed_generation=p.get("committed_generation", 0),
         committed_holders={int(rank): set(stores) for rank, stores in p.get("committed_holders", [])},
         rank_bytes={int(rank): int(nbytes) for rank, nbytes in p.get("rank_bytes", [])},
+        unavailable={(int(rank), int(step)) for rank, step in p.get("unavailable", [])},
+        durable_failed=bool(p.get("durable_failed", False)),
+        durable_completes={int(rank): set(stores) for rank, stores in p.get("durable_completes", [])},
     )
+    if "previous_committed" in p:
+        step, generation, holders = p["previous_committed"]
+        state.previous_committed = CommittedCopies(
+            int(step), int(generation), {int(rank): set(stores) for rank, stores in holders}
+        )
     for step, rank, stores in p.get("completes", []):
         state.completes.setdefault(int(step), {})[int(rank)] = set(stores)
     if p.get("pending") is not None:

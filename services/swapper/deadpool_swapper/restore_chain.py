@@ -1,0 +1,77 @@
+"""Which state a rebuild restores: the fallback chain, as a pure choice.
+
+    1. committed       the committed step: survivors hold it in their own buffers, and every rank
+                       given to a newcomer has a live store holding it;
+    2. older_committed the committed step before it, which stores keep too: every rank needs a live
+                       store holding it (survivors' buffers have moved on);
+    3. durable         the durable tier's files: the ranks agree on the newest step they all have
+                       intact (`Rebuild.durable`); members without a durable tier end the job, saying so.
+
+A link is skipped when the swapper knows no live copy for some rank, and when a member reported it
+could not get that copy (`RebuildAck` with source 'unavailable': the swapper's view of the stores lags
+by up to their timeout). The choice and its reason go into every incident it closes. Survivors' own
+copies of replicated state are not a link of their own: a rank's snapshot holds its unique state
+(an optimizer shard) that no survivor has, so a rank is restored whole or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["CommittedCopies", "RestoreChoice", "choose_restore"]
+
+NO_STEP = -1
+
+
+@dataclass
+class CommittedCopies:
+    """A committed step, the generation that made it, and which stores hold each rank's snapshot of it."""
+
+    step: int = NO_STEP
+    generation: int = 0
+    holders: dict[int, set[str]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    step: int
+    generation: int
+    durable: bool
+    link: str
+    reason: str
+
+
+def choose_restore(
+    formed: bool,
+    candidates: Sequence[tuple[str, CommittedCopies]],
+    ranks: Sequence[str],
+    newcomers: set[str],
+    live: set[str],
+    unavailable: set[tuple[int, int]],
+    durable_failed: bool,
+    world_size: int,
+) -> RestoreChoice | None:
+    """The first link of the chain that can work; None when none can (the job must end)."""
+    if not formed:
+        return RestoreChoice(NO_STEP, 0, False, "fresh", "the job has not formed yet: a fresh start")
+    skipped: list[str] = []
+    for link, copies in candidates:
+        if copies.step == NO_STEP:
+            continue
+        missing = [
+            rank
+            for rank in range(world_size)
+            if (rank, copies.step) in unavailable
+            or (
+                not copies.holders.get(rank, set()) & live
+                and (link != "committed" or rank >= len(ranks) or ranks[rank] in newcomers)
+            )
+        ]
+        if not missing:
+            why = f"step {copies.step}" + (f" ({'; '.join(skipped)})" if skipped else "")
+            return RestoreChoice(copies.step, copies.generation, False, link, why)
+        skipped.append(f"{link} step {copies.step}: no copy of rank(s) {missing} to be had")
+    if durable_failed:
+        return None
+    return RestoreChoice(NO_STEP, 0, True, "durable", "; ".join(skipped) or "no committed step in RAM")
