@@ -17,11 +17,16 @@ Part 2, commit lag. The 4-rank demo job (GPT 'small') with a busy loop per core 
 step completion a member reports (its own clock, heartbeats every 0.1 s), the lag is the step every
 rank has completed minus the step committed at that moment. Goal: at most 1.
 
-Part 3, the durable tier (`persist_gbps`, `durable_step_time_ratio`, `resume_s`): not built yet; the
-keys are printed as null.
+Part 3, the durable tier. The 2-rank job (GPT `--durable-model-size`, default 'small') runs
+`--durable-steps` steps twice, alternating, with in-memory snapshots every step both times, and
+persisting every `--durable-every-steps` steps the second time:
+- `durable_step_time_ratio`: median step time with the durable tier over without (goal <= 1.01);
+- `persist_gbps`: bytes persisted per second of the writer thread's time (all ranks);
+- `resume_s`: from launching a job with `--resume-from` to the first step every rank completed, and
+  `fresh_start_s`, the same for a job that starts fresh (the difference is what resuming costs).
 
 A table, then one JSON line. Goals: rereplicate_s_p99 <= 5, commit_lag_steps_max <= 1, generations
-unchanged by store loss.
+unchanged by store loss, durable_step_time_ratio <= 1.01.
 """
 
 from __future__ import annotations
@@ -50,7 +55,12 @@ from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import SWAPPER_STATUS, Commit, Subjects, decode
 from deadpool_protocol.logs import get_logger
 
-GOAL = {"rereplicate_s_p99_max": 5.0, "commit_lag_steps_max": 1, "generation_changes": 0}
+GOAL = {
+    "rereplicate_s_p99_max": 5.0,
+    "commit_lag_steps_max": 1,
+    "generation_changes": 0,
+    "durable_step_time_ratio_max": 1.01,
+}
 STORES = 3
 TRIAL_WAIT_S = 30.0
 POLL_S = 0.02
@@ -80,12 +90,16 @@ async def status(nc: Client, job: str) -> dict[str, Any]:
         return {}
 
 
-async def launch(url: str, job: str, nproc: int, steps: int, model: str, log: Path) -> asyncio.subprocess.Process:
+async def launch(
+    url: str, job: str, nproc: int, steps: int, model: str, log: Path, *flags: str, env: dict[str, str] | None = None
+) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
-    command += ["--nproc", str(nproc), "--spares", "0", str(default_script()), "--steps", str(steps)]
+    command += ["--nproc", str(nproc), "--spares", "0", *flags, str(default_script()), "--steps", str(steps)]
     command += ["--model-size", model]
     with open(log, "wb") as sink:
-        return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=subprocess.STDOUT)
+        return await asyncio.create_subprocess_exec(
+            *command, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
 
 
 async def stop(process: asyncio.subprocess.Process) -> None:
@@ -227,6 +241,78 @@ async def commit_lag(args: argparse.Namespace, stack: Stack, nc: Client, workdir
     }
 
 
+def member_stats(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+
+
+async def first_step_s(nc: Client, url: str, job: str, workdir: Path, *flags: str) -> float:
+    """From launching a 2-rank job to the first step every rank completed (the job is then stopped)."""
+    watch = JobWatch(nc, job, get_logger(job=job))
+    await watch.start()
+    started = time.time()
+    launcher = await launch(url, job, 2, FOREVER_STEPS, "small", workdir / f"{job}.log", *flags)
+
+    def every_rank_stepped() -> bool:
+        ranks = {d.rank for d in watch.steps_done}
+        return len(ranks) == 2
+
+    try:
+        await asyncio.wait_for(watch.wait_for(every_rank_stepped), 300)
+        firsts: dict[int, float] = {}
+        for done in watch.steps_done:
+            firsts.setdefault(done.rank, done.t)
+        return max(firsts.values()) - started
+    finally:
+        await stop(launcher)
+
+
+async def durable_tier(args: argparse.Namespace, stack: Stack, nc: Client, workdir: Path) -> dict[str, Any]:
+    model, steps, every = args.durable_model_size, args.durable_steps, args.durable_every_steps
+    durable = workdir / "durable"
+    ratios: list[float] = []
+    medians: dict[str, list[float]] = {"off": [], "on": []}
+    written, seconds, persisted, skipped = 0, 0.0, 0, 0
+    for round_ in range(args.durable_rounds):
+        for mode in ("off", "on"):
+            stats = workdir / f"stats-{mode}-{round_}"
+            stats.mkdir()
+            flags = ("--durable-dir", str(durable), "--durable-every-steps", str(every)) if mode == "on" else ()
+            job = f"durability-{mode}-{round_}"
+            env = {"DEADPOOL_STATS_DIR": str(stats)}
+            launcher = await launch(stack.url, job, 2, steps, model, workdir / f"{job}.log", *flags, env=env)
+            if await launcher.wait() != 0:
+                raise SystemExit(f"{job} failed: see {workdir / f'{job}.log'}")
+            members = member_stats(stats)
+            step_s = [s["step_s"] for m in members for s in m["steps"][2:]]  # past the first steps' warm-up
+            medians[mode].append(statistics.median(step_s))
+            if mode == "on":
+                written += sum(m.get("durable_bytes", 0) for m in members)
+                seconds += sum(m.get("durable_s", 0.0) for m in members)
+                persisted += sum(m.get("durable_persisted", 0) for m in members)
+                skipped += sum(m.get("durable_skipped", 0) for m in members)
+        ratios.append(medians["on"][-1] / medians["off"][-1])
+        print(
+            f"durable round {round_}: step {medians['off'][-1]:.4f} s without, {medians['on'][-1]:.4f} s with "
+            f"(ratio {ratios[-1]:.4f})",
+            flush=True,
+        )
+    resume_s = await first_step_s(nc, stack.url, "durability-resumed", workdir, "--resume-from", str(durable))
+    fresh_s = await first_step_s(nc, stack.url, "durability-fresh", workdir)
+    return {
+        "durable_step_time_ratio": round(statistics.median(ratios), 4),
+        "durable_step_time_ratios": [round(r, 4) for r in ratios],
+        "durable_step_s_off": round(statistics.median(medians["off"]), 4),
+        "durable_step_s_on": round(statistics.median(medians["on"]), 4),
+        "persist_gbps": round(written / seconds / 1e9, 4) if seconds else None,
+        "persisted": persisted,
+        "persist_skipped": skipped,
+        "persisted_bytes": written,
+        "resume_s": round(resume_s, 3),
+        "fresh_start_s": round(fresh_s, 3),
+        "durable_model_size": model,
+    }
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deadpool-durability-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -239,8 +325,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             result |= await rereplication(args, stack, nc, workdir)
         if args.lag_steps:
             result |= await commit_lag(args, stack, nc, workdir)
+        if args.durable_rounds:
+            result |= await durable_tier(args, stack, nc, workdir)
         await nc.close()
-    result |= {"persist_gbps": None, "durable_step_time_ratio": None, "resume_s": None, "durable_tier": "not built"}
     result["goal"] = GOAL
     rereplicate_p99 = result.get("rereplicate_s_p99")
     lag_max = result.get("commit_lag_steps_max")
@@ -251,6 +338,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         and result.get("generation_changes", 1) == 0
         and lag_max is not None
         and lag_max <= GOAL["commit_lag_steps_max"]
+        and (result.get("durable_step_time_ratio") or float("inf")) <= GOAL["durable_step_time_ratio_max"]
     )
     result["work_dir"] = str(workdir)
     return result
@@ -263,6 +351,10 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=0, help="busy loops beside it (default: one per core)")
     parser.add_argument("--model-size", default="tiny", help="model of the re-replication job")
     parser.add_argument("--lag-model-size", default="small", help="model of the saturated-host job (the demo's)")
+    parser.add_argument("--durable-rounds", type=int, default=3, help="pairs of runs without/with it (0: skip)")
+    parser.add_argument("--durable-steps", type=int, default=40)
+    parser.add_argument("--durable-every-steps", type=int, default=10)
+    parser.add_argument("--durable-model-size", default="small")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workdir", default="")
     args = parser.parse_args()
@@ -277,7 +369,10 @@ def main() -> None:
         ("generations changed", result.get("generation_changes"), "0"),
         ("commit lag max (steps)", result.get("commit_lag_steps_max"), "<= 1"),
         ("commit lag p50 (steps)", result.get("commit_lag_steps_p50"), ""),
-        ("durable tier", "not built", ""),
+        ("durable step-time ratio", result.get("durable_step_time_ratio"), "<= 1.01"),
+        ("persist GB/s", result.get("persist_gbps"), ""),
+        ("resume to first step (s)", result.get("resume_s"), ""),
+        ("fresh start to first step (s)", result.get("fresh_start_s"), ""),
     ]
     for name, value, goal in rows:
         print(f"{name:>28} {value!s:>10} {goal:>8}")

@@ -84,7 +84,11 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--durable-dir", default="", help="persist snapshots there as torch.distributed.checkpoint files"
     )
-    launch.add_argument("--durable-every-steps", type=int, default=100, help="persist every N steps")
+    launch.add_argument("--durable-every-steps", type=int, default=100, help="persist every N steps (0: by time)")
+    launch.add_argument(
+        "--durable-every-s", type=float, default=0.0, help="persist every T seconds too, at the next grid step"
+    )
+    launch.add_argument("--durable-grid-steps", type=int, default=10, help="the grid time-based persists land on")
     launch.add_argument("--durable-keep", type=int, default=3, help="persisted steps each rank keeps")
     launch.add_argument(
         "--resume-from", default="", help="start from the newest step every rank has intact in this durable dir"
@@ -242,6 +246,8 @@ def _launch(args: argparse.Namespace) -> int:
         durable_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
         durable_env[ENV.DURABLE_EVERY_STEPS] = str(args.durable_every_steps)
         durable_env[ENV.DURABLE_KEEP] = str(args.durable_keep)
+        durable_env[ENV.DURABLE_EVERY_S] = str(args.durable_every_s)
+        durable_env[ENV.DURABLE_GRID_STEPS] = str(args.durable_grid_steps)
     if args.resume_from:
         if not Path(args.resume_from).is_dir():
             print(f"deadpool launch: --resume-from {args.resume_from}: no such directory", file=sys.stderr)

@@ -10,9 +10,12 @@ training thread, and a whole job resumed from them when no RAM copy is left.
                                          the snapshot's own manifest (RNG states, hyper-parameters,
                                          optimizer scalars, layout) in base64
 
-A step is complete when every rank's manifest is there. Every rank persists the same steps (`step %
-every_steps == 0`, a rule every rank applies alike), from the snapshot it has just streamed to its
-stores: the stream thread copies the buffer (a memory copy) and a writer thread of its own writes the
+A step is complete when every rank's manifest is there. Every rank persists the same steps, from the
+snapshot it has just streamed to its stores. Every `every_steps` steps is a rule every rank applies
+alike. Every `every_s` seconds cannot be one (the ranks' clocks differ), so a time-based persist waits
+for the next step on a grid (`grid_steps`): ranks in lockstep reach the same grid step, and the rare
+pair that straddles a grid step differs once, which resuming copes with (the newest step all have).
+The stream thread the stream thread copies the buffer (a memory copy) and a writer thread of its own writes the
 files, so neither the training thread nor a step ever waits for the disk. A persist still running
 when the next is due makes that one skipped (counted); resuming takes the newest step every rank has.
 
@@ -231,12 +234,24 @@ class _Job:
 class DurableWriter:
     """Persists snapshots on a thread of its own; `offer` is called by the stream thread."""
 
-    def __init__(self, directory: str, job: str, every_steps: int, keep: int, log: Any) -> None:
-        if every_steps < 1 or keep < 1:
-            raise ValueError("every_steps and keep must be at least 1")
+    def __init__(
+        self,
+        directory: str,
+        job: str,
+        every_steps: int,
+        keep: int,
+        log: Any,
+        every_s: float = 0.0,
+        grid_steps: int = 10,
+    ) -> None:
+        if every_steps < 0 or keep < 1 or every_s < 0 or grid_steps < 1 or not (every_steps or every_s):
+            raise ValueError("persist every N steps or T seconds (N or T positive), keeping at least 1")
         self.directory = Path(directory)
         self.job = job
         self.every_steps = every_steps
+        self.every_s = every_s
+        self.grid_steps = grid_steps
+        self._last_t = time.monotonic()
         self.keep = keep
         self.log = log
         self.persisted = 0
@@ -250,7 +265,16 @@ class DurableWriter:
         self._thread.start()
 
     def due(self, step: int) -> bool:
-        return step > 0 and step % self.every_steps == 0
+        """Whether `step` is persisted (asked once per captured step, on the training thread)."""
+        if step <= 0:
+            return False
+        if self.every_steps and step % self.every_steps == 0:
+            self._last_t = time.monotonic()
+            return True
+        if self.every_s and step % self.grid_steps == 0 and time.monotonic() - self._last_t >= self.every_s:
+            self._last_t = time.monotonic()
+            return True
+        return False
 
     def offer(self, step: int, rank: int, world_size: int, generation: int, buffer: FlatBuffer, meta: bytes) -> bool:
         """Copy `buffer` aside and persist it in the background; False (counted) if the last persist

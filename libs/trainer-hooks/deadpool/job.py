@@ -170,7 +170,15 @@ class Job:
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
         durable = (
-            DurableWriter(config.durable_dir, config.job, config.durable_every_steps, config.durable_keep, log)
+            DurableWriter(
+                config.durable_dir,
+                config.job,
+                config.durable_every_steps,
+                config.durable_keep,
+                log,
+                config.durable_every_s,
+                config.durable_grid_steps,
+            )
             if config.durable_dir
             else None
         )

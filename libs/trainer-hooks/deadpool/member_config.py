@@ -41,6 +41,8 @@ class ENV:
     DURABLE_DIR = "DEADPOOL_DURABLE_DIR"
     DURABLE_EVERY_STEPS = "DEADPOOL_DURABLE_EVERY_STEPS"
     DURABLE_KEEP = "DEADPOOL_DURABLE_KEEP"
+    DURABLE_EVERY_S = "DEADPOOL_DURABLE_EVERY_S"
+    DURABLE_GRID_STEPS = "DEADPOOL_DURABLE_GRID_STEPS"
     RESUME_FROM = "DEADPOOL_RESUME_FROM"
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
@@ -89,6 +91,10 @@ class MemberConfig:
     durable_dir: str = ""
     """Persist snapshots there as `torch.distributed.checkpoint` files (`deadpool.durable_tier`); '' off."""
     durable_every_steps: int = 100
+    """Persist every N steps (0: only by time)."""
+    durable_every_s: float = 0.0
+    """Persist every T seconds too (0: off), at the next step on a grid of `durable_grid_steps`."""
+    durable_grid_steps: int = 10
     durable_keep: int = 3
     """Persisted steps each rank keeps."""
     resume_from: str = ""
@@ -118,8 +124,12 @@ class MemberConfig:
             object.__setattr__(self, "rendezvous_wait_s", self.pg_timeout_s)
         if self.snapshot_every < 0:
             raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
-        if self.durable_every_steps < 1 or self.durable_keep < 1:
-            raise ValueError("durable_every_steps and durable_keep must be at least 1")
+        if self.durable_every_steps < 0 or self.durable_every_s < 0 or self.durable_keep < 1:
+            raise ValueError("durable_every_steps and durable_every_s must not be negative, durable_keep positive")
+        if self.durable_dir and not (self.durable_every_steps or self.durable_every_s):
+            raise ValueError("a durable tier persists every N steps or T seconds: set one of them")
+        if self.durable_grid_steps < 1:
+            raise ValueError("durable_grid_steps must be at least 1")
         if self.snapshot_wait_s <= 0:
             raise ValueError("snapshot_wait_s must be positive")
         if not 0 <= self.snapshot_stream_nice <= 19:
@@ -155,6 +165,8 @@ class MemberConfig:
             durable_dir=env.get(ENV.DURABLE_DIR, ""),
             durable_every_steps=int(env.get(ENV.DURABLE_EVERY_STEPS, "100")),
             durable_keep=int(env.get(ENV.DURABLE_KEEP, "3")),
+            durable_every_s=float(env.get(ENV.DURABLE_EVERY_S, "0")),
+            durable_grid_steps=int(env.get(ENV.DURABLE_GRID_STEPS, "10")),
             resume_from=env.get(ENV.RESUME_FROM, ""),
             stats_dir=env.get(ENV.STATS_DIR, ""),
             heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
