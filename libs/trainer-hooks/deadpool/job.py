@@ -21,6 +21,7 @@ import contextlib
 import gc
 import os
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -96,6 +97,8 @@ ERROR_REPORT_WAIT_S = 5.0
 STEP_TIMES_KEPT = 16
 WARM_UP_SECTION = "warm-up"
 """The section a spare's heartbeats name while it warms up (it is not ready to take a rank yet)."""
+FORM_LEAVE_S = 1.5
+"""After a group's creation was broken, how long the training thread may take to leave it."""
 GROUP_RETIRE_MARGIN_S = 5.0
 """A dropped process group is freed this long after its collective timeout (see `GenerationGroup`)."""
 
@@ -481,9 +484,12 @@ class Job:
         else:
             broken = self._waits.supersede(ended=True)
             below = 2**62
+        forming = self._group.forming_generation()
         if self._group.abort(below_generation=below):
             self.log.info("process group aborted", generation=self.generation, by=command.KIND)
             self._stuck.watch(self.generation)
+            if forming is not None and forming < below:
+                self._watch_creation_leaves(forming)
         if broken:
             self.log.info("waits of a superseded generation broken", waits=broken, by=command.KIND)
 
@@ -541,6 +547,21 @@ class Job:
         self.optimizer = None
         self._plan = None
         self._group.destroy()
+
+    def _watch_creation_leaves(self, generation: int) -> None:
+        """Control thread: the creation of `generation`'s group was just broken, which fails it at once
+        unless gloo is retrying a connection to a peer that died (ECONNREFUSED, no socket to break: it
+        retries until the collective timeout). Seen once in 50 chaos faults, holding the next generation
+        for 20 s. If the training thread is still creating that group after `FORM_LEAVE_S`, this member
+        exits, saying why, and the swapper replaces it with a spare."""
+
+        def check() -> None:
+            if self._group.forming_generation() == generation and not self._closed:
+                self._report_stuck(generation)
+
+        timer = threading.Timer(FORM_LEAVE_S, check)
+        timer.daemon = True
+        timer.start()
 
     def _recent_step_s(self) -> float:
         recent = [s["step_s"] for s in self.stats.steps[-STEP_TIMES_KEPT:]]

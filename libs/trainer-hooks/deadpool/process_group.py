@@ -276,6 +276,11 @@ class GenerationGroup:
             self._group = dist.group.WORLD
         return dist.group.WORLD
 
+    def forming_generation(self) -> int | None:
+        """The generation whose group is being created right now, if any (any thread)."""
+        with self._lock:
+            return self._forming[0] if self._forming is not None else None
+
     def abort(self, below_generation: int | None = None) -> bool:
         """Break the group's connections (any thread), or the creation in progress. With
         `below_generation`, only if the group (or the one being created) is older than that. Returns
