@@ -25,8 +25,7 @@ Three other ways out, each a specific exception for the job to act on:
   source 'unavailable') and awaits the next command: the next link of the swapper's fallback chain.
 - `MemberCannotContinueError`: something a spare would meet as well (the user's factory or wrapper
   raised, a job resumed with `--resume-from` finds nothing to resume, the ranks' snapshots do not fit
-  together). The member reports
-  it with its cause and the swapper ends the job with that reason.
+  together). The member reports it with its cause and the swapper ends the job with that reason.
 - `MemberFencedError`: the rebuild gives this member's rank to someone else.
 """
 
