@@ -29,6 +29,8 @@ from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS
 from deadpool_protocol.logs import get_logger
 
+from .jobs import every_rank_at
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 STEPS = 30
 RUN_TIMEOUT_S = 180.0
@@ -62,7 +64,7 @@ async def run_with_fault(
         log = tmp_path / "run.log"
         launcher = await launch(stack.url, job, tmp_path / "swap", log, *flags)
         try:
-            await asyncio.wait_for(watch.wait_for(lambda: ranks_at(watch, 12)), 120)
+            await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 12)), 120)
             await fault(stack, nc, job, watch)
             returncode = await asyncio.wait_for(launcher.wait(), RUN_TIMEOUT_S)
         finally:
@@ -122,10 +124,3 @@ async def test_with_both_stores_of_a_rank_lost_with_it_the_job_goes_on_from_the_
     (incident,) = watch.incidents
     assert incident.evidence["restore_link"] == "durable", incident.evidence
     assert incident.restore_step % 4 == 0 and int(incident.evidence["lost_committed_steps"]) >= 0
-
-
-def ranks_at(watch: JobWatch, step: int) -> bool:
-    if watch.rebuild is None:
-        return False
-    steps = [watch.members[m].step for m in watch.rebuild.ranks if m in watch.members]
-    return len(steps) == len(watch.rebuild.ranks) and min(steps) >= step

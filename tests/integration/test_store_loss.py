@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from deadpool_protocol import SWAPPER_STATUS, Commit, Placement, StoreStatus, Su
 from deadpool_protocol.logs import get_logger
 from deadpool_protocol.subjects import STORE_STATUS
 
+from .jobs import every_rank_at
 from .netns import TestNetwork, namespaces_available
 
 pytestmark = pytest.mark.skipif(not namespaces_available(), reason="network namespaces need root and iproute2")
@@ -111,7 +113,7 @@ async def test_a_lost_store_host_heals_without_a_rebuild_and_a_later_swap_is_bit
             out = tmp_path / "swap"
             launcher = launch(net, url, job, out)
 
-            await asyncio.wait_for(watch.wait_for(lambda: ranks_at(watch, 8) and commits), WAIT_S)
+            await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 8) and commits), WAIT_S)
             assert watch.rebuild is not None
             generation, first_placement = watch.rebuild.generation, watch.rebuild.placement
             lost = first_placement[0][0]
@@ -130,19 +132,14 @@ async def test_a_lost_store_host_heals_without_a_rebuild_and_a_later_swap_is_bit
             await asyncio.wait_for(healed(), HEAL_WAIT_S)
             t_placed, placement = placements[0]
             assert placement.generation == generation and watch.rebuild.generation == generation, "no rebuild"
-            assert all(lost not in names and len(names) == 2 for names in placement.placement)
-            for names in placement.placement:
-                assert len({n for n in names}) == 2
+            assert all(lost not in names and len(set(names)) == 2 for names in placement.placement)
             assert t_placed - t_lost < HEAL_WAIT_S
 
             victim = watch.holder_of(1)
             assert victim is not None
             commits_before_kill = len(commits)
             await asyncio.wait_for(watch.wait_for(lambda: len(commits) > commits_before_kill), WAIT_S)
-            pid = watch.members[victim].pid
-            import os
-
-            os.kill(pid, signal.SIGKILL)
+            os.kill(watch.members[victim].pid, signal.SIGKILL)
             returncode = await asyncio.wait_for(asyncio.to_thread(launcher.wait), RUN_TIMEOUT_S)  # type: ignore[attr-defined]
             assert returncode == 0, (tmp_path / f"launch-{job}.log").read_text(errors="replace")[-3000:]
             assert [i.rank for i in watch.incidents] == [1]
@@ -155,10 +152,3 @@ async def test_a_lost_store_host_heals_without_a_rebuild_and_a_later_swap_is_bit
             await nc.close()
     identical, tensors, differences = compare_final_states(out, reference)
     assert identical and tensors > 0, differences[:5]
-
-
-def ranks_at(watch: JobWatch, step: int) -> bool:
-    if watch.rebuild is None:
-        return False
-    steps = [watch.members[m].step for m in watch.rebuild.ranks if m in watch.members]
-    return len(steps) == len(watch.rebuild.ranks) and min(steps) >= step

@@ -96,6 +96,18 @@ async def test_a_snapshot_is_copied_store_to_store_with_its_generation_member_an
     copied, generation, member = await asyncio.to_thread(fetch, target, "j", 1, 9)
     assert copied == data and generation == 4 and member == "member-a"
 
+    def fetch_as_of(committed_generation: int) -> None:
+        conn = StoreConnection(target)
+        try:
+            conn.fetch("j", 1, 9, lambda meta, total: memoryview(bytearray(total)), committed_generation)
+        finally:
+            conn.close()
+
+    # A copy of another generation than the one that committed the step is an abandoned timeline's.
+    with pytest.raises(StoreClientError, match="abandoned timeline"):
+        await asyncio.to_thread(fetch_as_of, 5)
+    await asyncio.to_thread(fetch_as_of, 4)
+
 
 async def test_a_copy_corrupted_in_the_source_is_refused_by_the_target_and_fails_its_fetch(
     nc: Client, spawn_service: SpawnService, monkeypatch: pytest.MonkeyPatch

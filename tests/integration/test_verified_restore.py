@@ -24,9 +24,13 @@ from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS
 from deadpool_protocol.logs import get_logger
 
+from .jobs import every_rank_at
+
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 STEPS = 24
 RUN_TIMEOUT_S = 180.0
+SETTLE_S = 0.3
+"""After freezing the ranks, time for snapshots already on the wire to be sealed and committed."""
 
 
 async def launch(url: str, job: str, out: Path, log: Path) -> asyncio.subprocess.Process:
@@ -49,15 +53,22 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
         log = tmp_path / "run.log"
         launcher = await launch(stack.url, job, tmp_path / "swap", log)
         try:
-            await asyncio.wait_for(watch.wait_for(lambda: ranks_at(watch, 8)), 120)
-            status = json.loads((await nc.request(SWAPPER_STATUS, job.encode(), timeout=5)).data)
-            first_store = status["placement"][1][0]
-            body = json.dumps({"job": job, "rank": 1}).encode()
-            reply = json.loads((await nc.request(f"deadpool.store.{first_store}.corrupt", body, timeout=5)).data)
-            assert reply["corrupted"], reply
-            victim = watch.holder_of(1)
-            assert victim is not None
-            os.kill(watch.members[victim].pid, signal.SIGKILL)
+            await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 8)), 120)
+            assert watch.rebuild is not None
+            pids = [watch.members[m].pid for m in watch.rebuild.ranks]
+            for pid in pids:  # no new snapshot may be sealed (and committed) after the bytes are flipped
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(SETTLE_S)
+                status = json.loads((await nc.request(SWAPPER_STATUS, job.encode(), timeout=5)).data)
+                first_store = status["placement"][1][0]
+                body = json.dumps({"job": job, "rank": 1}).encode()
+                corrupt = f"deadpool.store.{first_store}.corrupt"
+                reply = json.loads((await nc.request(corrupt, body, timeout=5)).data)
+                assert status["committed_step"] in reply["corrupted"], (status["committed_step"], reply)
+                os.kill(pids[1], signal.SIGKILL)
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
             returncode = await asyncio.wait_for(launcher.wait(), RUN_TIMEOUT_S)
         finally:
             if launcher.returncode is None:
@@ -77,10 +88,3 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "reference")
     assert identical and tensors > 0, differences[:5]
-
-
-def ranks_at(watch: JobWatch, step: int) -> bool:
-    if watch.rebuild is None:
-        return False
-    steps = [watch.members[m].step for m in watch.rebuild.ranks if m in watch.members]
-    return len(steps) == len(watch.rebuild.ranks) and min(steps) >= step
