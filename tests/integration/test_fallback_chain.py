@@ -91,12 +91,18 @@ async def test_with_every_copy_of_the_committed_step_corrupt_the_older_committed
             os.kill(pid, signal.SIGSTOP)  # the committed step stands still while the copies are spoilt
         try:
             await asyncio.sleep(SETTLE_S)
-            now = await status(nc, job)
-            seen["committed"] = step = now["committed_step"]
-            for store in now["placement"][1]:
-                body = json.dumps({"job": job, "rank": 1, "step": step}).encode()
-                reply = json.loads((await nc.request(f"deadpool.store.{store}.corrupt", body, timeout=5)).data)
-                assert reply["corrupted"] == [step], reply
+            step = -1
+            while True:  # until no snapshot still on the wire commits a newer step meanwhile
+                now = await status(nc, job)
+                if now["committed_step"] == step:
+                    break
+                step = now["committed_step"]
+                for store in now["placement"][1]:
+                    body = json.dumps({"job": job, "rank": 1, "step": step}).encode()
+                    reply = json.loads((await nc.request(f"deadpool.store.{store}.corrupt", body, timeout=5)).data)
+                    assert reply["corrupted"] == [step], reply
+                await asyncio.sleep(SETTLE_S)
+            seen["committed"] = step
             os.kill(pids[1], signal.SIGKILL)
         finally:
             os.kill(pids[0], signal.SIGCONT)
