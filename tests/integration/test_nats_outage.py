@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 import nats
@@ -42,8 +43,11 @@ async def test_training_survives_a_nats_restart_without_any_member_declared_dead
             stack.nats.stop()
             await asyncio.sleep(OUTAGE_S)
             stack.nats.start()  # same port, same JetStream data
-            await asyncio.wait_for(watch.wait_for(lambda: max_step(watch) > step_before), 60)
-            step_after = max_step(watch)
+            restarted_t = time.time()
+            # A fresh beat (a step completed after the restart): beats buffered during the outage
+            # arrive first on reconnection and tell of steps early in it.
+            await asyncio.wait_for(watch.wait_for(lambda: fresh_step(watch, restarted_t) > step_before), 60)
+            step_after = fresh_step(watch, restarted_t)
             returncode = await asyncio.wait_for(launcher.wait(), RUN_TIMEOUT_S)
         finally:
             if launcher.returncode is None:
@@ -62,6 +66,10 @@ async def test_training_survives_a_nats_restart_without_any_member_declared_dead
 def min_step(watch: JobWatch) -> int:
     ranked = [v.step for v in watch.members.values() if v.step >= 0]
     return min(ranked) if len(ranked) >= 2 else -1
+
+
+def fresh_step(watch: JobWatch, since_t: float) -> int:
+    return max((v.step for v in watch.members.values() if v.step_completed_t > since_t), default=-1)
 
 
 def max_step(watch: JobWatch) -> int:
