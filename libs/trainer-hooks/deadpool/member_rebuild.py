@@ -333,41 +333,17 @@ class MemberRebuild:
 
     def report_unavailable(self, reason: str) -> None:
         """Tell the swapper this member found no copy of the restore step (it waits for the next command)."""
-        job, command = self.job, self.command
-        self.marks["ready"] = time.time()
+        job = self.job
         job._link.progress = replace(job._link.progress, rebuilding=False, awaiting_rebuild=True)
-        job._link.ack(
-            RebuildAck(
-                job=job.config.job,
-                generation=self.generation,
-                member=job.config.member,
-                rank=self.rank,
-                restore_step=command.restore_step,
-                last_completed_step=job._completed_step if self.survivor else NO_STEP,
-                restore_source="unavailable",
-                marks=self.marks,
-                t_ready=self.marks["ready"],
-            )
-        )
+        last_completed = job._completed_step if self.survivor else NO_STEP
+        self._send_ack("unavailable", self.command.restore_step, last_completed)
         self.log.warning("restore unavailable; the swapper tries the next link", reason=reason[:500])
 
     def ack(self, last_completed: int) -> None:
         job, command = self.job, self.command
-        self.marks["ready"] = time.time()
         job._link.progress = Progress(generation=self.generation, rank=self.rank, step=job._completed_step)
-        job._link.ack(
-            RebuildAck(
-                job=job.config.job,
-                generation=self.generation,
-                member=job.config.member,
-                rank=self.rank,
-                restore_step=self.meta.step if self.source == "durable" and self.meta else command.restore_step,
-                last_completed_step=last_completed,
-                restore_source=self.source,
-                marks=self.marks,
-                t_ready=self.marks["ready"],
-            )
-        )
+        restored = self.meta.step if self.source == "durable" and self.meta else command.restore_step
+        self._send_ack(self.source, restored, last_completed)
         self.log.info(
             "rebuild done",
             restore_step=command.restore_step,
@@ -378,6 +354,23 @@ class MemberRebuild:
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _send_ack(self, source: str, restore_step: int, last_completed: int) -> None:
+        job = self.job
+        self.marks["ready"] = time.time()
+        job._link.ack(
+            RebuildAck(
+                job=job.config.job,
+                generation=self.generation,
+                member=job.config.member,
+                rank=self.rank,
+                restore_step=restore_step,
+                last_completed_step=last_completed,
+                restore_source=source,
+                marks=self.marks,
+                t_ready=self.marks["ready"],
+            )
+        )
 
     def _snapshot_for(self, step: int) -> tuple[FlatBuffer, SnapshotMeta, str]:
         """The snapshot of (rank, step): from our own buffer if we have it, else from a store."""
