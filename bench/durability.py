@@ -322,13 +322,15 @@ def large_snapshot_gbps(directory: Path, mib: int) -> dict[str, Any]:
     """Write and read back (verifying every checksum) one snapshot of `mib` MiB in 16 tensors."""
     from deadpool.durable_tier import load_rank, write_step
     from deadpool.snapshot_layout import FlatBuffer, plan_layout
+    from deadpool.state_tree import encode_tree
     from deadpool.training_state import WHOLE, SnapshotMeta
 
     tensors = [torch.randn(mib * 2**20 // 16 // 4) for _ in range(16)]
     layout = plan_layout([(f"param.{i}", t) for i, t in enumerate(tensors)])
     buffer = FlatBuffer(layout)
     torch._foreach_copy_(buffer.views, tensors)
-    meta = SnapshotMeta(1, layout, {}, [], {}, {}, WHOLE, 0).encode()
+    tree, _ = encode_tree({"groups": [], "optim": {}, "user": {}})
+    meta = SnapshotMeta(1, layout, {}, tree, {}, WHOLE, 0).encode()
     started = time.perf_counter()
     write_step(directory, "large", 1, 0, 1, 1, buffer, meta)
     written_s = time.perf_counter() - started

@@ -42,9 +42,9 @@ import torch
 from nats.aio.client import Client
 from torch import nn
 
-from deadpool.snapshot_layout import FlatBuffer, plan_layout
+from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreConnection, UploadKey
-from deadpool.training_state import SnapshotMeta, collect_sources, load_module, load_optimizer
+from deadpool.training_state import SnapshotMeta, load_module, load_optimizer, snapshot_now
 from deadpool_cli.nats_server import NatsServer
 from deadpool_protocol import Commit, StoreAddress, StoreStatus, Subjects, decode, encode
 from deadpool_protocol.dataplane import CHUNK_BYTES_DEFAULT
@@ -174,7 +174,9 @@ def restore_seconds(
         buffer, meta = got["buffer"], got["meta"]
         assert isinstance(buffer, FlatBuffer) and isinstance(meta, SnapshotMeta)
         load_module(model, [buffer])
-        load_optimizer(model, optimizer, [buffer], meta, take_buffers=True)  # as a promoted spare does
+        load_optimizer(
+            model, optimizer, [buffer], meta.decode_tree(buffer), take_buffers=True
+        )  # as a promoted spare does
         return fetched - started, time.perf_counter() - started
     finally:
         spare.close()
@@ -193,11 +195,8 @@ def main() -> None:
     layers = max(1, round(args.gigabytes * 1e9 / (3 * WIDTH * WIDTH * 4)))
     model, optimizer = build(layers)
     initialised_optimizer(model, optimizer)
-    sources = collect_sources(model, optimizer)
-    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-    snapshot = FlatBuffer(layout)
-    torch._foreach_copy_(snapshot.views, sources.tensors)
-    meta = SnapshotMeta.capture(1, layout, optimizer, sources, {}).encode()
+    snapshot, decoded = snapshot_now(model, optimizer, 1)
+    layout, meta = snapshot.layout, decoded.encode()
     data = snapshot.bytes_view()
     total = len(data)
     print(f"snapshot: {total / 1e9:.3f} GB ({len(layout.specs)} tensors, {layers} layers of {WIDTH}x{WIDTH} + AdamW)")

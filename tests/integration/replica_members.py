@@ -15,8 +15,7 @@ def restore_from_partitions(rank: int, world_size: int, port: int, results: Any)
     from torch import nn
 
     from deadpool.replica_exchange import exchange_partitions
-    from deadpool.snapshot_layout import FlatBuffer, plan_layout
-    from deadpool.training_state import Partition, SnapshotMeta, collect_sources, load_module, load_optimizer
+    from deadpool.training_state import Partition, collect_sources, load_module, load_optimizer, snapshot_now
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
@@ -31,11 +30,8 @@ def restore_from_partitions(rank: int, world_size: int, port: int, results: Any)
         return model, optimizer
 
     model, optimizer = trained(0)  # data parallel: the same on every rank
-    sources = collect_sources(model, optimizer, Partition(rank, world_size))
-    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-    own = FlatBuffer(layout)
-    torch._foreach_copy_(own.views, sources.tensors)
-    meta = SnapshotMeta.decode(SnapshotMeta.capture(3, layout, optimizer, sources, {}).encode())
+    own, meta = snapshot_now(model, optimizer, 3, Partition(rank, world_size))
+    layout = own.layout
 
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -43,10 +39,10 @@ def restore_from_partitions(rank: int, world_size: int, port: int, results: Any)
         others = exchange_partitions(own, meta, rank, world_size, dist.group.WORLD)
         replica, replica_optimizer = trained(100 + rank)
         load_module(replica, [own, *others])
-        load_optimizer(replica, replica_optimizer, [own, *others], meta)
+        load_optimizer(replica, replica_optimizer, [own, *others], meta.decode_tree(own))
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), replica.parameters(), strict=True))
         for p, q in zip(model.parameters(), replica.parameters(), strict=True):
             same = same and all(torch.equal(v, replica_optimizer.state[q][k]) for k, v in optimizer.state[p].items())
-        results.put((rank, same, layout.total_bytes, sources.whole_bytes))
+        results.put((rank, same, layout.total_bytes, collect_sources(model, optimizer).whole_bytes))
     finally:
         dist.destroy_process_group()

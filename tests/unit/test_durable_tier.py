@@ -11,19 +11,15 @@ import torch
 from torch import nn
 
 from deadpool.durable_tier import DurableError, DurableWriter, complete_steps, load_rank, prune, rank_files, write_step
-from deadpool.snapshot_layout import FlatBuffer, plan_layout
-from deadpool.training_state import WHOLE, SnapshotMeta, collect_sources
+from deadpool.snapshot_layout import FlatBuffer
+from deadpool.training_state import snapshot_now
 from deadpool_protocol.logs import get_logger
 
 
 def snapshot(seed: int) -> tuple[FlatBuffer, bytes]:
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 4), nn.LayerNorm(4))
-    sources = collect_sources(model, None)
-    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-    buffer = FlatBuffer(layout)
-    torch._foreach_copy_(buffer.views, sources.tensors)
-    meta = SnapshotMeta(seed, layout, {}, [], {}, {"note": "x"}, WHOLE, 0)
+    buffer, meta = snapshot_now(model, None, seed, extra={"note": "x"})
     return buffer, meta.encode()
 
 

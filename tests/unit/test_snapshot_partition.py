@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from deadpool.snapshot_layout import FlatBuffer, plan_layout
+from deadpool.snapshot_layout import FlatBuffer
 from deadpool.training_state import (
     Partition,
     SnapshotMeta,
-    collect_sources,
     load_module,
     load_optimizer,
     replica_owners,
+    snapshot_now,
 )
 
 
@@ -38,11 +38,7 @@ def trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, part: Partition) -> tuple[FlatBuffer, SnapshotMeta]:
-    sources = collect_sources(model, optimizer, part)
-    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-    buffer = FlatBuffer(layout)
-    torch._foreach_copy_(buffer.views, sources.tensors)
-    return buffer, SnapshotMeta.decode(SnapshotMeta.capture(3, layout, optimizer, sources, {}).encode())
+    return snapshot_now(model, optimizer, 3, part)
 
 
 def test_the_shares_of_all_ranks_hold_every_replicated_tensor_once_and_restore_exactly() -> None:
@@ -65,7 +61,7 @@ def test_the_shares_of_all_ranks_hold_every_replicated_tensor_once_and_restore_e
     ]
     replica, replica_optimizer = trained(99)  # different weights, different optimizer state
     load_module(replica, [own, *others])
-    load_optimizer(replica, replica_optimizer, [own, *others], meta)
+    load_optimizer(replica, replica_optimizer, [own, *others], meta.decode_tree(own))
     for a, b in zip(model.state_dict().values(), replica.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     for p, q in zip(model.parameters(), replica.parameters(), strict=True):

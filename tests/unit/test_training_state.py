@@ -19,6 +19,7 @@ from deadpool.training_state import (
     load_module,
     load_optimizer,
     restore_rng,
+    snapshot_now,
 )
 
 
@@ -37,12 +38,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> Non
 
 
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> tuple[FlatBuffer, SnapshotMeta]:
-    sources = collect_sources(model, optimizer)
-    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-    buffer = FlatBuffer(layout)
-    torch._foreach_copy_(buffer.views, sources.tensors)
-    meta = SnapshotMeta.capture(step, layout, optimizer, sources, {"epoch": 1})
-    return buffer, SnapshotMeta.decode(meta.encode())
+    return snapshot_now(model, optimizer, step, extra={"epoch": 1})
 
 
 def test_layout_aligns_every_tensor_and_survives_the_manifest() -> None:
@@ -64,7 +60,7 @@ def test_a_restored_copy_continues_exactly_like_the_original() -> None:
 
     replica, replica_opt = model_and_optimizer(seed=1)  # built differently: everything must come from the snapshot
     load_module(replica, [buffer])
-    load_optimizer(replica, replica_opt, [buffer], meta)
+    load_optimizer(replica, replica_opt, [buffer], meta.decode_tree(buffer))
     torch.manual_seed(123)  # RNG state must come from the snapshot too
     restore_rng(meta.rng)
     assert random.random() == expected_python_random

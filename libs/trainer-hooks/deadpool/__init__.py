@@ -23,18 +23,22 @@ __all__ = ["attach"]
 
 def attach(
     model: Any,
-    optimizer: OptimizerFactory,
+    optimizer: OptimizerFactory | Any,
     *,
     wrap: Wrapper | None = None,
+    state: dict[str, Any] | None = None,
     config: MemberConfig | None = None,
 ) -> Job:
     """Register this process with its job and return the `Job` that drives its training loop.
 
     model: the unwrapped `nn.Module`, built the same way on every member (spares too).
-    optimizer: a factory `params -> Optimizer`; the job builds the optimizer once it holds a rank
-        (again after every rebuild), so sharded optimizers such as ZeroRedundancyOptimizer get the
-        generation's process group as their default group.
+    optimizer: your optimizer over `model.parameters()`, kept for the whole run (its state is
+        restored in place at every rebuild, so schedulers built on it stay bound to it); or a
+        factory `params -> Optimizer` for an optimizer that needs the generation's process group
+        (ZeroRedundancyOptimizer): the job builds it once it holds a rank, again after every rebuild.
     wrap: `(module, process_group) -> wrapped module`, e.g. DDP; called after every rebuild.
+    state: objects to capture with every snapshot and restore at every rebuild, by name (see
+        `Job.register`): schedulers, a GradScaler, a StatefulDataLoader, an EMA module.
     config: defaults to what `deadpool launch` put in the environment.
     """
     import structlog
@@ -47,4 +51,4 @@ def attach(
     if not structlog.is_configured():
         configure_logging("member")
     log = get_logger(job=config.job, member=config.member)
-    return Job(model, optimizer, wrap, config, log)
+    return Job(model, optimizer, wrap, config, log, state)

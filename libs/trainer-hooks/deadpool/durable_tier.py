@@ -58,7 +58,8 @@ __all__ = [
     "rank_files",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the metadata carries the state tree (param groups, non-tensor optimizer state, registered objects)."""
 MANIFEST_BYTES_MAX = 64 * 1024 * 1024
 """A manifest holds one checksum per tensor and the snapshot's layout: far below this."""
 NO_STEP = -1

@@ -24,14 +24,15 @@ import statistics
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import Command, ControlLink
@@ -50,6 +51,7 @@ from deadpool.member_rebuild import (
 from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
+from deadpool.state_tree import TreeError
 from deadpool.step_stats import StepStats
 from deadpool.store_client import UploadKey
 from deadpool.stuck_watch import StuckCollectiveWatch
@@ -58,10 +60,14 @@ from deadpool.training_state import (
     Partition,
     SnapshotMeta,
     SnapshotSources,
+    StateTree,
+    capture_tree,
     collect_sources,
-    local_optimizer,
+    restore_rng,
     rng_state,
+    tensor_state_ids,
 )
+from deadpool.user_state import UserState
 from deadpool_protocol import (
     NO_RANK,
     NO_STEP,
@@ -89,6 +95,8 @@ __all__ = [
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Wrapper = Callable[[nn.Module, Any], nn.Module]
+T = TypeVar("T")
+PlanKey = tuple[tuple[int, ...], Partition, tuple[Any, ...]]
 
 FINISH_WAIT_S = 300.0
 DONE_RETRANSMIT_S = 1.0
@@ -132,13 +140,14 @@ class Job:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: OptimizerFactory,
+        optimizer: OptimizerFactory | torch.optim.Optimizer,
         wrap: Wrapper | None,
         config: MemberConfig,
         log: Any,
+        state: dict[str, Any] | None = None,
     ) -> None:
-        if not callable(optimizer):
-            raise TypeError("optimizer must be a factory: a function taking the parameters and returning an optimizer")
+        self._own_optimizer = _own_optimizer(module, optimizer)
+        """The user's optimizer, kept for the whole run, when one was given rather than a factory."""
         self.module = module
         """The unwrapped model; its parameters are what snapshots hold."""
         self.model: nn.Module = module
@@ -152,7 +161,15 @@ class Job:
         """Small msgpack-able values saved with every snapshot and restored with it."""
         self.config = config
         self.log = log
-        self._factory = optimizer
+        self.user_state = UserState()
+        """The objects registered with `register` (schedulers, scalers, data loaders, EMA modules)."""
+        for name, obj in (state or {}).items():
+            self.user_state.register(name, obj)
+        self._restores = 0
+        """Rebuilds that restored state (`iterate` starts its loader over after each)."""
+        self._hooked_optimizer: torch.optim.Optimizer | None = None
+        """The optimizer whose step pre-hook fences snapshot copies (hooked once per optimizer)."""
+        self._factory: OptimizerFactory | None = None if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         self._wrap = wrap
         self._backend = pick_backend(config.backend)
         self._next_step = 0
@@ -160,7 +177,7 @@ class Job:
         self._placement: list[StoreAddress] = []
         self._placement_version = 0
         """Which placement of the generation `_placement` is (the rebuild's is 0; see `Placement`)."""
-        self._plan: tuple[int, int, SnapshotSources, SnapshotLayout] | None = None
+        self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
         self._finished = False
         self._closed = False
         self._warm = False
@@ -236,7 +253,60 @@ class Job:
             if self._next_step >= total_steps:
                 self._finish(total_steps)
                 continue
-            yield self._next_step
+            try:
+                yield self._next_step
+            except GeneratorExit:  # the loop was left early (`break`, an early stop, a time budget)
+                self._leave_early()
+                raise
+
+    def register(self, name: str, obj: Any) -> Any:
+        """Capture `obj`'s state with every snapshot and restore it at every rebuild; returns `obj`.
+
+        `obj`: anything with `state_dict()`/`load_state_dict()` (a scheduler of your own optimizer,
+        a `torch.amp.GradScaler`, a `StatefulDataLoader`, an EMA module), or a factory
+        `optimizer -> object` for objects bound to an optimizer the job builds from a factory
+        (`job.state[name]` is then the current generation's). Register before the first step: every
+        member, spares too, registers the same names.
+        """
+        if self.rank is not None or self._completed_step != NO_STEP:
+            raise RuntimeError(f"register {name!r} before the job's first step: every snapshot must hold it")
+        self.user_state.register(name, obj)
+        return obj
+
+    def iterate(self, loader: Iterable[T]) -> Iterator[T]:
+        """Batches of `loader` (registered with the job, e.g. a `StatefulDataLoader`), epoch after
+        epoch, for as long as the loop asks. After every rebuild that restored state it starts over
+        from `iter(loader)`, which resumes where the restored loader state says: the batch after the
+        restored step's, on survivors and spares alike.
+
+            batches = job.iterate(loader)
+            for step in job.steps(total_steps):
+                x, y = next(batches)
+        """
+        if not any(obj is loader for obj in self.user_state.values()):
+            raise ValueError("iterate() a loader registered with the job: its state must be captured to be resumed")
+        resuming = self._restores > 0  # a spare's first batches come from the state it was given
+        while True:
+            restores, empty = self._restores, True
+            if resuming:  # the run that never stopped made no new iterator here: leave its RNG alone
+                kept = rng_state()
+                batches = iter(loader)
+                restore_rng(kept)
+            else:
+                batches = iter(loader)  # a new epoch: seeds drawn as in the run that never stopped
+            for batch in batches:
+                empty = False
+                yield batch
+                if self._restores != restores:
+                    break
+            resuming = self._restores != restores  # the loader's state was restored: resume from it
+            if empty and not resuming:
+                raise ValueError("the loader yields no batches")
+
+    @property
+    def state(self) -> UserState:
+        """The registered objects, by name (a factory's object once this member holds a rank)."""
+        return self.user_state
 
     def step(self) -> _StepContext:
         """Context for one training step; a broken collective inside it is handled, not raised.
@@ -316,8 +386,11 @@ class Job:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             wrapped = self._wrap(self.module, dist.group.WORLD) if self._wrap else self.module
-            optimizer = self._factory(list(self.module.parameters()))
-            del wrapped, optimizer
+            if self._factory is not None:  # the user's own optimizer is left alone
+                optimizer = self._factory(list(self.module.parameters()))
+                self.user_state.bind(optimizer)
+                del optimizer
+            del wrapped
             gc.collect()
         except Exception as exc:  # the same code will run at the rebuild: say so now, with the reason
             self._report_fatal(exc, MemberErrorCause.USER_CODE)
@@ -330,15 +403,29 @@ class Job:
         self._warm = True
         self.log.info("spare warm", warm_up_s=round(time.monotonic() - started, 3))
 
-    def _finish(self, total_steps: int) -> None:
+    def _leave_early(self) -> None:
+        """The loop ended before its last step: this rank is done at the step it completed. Every rank
+        must leave at the same step (a condition they agree on: an all-reduced loss, a step budget);
+        the job finishes when all have said so, and its spares are released."""
+        if self._finished or self.rank is None or self._closed:
+            return
+        self.log.info("loop left early; this rank is done", step=self._completed_step)
+        self._finish(self._next_step, replay=False)
+
+    def _finish(self, total_steps: int, replay: bool = True) -> None:
         """After the last step: report done (again every `DONE_RETRANSMIT_S`) until the job finishes
-        or a rebuild replays steps (a rank failed right at the end)."""
+        or a rebuild replays steps (a rank failed right at the end). A loop left early cannot replay
+        (`replay` False): this member then leaves, and the rebuild's spare takes its rank."""
         assert self.rank is not None
         done = MemberDone(self.config.job, self.generation, self.config.member, self.rank, total_steps)
         deadline = time.monotonic() + FINISH_WAIT_S
         while time.monotonic() < deadline:
             self._link.publish_event(self._link.subjects.member_done, done)
             command = self._link.wait_command(newer_than=self.generation, timeout_s=DONE_RETRANSMIT_S)
+            if isinstance(command, Rebuild) and not replay:
+                self.log.warning("a rebuild after the loop was left early; leaving", generation=command.generation)
+                self._finished = True
+                return
             if isinstance(command, Rebuild):
                 _, received = self._link.latest_rebuild()
                 self._apply_rebuild(command, {"received": received})
@@ -369,7 +456,11 @@ class Job:
         step = self._next_step + 1
         self._next_step = self._completed_step = step
         every = self.config.snapshot_every
-        captured = every > 0 and step % every == 0 and self._capture(step) is not None
+        try:
+            captured = every > 0 and step % every == 0 and self._capture(step) is not None
+        except MemberCannotContinueError as exc:
+            self._report_fatal(exc, exc.cause)
+            raise
         self._link.progress = replace(
             self._link.progress,
             step=step,
@@ -393,21 +484,30 @@ class Job:
             return WHOLE
         return Partition(self.rank, self.world_size)
 
-    def _sources(self) -> tuple[SnapshotSources, SnapshotLayout]:
-        local = local_optimizer(self.optimizer) if self.optimizer is not None else None
-        key = (id(local), len(local.state) if local is not None else 0)
-        if self._plan is None or self._plan[:2] != key:
-            sources = collect_sources(self.module, self.optimizer, self._partition())
+    def _sources(self, tree: StateTree) -> tuple[SnapshotSources, SnapshotLayout]:
+        """The snapshot's plan: made again whenever the optimizer's state tensors are other tensors
+        (state appeared, or was replaced) or the state tree's tensors changed shape; otherwise only
+        the tree's tensors of this capture are put in."""
+        partition = self._partition()
+        key: PlanKey = (tensor_state_ids(self.optimizer), partition, tree.signature)
+        if self._plan is None or self._plan[0] != key:
+            sources = collect_sources(self.module, self.optimizer, partition, tree)
             layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
-            self._plan = (*key, sources, layout)
+            self._plan = (key, sources, layout)
             self.stats.snapshot_bytes, self.stats.snapshot_bytes_whole = layout.total_bytes, sources.whole_bytes
-        return self._plan[2], self._plan[3]
+        _, sources, layout = self._plan
+        sources.take_tree(tree.tensors)
+        return sources, layout
 
     def _capture(self, step: int) -> Any:
         assert self.rank is not None
         self._adopt_placement()
-        sources, layout = self._sources()
-        meta = SnapshotMeta.capture(step, layout, self.optimizer, sources, self.extra_state).encode()
+        try:
+            tree = capture_tree(self.module, self.optimizer, self.user_state)
+        except TreeError as exc:  # every member would meet it: end the job, saying what cannot be held
+            raise MemberCannotContinueError(MemberErrorCause.USER_CODE, f"state cannot be snapshotted: {exc}") from exc
+        sources, layout = self._sources(tree)
+        meta = SnapshotMeta.capture(step, layout, tree, sources, self.extra_state).encode()
         key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
         durable = self._worker.durable
         persist = self.world_size if durable is not None and durable.due(step) else 0
@@ -544,7 +644,7 @@ class Job:
         freed now.
         """
         self.model = self.module
-        self.optimizer = None
+        self.optimizer = self._own_optimizer
         self._plan = None
         self._group.destroy()
 
@@ -592,3 +692,22 @@ class Job:
             self._link.publish_event(self._link.subjects.member_error, error).result(ERROR_REPORT_WAIT_S)
         except Exception as report_exc:
             self.log.warning("error report not sent", error=repr(report_exc))
+
+
+def _own_optimizer(
+    module: nn.Module, optimizer: OptimizerFactory | torch.optim.Optimizer
+) -> torch.optim.Optimizer | None:
+    """The user's own optimizer, checked, if `optimizer` is one rather than a factory."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError("optimizer must be an optimizer over the model's parameters, or a factory of one")
+        return None
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise TypeError(
+            "a ZeroRedundancyOptimizer needs each generation's process group: pass a factory "
+            "(optimizer=lambda params: ZeroRedundancyOptimizer(params, ...)) and the job builds it"
+        )
+    own = {id(p) for p in module.parameters()}
+    if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's: build it over model.parameters()")
+    return optimizer

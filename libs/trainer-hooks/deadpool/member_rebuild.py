@@ -53,6 +53,7 @@ from deadpool.training_state import (
     check_fits,
     load_module,
     load_optimizer,
+    load_user_state,
     restore_rng,
 )
 from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, Rebuild, RebuildAck
@@ -281,7 +282,9 @@ class MemberRebuild:
         try:
             model = job._wrap(job.module, self.group) if job._wrap else job.module
             check_wrapped(model)
-            optimizer = job._factory(list(job.module.parameters()))
+            optimizer = job._factory(list(job.module.parameters())) if job._factory else job._own_optimizer
+            assert optimizer is not None
+            job.user_state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
         except Exception as exc:
             job._waits.check(self.generation)  # broken because the generation was superseded
             if is_collective_error(exc):  # DDP broadcasts at construction: the new group broke under it
@@ -291,20 +294,31 @@ class MemberRebuild:
             raise MemberCannotContinueError(
                 MemberErrorCause.USER_CODE, f"the wrapper or optimizer factory raised during a rebuild: {text}"
             ) from exc
-        optimizer.register_step_pre_hook(lambda *_: job._fence_optimizer_step())
+        if optimizer is not job._hooked_optimizer:  # the user's own optimizer is hooked once
+            optimizer.register_step_pre_hook(lambda *_: job._fence_optimizer_step())
+            job._hooked_optimizer = optimizer
         step = 0
         if self.snapshot is not None and self.meta is not None:
             # A fetched snapshot is ours alone: the optimizer state may live in it, uncopied.
             try:
+                tree = self.meta.decode_tree(self.snapshot)
                 load_optimizer(
                     job.module,
                     optimizer,
                     [self.snapshot, *self.replicas],
-                    self.meta,
+                    tree,
                     take_buffers=self.source in ("store", "durable"),
                 )
             except ValueError as exc:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
+            job._restores += 1
+            try:
+                load_user_state(job.user_state, tree)
+            except Exception as exc:  # the user's load_state_dict, or a snapshot of other objects
+                text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                raise MemberCannotContinueError(
+                    MemberErrorCause.USER_CODE, f"registered state could not be restored: {text}"
+                ) from exc
             restore_rng(self.meta.rng)
             job.extra_state = dict(self.meta.extra)
             step = self.meta.step

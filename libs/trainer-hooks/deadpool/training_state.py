@@ -11,10 +11,15 @@ optimizer's shard. The union of the W snapshots of a step holds everything once.
 partition comes first in the layout (`SnapshotMeta.shared_bytes`), so on recovery each rank sends its
 partition to the others over the new process group (see `replica_exchange`).
 
-Metadata (msgpack):
-the step, the RNG states (torch, CUDA, Python, NumPy), the optimizer's param-group hyper-parameters
-and non-tensor state, and the user's `extra` dict. Parameters are referred to by their index in
-`module.parameters()`, which is the same on every rank and across restarts of the same script.
+The **state tree** (`state_tree`): everything that is not a top-level optimizer state tensor, read
+afresh at every capture: the optimizer's param groups (a tensor learning rate included), its
+non-tensor and nested state (SparseAdam's integer `step`, LBFGS's history lists), and the state of
+every object registered with the job (a scheduler, a GradScaler, a data loader, an EMA). Its tensors
+are copied at capture time, on the training thread, as `state.<i>` entries of the snapshot.
+
+Metadata (msgpack): the step, the RNG states (torch, CUDA, Python, NumPy), the state tree's bytes and
+the user's `extra` dict. Parameters are referred to by their index in `module.parameters()`, which
+is the same on every rank and across restarts of the same script.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,23 +36,31 @@ import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
+from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, plan_layout
+from deadpool.state_tree import decode_tree, encode_tree
 
 __all__ = [
+    "TREE_PREFIX",
     "Partition",
     "SnapshotMeta",
     "SnapshotSources",
+    "StateTree",
+    "capture_tree",
     "check_fits",
     "collect_sources",
     "load_module",
     "load_optimizer",
+    "load_user_state",
     "local_optimizer",
     "replica_owners",
     "restore_rng",
     "rng_state",
+    "snapshot_now",
+    "tensor_state_ids",
 ]
 
-_SCALARS = (bool, int, float, str, type(None))
+TREE_PREFIX = "state."
+"""Snapshot entries named `state.<i>` are the state tree's tensors."""
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -99,8 +112,6 @@ class SnapshotSources:
     early: list[int] = field(default_factory=list)
     late: list[int] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
-    scalars: dict[str, Any] = field(default_factory=dict)
-    """Non-tensor optimizer state, keyed 'param_index.key'."""
     shared_count: int = 0
     """The first `shared_count` tensors are this rank's partition of replicated state."""
     partition: Partition = WHOLE
@@ -108,14 +119,66 @@ class SnapshotSources:
     """What the snapshot would hold without partitioning (every replicated tensor), for reports."""
     early_tensors: list[torch.Tensor] = field(default_factory=list)
     late_tensors: list[torch.Tensor] = field(default_factory=list)
+    tree_count: int = 0
+    """The last `tree_count` early tensors are the state tree's, which change at every capture."""
+
+    def take_tree(self, tensors: Sequence[torch.Tensor]) -> None:
+        """This capture's state-tree tensors (the same shapes and dtypes as the plan's)."""
+        if len(tensors) != self.tree_count:
+            raise ValueError(f"{len(tensors)} state-tree tensors for a plan of {self.tree_count}")
+        if self.tree_count:
+            self.early_tensors[-self.tree_count :] = tensors
+
+
+@dataclass(frozen=True)
+class StateTree:
+    """One capture's state tree: its bytes and its tensors (see the module docstring)."""
+
+    data: bytes
+    tensors: list[torch.Tensor]
+
+    @property
+    def signature(self) -> tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]:
+        return tuple((tuple(t.shape), t.dtype, t.device) for t in self.tensors)
+
+
+def capture_tree(module: nn.Module, optimizer: torch.optim.Optimizer | None, user: Mapping[str, Any]) -> StateTree:
+    """Read the state tree now: param groups, the optimizer state that is not a top-level tensor, and
+    each registered object's `state_dict()`. Raises `TreeError` naming a value it cannot hold."""
+    groups: list[dict[str, Any]] = []
+    optim: dict[int, dict[str, Any]] = {}
+    if optimizer is not None:
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        index = {id(p): i for i, p in enumerate(module.parameters())}
+        local = local_optimizer(optimizer)
+        for param, state in local.state.items():
+            rest = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+            if rest:
+                optim[index[id(param)]] = rest
+    tree = {"groups": groups, "optim": optim, "user": {name: obj.state_dict() for name, obj in user.items()}}
+    data, tensors = encode_tree(tree)
+    return StateTree(data, tensors)
+
+
+def tensor_state_ids(optimizer: torch.optim.Optimizer | None) -> tuple[int, ...]:
+    """The identity of every top-level optimizer state tensor: a plan made for other tensors (an
+    optimizer that replaces its state tensors, as LBFGS does, or state that appeared) is stale."""
+    if optimizer is None:
+        return ()
+    local = local_optimizer(optimizer)
+    tensors = (v for state in local.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+    return (id(local), *(id(t) for t in tensors))
 
 
 def collect_sources(
-    module: nn.Module, optimizer: torch.optim.Optimizer | None, partition: Partition = WHOLE
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    partition: Partition = WHOLE,
+    tree: StateTree | None = None,
 ) -> SnapshotSources:
     """The tensors of this rank's snapshot. With a partition of world_size > 1 the parameters (and an
     unsharded optimizer's state) are taken as replicated across ranks and only this rank's share is
-    included; pass `WHOLE` unless the model is data-parallel."""
+    included; pass `WHOLE` unless the model is data-parallel. The state tree's tensors come last."""
     src = SnapshotSources(names=[], partition=partition)
     params = list(module.parameters())
     owners = replica_owners([_nbytes(p) for p in params], partition.world_size)
@@ -142,8 +205,9 @@ def collect_sources(
                             unique.append((f"optim.{name}", value, False))
                         elif owners[index[id(p)]] == partition.rank:
                             shared.append((f"optim.{name}", value))
-                    elif isinstance(value, _SCALARS):
-                        src.scalars[name] = value
+    for i, t in enumerate(tree.tensors if tree is not None else []):
+        unique.append((f"{TREE_PREFIX}{i}", t, True))
+    src.tree_count = len(tree.tensors) if tree is not None else 0
     for name, tensor in shared:
         src.late.append(len(src.tensors))
         src.names.append(name)
@@ -196,28 +260,13 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.frombuffer(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
-def _group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    groups = []
-    for group in optimizer.param_groups:
-        saved: dict[str, Any] = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            if isinstance(value, tuple | list) and all(isinstance(v, _SCALARS) for v in value):
-                saved[key] = list(value)
-            elif isinstance(value, _SCALARS):
-                saved[key] = value
-        groups.append(saved)
-    return groups
-
-
 @dataclass
 class SnapshotMeta:
     step: int
     layout: SnapshotLayout
     rng: dict[str, Any]
-    param_groups: list[dict[str, Any]]
-    optim_scalars: dict[str, Any]
+    tree: bytes
+    """The state tree (`capture_tree`); its tensors are the layout's `state.<i>` entries."""
     extra: dict[str, Any]
     partition: Partition = WHOLE
     shared_count: int = 0
@@ -238,21 +287,25 @@ class SnapshotMeta:
         cls,
         step: int,
         layout: SnapshotLayout,
-        optimizer: torch.optim.Optimizer | None,
+        tree: StateTree,
         sources: SnapshotSources,
         extra: dict[str, Any],
     ) -> SnapshotMeta:
-        groups = _group_hyperparameters(optimizer) if optimizer is not None else []
-        return cls(
-            step,
-            layout,
-            rng_state(),
-            groups,
-            dict(sources.scalars),
-            dict(extra),
-            sources.partition,
-            sources.shared_count,
-        )
+        return cls(step, layout, rng_state(), tree.data, dict(extra), sources.partition, sources.shared_count)
+
+    def tree_tensor(self, snapshot: FlatBuffer, index: int) -> torch.Tensor:
+        """The state tree's tensor `index`, copied out of `snapshot` (this rank's own)."""
+        return snapshot.by_name[f"{TREE_PREFIX}{index}"].clone()
+
+    def tree_count(self) -> int:
+        return sum(spec.name.startswith(TREE_PREFIX) for spec in self.layout.specs)
+
+    def decode_tree(self, snapshot: FlatBuffer) -> dict[str, Any]:
+        """The state tree, its tensors copied out of `snapshot`. Raises ValueError if it is malformed."""
+        tree = decode_tree(self.tree, lambda i: self.tree_tensor(snapshot, i), self.tree_count())
+        if not isinstance(tree, dict) or not {"groups", "optim", "user"} <= tree.keys():
+            raise ValueError("malformed state tree: not the map a capture writes")
+        return tree
 
     def encode(self) -> bytes:
         data: bytes = msgpack.packb(
@@ -260,8 +313,7 @@ class SnapshotMeta:
                 "step": self.step,
                 "layout": self.layout.packed,
                 "rng": self.rng,
-                "param_groups": self.param_groups,
-                "optim_scalars": self.optim_scalars,
+                "tree": self.tree,
                 "extra": self.extra,
                 "partition": [self.partition.rank, self.partition.world_size],
                 "shared_count": self.shared_count,
@@ -279,8 +331,7 @@ class SnapshotMeta:
                 step=int(m["step"]),
                 layout=SnapshotLayout.unpack(m["layout"]),
                 rng=dict(m["rng"]),
-                param_groups=list(m["param_groups"]),
-                optim_scalars=dict(m["optim_scalars"]),
+                tree=bytes(m["tree"]),
                 extra=dict(m["extra"]),
                 partition=Partition(rank, world_size),
                 shared_count=int(m["shared_count"]),
@@ -349,10 +400,12 @@ def load_optimizer(
     module: nn.Module,
     optimizer: torch.optim.Optimizer,
     parts: Sequence[FlatBuffer],
-    meta: SnapshotMeta,
+    tree: Mapping[str, Any],
     take_buffers: bool = False,
 ) -> None:
-    """Give a freshly built optimizer the state held by `parts`: tensors and hyper-parameters.
+    """Give an optimizer the state held by `parts` (its top-level state tensors) and by the decoded
+    state `tree` (`SnapshotMeta.decode_tree`: param groups, non-tensor and nested state). Whatever
+    state it held before is dropped.
 
     State tensors are copied out of the parts, unless `take_buffers`: then CPU state tensors are views
     into them (no allocation, no copy: a spare restoring from a store owns the buffer it fetched into,
@@ -379,11 +432,67 @@ def load_optimizer(
                 local.state[param][key] = view.to(device)
             else:
                 local.state[param][key] = view if take_buffers else view.clone()
-    for name, value in meta.optim_scalars.items():
-        index, _, key = name.partition(".")
-        local.state[params[int(index)]][key] = value
-    if len(meta.param_groups) != len(optimizer.param_groups):
+    for index, state in tree["optim"].items():
+        if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(state, dict):
+            raise ValueError(f"malformed state tree: optimizer state of parameter {index!r}")
+        param = params[index]
+        if id(param) not in owned:
+            raise ValueError(f"snapshot holds optimizer state for parameter {index}, not this rank's optimizer's")
+        local.state[param].update(state)
+    groups = tree["groups"]
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
         raise ValueError("snapshot and optimizer have different numbers of param groups")
-    for group, saved in zip(optimizer.param_groups, meta.param_groups, strict=True):
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        if not isinstance(saved, dict):
+            raise ValueError("malformed state tree: a param group that is not a map")
         for key, value in saved.items():
-            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+            _set_hyperparameter(group, key, value)
+
+
+def _set_hyperparameter(group: dict[str, Any], key: str, value: Any) -> None:
+    """A tensor hyper-parameter (Adam's tensor `lr`) is copied into the group's own tensor, which
+    compiled or capturable steps may hold on to; anything else is set."""
+    current = group.get(key)
+    if (
+        isinstance(current, torch.Tensor)
+        and isinstance(value, torch.Tensor)
+        and current.shape == value.shape
+        and current.dtype == value.dtype
+    ):
+        with torch.no_grad():
+            current.copy_(value)
+    else:
+        group[key] = value
+
+
+def load_user_state(objects: Mapping[str, Any], tree: Mapping[str, Any]) -> None:
+    """Give every registered object its state from a decoded state tree (`load_state_dict`). A
+    snapshot that holds other objects than those registered is refused: another script took it."""
+    user = tree["user"]
+    if not isinstance(user, dict) or set(user) != set(objects):
+        known = sorted(user) if isinstance(user, dict) else user
+        raise ValueError(f"snapshot holds state of {known}, the job registered {sorted(objects)}")
+    for name, obj in objects.items():
+        obj.load_state_dict(user[name])
+        if isinstance(obj, torch.amp.GradScaler):  # a step abandoned between unscale_() and update()
+            obj._per_optimizer_states.clear()
+
+
+def snapshot_now(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int,
+    partition: Partition = WHOLE,
+    user: Mapping[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> tuple[FlatBuffer, SnapshotMeta]:
+    """A snapshot taken on the spot, in a buffer of its own, with its decoded metadata: what the job's
+    capture stores, without the background copy (tests, benchmarks, tools)."""
+    tree = capture_tree(module, optimizer, user or {})
+    sources = collect_sources(module, optimizer, partition, tree)
+    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+    buffer = FlatBuffer(layout)
+    with torch.no_grad():
+        torch._foreach_copy_(buffer.views, sources.tensors)
+    meta = SnapshotMeta.capture(step, layout, tree, sources, extra or {})
+    return buffer, SnapshotMeta.decode(meta.encode())
