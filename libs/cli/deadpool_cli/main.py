@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run a training script with ranks and warm spares, like torchrun")
     _add_nats(launch, required=False)
-    launch.add_argument("--nproc", type=int, required=True, help="ranks on this host")
+    launch.add_argument("--nproc", "--nproc-per-node", type=int, required=True, help="ranks on this host")
     launch.add_argument("--spares", type=int, default=1, help="warm spares on this host")
     launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
     launch.add_argument("--world-size", type=int, default=0, help="ranks in the whole job (default: --nproc)")
@@ -93,7 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--resume-from", default="", help="start from the newest step every rank has intact in this durable dir"
     )
-    launch.add_argument("script")
+    launch.add_argument(
+        "-m", "--module", action="store_true", help="run the script as a module (python -m), as torchrun -m"
+    )
+    launch.add_argument("script", help="the training script, or with -m the module")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)
 
     detector = sub.add_parser("detector", help="run the failure detector")
@@ -240,7 +243,8 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool_runtime.lifecycle import run_service
 
     configure_logging("launcher")
-    job = args.job or f"{Path(args.script).stem.replace('.', '_')}-{secrets.token_hex(3)}"
+    name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
+    job = args.job or f"{name.replace('.', '_')}-{secrets.token_hex(3)}"
     durable_env: dict[str, str] = {}
     if args.durable_dir:
         durable_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
@@ -275,7 +279,7 @@ def _launch(args: argparse.Namespace) -> int:
                 job=job,
                 nproc=args.nproc,
                 spares=args.spares,
-                command=[args.script, *args.script_args],
+                command=["-m", args.script, *args.script_args] if args.module else [args.script, *args.script_args],
                 world_size=args.world_size,
                 rank_offset=args.rank_offset,
                 rendezvous_host=args.rendezvous_host,

@@ -168,6 +168,20 @@ class Launcher:
             return 1
         return 0 if all(self.exit_codes.get(m) == 0 for m in self._alive_at_finish) else 1
 
+    def _torchrun_env(self, rank_hint: int) -> dict[str, str]:
+        """The variables torchrun sets that mean the same here. `RANK` only for a member started to hold
+        a rank (a spare has none until it is promoted: read `job.rank`, which also follows a swap);
+        `LOCAL_RANK` is the member's slot on this host, spares included, so that a spare can pick its
+        own device with it. No `MASTER_ADDR`/`MASTER_PORT`: the job forms each generation's group."""
+        env = {
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.config.nproc),
+            "LOCAL_RANK": str(self._serial - 1),
+        }
+        if rank_hint >= 0:
+            env["RANK"] = str(rank_hint)
+        return env
+
     async def _spawn(self, rank_hint: int) -> None:
         self._serial += 1
         member = f"{self.launcher_id}-{self._serial}"
@@ -190,6 +204,8 @@ class Launcher:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        env.pop("RANK", None)  # inherited from a launcher run under torchrun, say: a spare must not have one
+        env.update(self._torchrun_env(rank_hint))
         if self.config.collective_timeout_s > 0:
             env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
         env.update(self.config.extra_env)
