@@ -42,7 +42,10 @@ def blocked_receiver(rank: int, world_size: int, port: int, results: Any, abort_
         dist.recv(torch.zeros(10), src=0)
         results.put(("received", rank, time.monotonic() - started, ""))
     except RuntimeError as exc:
-        results.put(("released", rank, time.monotonic() - started, str(exc)))
+        from deadpool.failure_origin import is_collective_error
+
+        kind = "released" if is_collective_error(exc) else "released, but not taken for a collective error"
+        results.put((kind, rank, time.monotonic() - started, str(exc)))
 
 
 def silent_peer(rank: int, world_size: int, port: int, results: Any, done: Any) -> None:

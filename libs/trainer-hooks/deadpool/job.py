@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from deadpool.control_link import Command, ControlLink
 from deadpool.ddp_check import BucketRebuildError, check_wrapped
 from deadpool.durable_tier import DurableWriter
+from deadpool.failure_origin import is_collective_error
 from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
 from deadpool.generation_waits import GenerationWaits, SupersededError
 from deadpool.member_config import MemberConfig
@@ -48,7 +49,7 @@ from deadpool.member_rebuild import (
     RendezvousFailedError,
     RestoreUnavailableError,
 )
-from deadpool.process_group import GenerationGroup, Rendezvous, is_collective_error, pick_backend
+from deadpool.process_group import GenerationGroup, Rendezvous, pick_backend
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.state_tree import TreeError

@@ -43,7 +43,8 @@ import torch
 from deadpool.control_link import Progress
 from deadpool.ddp_check import check_wrapped
 from deadpool.durable_tier import agree_on_step
-from deadpool.process_group import RendezvousUnreachableError, is_collective_error
+from deadpool.failure_origin import is_collective_error
+from deadpool.process_group import RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreClientError, StoreConnection

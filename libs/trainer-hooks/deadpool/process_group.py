@@ -30,7 +30,6 @@ __all__ = [
     "GenerationGroup",
     "Rendezvous",
     "RendezvousUnreachableError",
-    "is_collective_error",
     "pick_backend",
 ]
 
@@ -40,18 +39,6 @@ PROBE_TIMEOUT_S = 0.2
 """One plain connect to a rendezvous host, before an attempt (`_await_listening`)."""
 PROBE_RETRY_S = 0.02
 """Between probes, and how often a member waiting for a TCPStore constructor checks for supersession."""
-
-_COLLECTIVE_ERROR_MARKERS = (
-    "gloo",
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "nccl",
-    "timed out",
-    "process group",
-    "processgroup",
-)
-
 
 class Rendezvous:
     """This member's rendezvous endpoint, bound once for the life of the process.
@@ -415,14 +402,3 @@ def _abort_nccl() -> None:  # pragma: no cover - needs a GPU
     abort = getattr(backend, "abort", None)
     if callable(abort):
         abort()
-
-
-def is_collective_error(exc: BaseException) -> bool:
-    """True for errors that mean "a peer or the network broke", as opposed to a bug in the step."""
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(marker in text for marker in _COLLECTIVE_ERROR_MARKERS)
