@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from deadpool_detector.core import DetectorConfig, DetectorCore, Watched
 from deadpool_protocol import (
+    FIRST_STEP_SECTION,
     ChildExit,
     Failure,
     GroupBroken,
@@ -384,3 +385,26 @@ def test_a_verdict_the_swapper_missed_is_published_again_when_a_rebuild_still_na
 
 def formed_again(core: DetectorCore, now: float) -> list[Failure]:
     return formed(core, now)  # a retransmission of the same rebuild, still naming m1
+
+
+def test_a_rank_compiling_its_first_step_of_a_generation_has_the_first_step_threshold() -> None:
+    """After a rebuild a re-wrapped, compiled model recompiles: far longer than the recent steps."""
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, first_step_s=60))
+    formed(core, 0.0)
+    train(core, 0.0, 20.0, step_s=0.5)  # the hang threshold is now 5 s
+    declared: list[str] = []
+    t = 20.0
+    while t < 70.0:  # m1 compiles for 50 s in its first step of the generation; m0 waits for it
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 40, True, 20.0, t, waiting=True), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 40, True, 20.0, t, section=FIRST_STEP_SECTION), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        declared += [f.member for f in core.check(t)]
+        t = round(t + HB_S, 6)
+    assert declared == []
+    while t < 85.0 and not declared:  # but a first step stuck beyond the first-step threshold is a hang
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 40, True, 20.0, t, waiting=True), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 40, True, 20.0, t, section=FIRST_STEP_SECTION), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        declared += [f.member for f in core.check(t)]
+        t = round(t + HB_S, 6)
+    assert declared == ["m1"] and 80.0 <= t < 81.0  # 60 s after its last step

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from deadpool.ddp_check import find_ddp
 from deadpool.job import BucketRebuildError, check_wrapped
 from deadpool.snapshot_layout import ALIGN_BYTES, FlatBuffer, SnapshotLayout, plan_layout
 from deadpool.training_state import (
@@ -106,6 +107,15 @@ def test_a_ddp_wrapper_that_rebuilds_buckets_is_refused(gloo_world_of_one: None)
     with pytest.raises(BucketRebuildError, match="find_unused_parameters=True"):
         check_wrapped(DistributedDataParallel(model))
     check_wrapped(DistributedDataParallel(model, find_unused_parameters=True))
+
+
+def test_a_compiled_ddp_is_found_and_checked(gloo_world_of_one: None) -> None:
+    model = nn.Linear(4, 4)
+    with pytest.raises(BucketRebuildError):
+        check_wrapped(torch.compile(DistributedDataParallel(model)))  # type: ignore[arg-type]
+    compiled = torch.compile(DistributedDataParallel(model, find_unused_parameters=True))
+    assert find_ddp(compiled) is compiled._orig_mod  # type: ignore[arg-type,attr-defined]
+    assert find_ddp(model) is None
 
 
 def test_a_snapshot_of_another_model_is_refused_by_its_layout_before_any_byte_is_received() -> None:

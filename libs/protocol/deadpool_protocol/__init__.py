@@ -5,6 +5,7 @@ The ground floor of the project: it imports nothing of ours and performs no I/O.
 
 from deadpool_protocol.codec import PROTOCOL_VERSION, decode, decode_any, encode
 from deadpool_protocol.messages import (
+    FIRST_STEP_SECTION,
     NO_RANK,
     NO_STEP,
     ChildExit,
@@ -39,6 +40,7 @@ from deadpool_protocol.messages import (
 from deadpool_protocol.subjects import STORE_STATUS, SWAPPER_STATUS, Subjects
 
 __all__ = [
+    "FIRST_STEP_SECTION",
     "NO_RANK",
     "NO_STEP",
     "PROTOCOL_VERSION",

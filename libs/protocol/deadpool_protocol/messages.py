@@ -17,6 +17,7 @@ from typing import ClassVar
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
+    "FIRST_STEP_SECTION",
     "NO_RANK",
     "NO_STEP",
     "ChildExit",
@@ -53,6 +54,10 @@ NO_RANK = -1
 """`rank` of a member that holds none (a spare, or a member not yet placed)."""
 NO_STEP = -1
 """`step` meaning "no step": nothing committed yet, or a fresh start."""
+FIRST_STEP_SECTION = "first-step"
+"""The section a member names during its first step of a generation (after formation or a rebuild),
+which may compile (`torch.compile` recompiles a re-wrapped model) or warm caches: the detector holds
+it to the first-step hang threshold, not to the job's recent step times."""
 RESTORE_SOURCES = frozenset({"local", "store", "durable", "fresh", "unavailable"})
 
 
@@ -171,7 +176,8 @@ class Heartbeat(JobMessage):
     where: str = ""
     """The training thread's innermost frame in user code ('file:line function'), for evidence."""
     section: str = ""
-    """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected."""
+    """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected.
+    `FIRST_STEP_SECTION`: the member's first step of its generation (see there)."""
     host: str = ""
     """The member's host, so that the detector can tell a lost host from a lost process."""
     awaiting_rebuild: bool = False

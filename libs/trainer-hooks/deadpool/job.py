@@ -33,10 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel
 
 from deadpool.control_link import Command, ControlLink
-from deadpool.ddp_check import BucketRebuildError, check_wrapped
+from deadpool.ddp_check import BucketRebuildError, check_wrapped, find_ddp
 from deadpool.durable_tier import DurableWriter
 from deadpool.failure_origin import is_collective_error
 from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
@@ -70,6 +69,7 @@ from deadpool.training_state import (
 )
 from deadpool.user_state import UserState
 from deadpool_protocol import (
+    FIRST_STEP_SECTION,
     NO_RANK,
     NO_STEP,
     GenerationVoid,
@@ -166,6 +166,8 @@ class Job:
         """The objects registered with `register` (schedulers, scalers, data loaders, EMA modules)."""
         for name, obj in (state or {}).items():
             self.user_state.register(name, obj)
+        self._first_step_pending = False
+        """The next step is this member's first of its generation (set by each rebuild)."""
         self._restores = 0
         """Rebuilds that restored state (`iterate` starts its loader over after each)."""
         self._hooked_optimizer: torch.optim.Optimizer | None = None
@@ -447,7 +449,10 @@ class Job:
     def _step_started(self) -> None:
         entered = time.perf_counter()
         self.stats.started(self._next_step, self.generation)
-        self._link.progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
+        progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
+        if self._first_step_pending and not progress.section:  # it may compile: the first-step threshold
+            progress = replace(progress, section=FIRST_STEP_SECTION)
+        self._link.progress = progress
         self.stats.stalled(time.perf_counter() - entered)
         if delay := step_delay_s():  # an injected straggler (tests and benchmarks only)
             time.sleep(delay)
@@ -462,12 +467,15 @@ class Job:
         except MemberCannotContinueError as exc:
             self._report_fatal(exc, exc.cause)
             raise
+        self._first_step_pending = False
+        section = self._link.progress.section
         self._link.progress = replace(
             self._link.progress,
             step=step,
             in_step=False,
             snapshots_skipped=self._worker.skipped,
             step_completed_t=time.time(),
+            section="" if section == FIRST_STEP_SECTION else section,
         )
         self.stats.stalled(time.perf_counter() - entered)
         self.stats.completed(captured)
@@ -480,7 +488,7 @@ class Job:
 
     def _partition(self) -> Partition:
         """Snapshot only a share of the parameters when they are replicated (data parallelism)."""
-        replicated = isinstance(self.model, DistributedDataParallel) and self.config.snapshot_partition
+        replicated = find_ddp(self.model) is not None and self.config.snapshot_partition
         if not replicated or self.rank is None or self.world_size < 2:
             return WHOLE
         return Partition(self.rank, self.world_size)

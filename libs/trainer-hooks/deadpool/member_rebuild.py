@@ -330,6 +330,7 @@ class MemberRebuild:
         job._placement = [stores[name] for name in command.placement[self.rank]]
         job._placement_version = 0
         job._next_step = job._completed_step = step
+        job._first_step_pending = True
         job._worker.forget_after(step)
 
     def seal(self) -> None:

@@ -40,6 +40,7 @@ PROBE_TIMEOUT_S = 0.2
 PROBE_RETRY_S = 0.02
 """Between probes, and how often a member waiting for a TCPStore constructor checks for supersession."""
 
+
 class Rendezvous:
     """This member's rendezvous endpoint, bound once for the life of the process.
 

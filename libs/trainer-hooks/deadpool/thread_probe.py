@@ -6,7 +6,8 @@ blocked on its peers is torch's distributed, autograd (DDP reduces gradients dur
 code, calling into C++ that waits; the culprit's is somewhere else (a data loader, a stuck lock, an
 endless loop). A blocked C++ call inside backward is counted as waiting too, so a rank stuck in a
 kernel of its own is not identifiable this way (the detector then names no culprit). Sampled every heartbeat from
-`sys._current_frames()`, which costs microseconds.
+`sys._current_frames()`, which costs microseconds. A thread compiling (`COMPILING_MARKERS` anywhere on
+its stack) is busy, not waiting.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import sys
 from types import FrameType
 
-__all__ = ["WAITING_MARKERS", "probe_thread"]
+__all__ = ["COMPILING_MARKERS", "WAITING_MARKERS", "probe_thread"]
 
 WAITING_MARKERS = (
     f"{os.sep}torch{os.sep}distributed{os.sep}",
@@ -23,6 +24,14 @@ WAITING_MARKERS = (
     f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
 )
 """Code a thread is in while it waits for its peers (collectives; backward, where DDP reduces)."""
+COMPILING_MARKERS = (
+    f"{os.sep}torch{os.sep}_dynamo{os.sep}convert_frame.py",
+    f"{os.sep}torch{os.sep}_inductor{os.sep}compile_fx.py",
+)
+"""`torch.compile` compiling (Dynamo converting a frame, Inductor compiling a forward or a lazily
+compiled backward): busy in the rank's own right, even where the innermost frame is torch's
+distributed or autograd code being traced. Running compiled code is not compiling: a compiled
+model waiting on a peer still waits."""
 _LIBRARY_MARKERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}deadpool{os.sep}", f"{os.sep}lib{os.sep}python3")
 FRAMES_EXAMINED_MAX = 64
 
@@ -36,11 +45,16 @@ def probe_thread(thread_id: int | None) -> tuple[bool, str]:
     if frame is None:
         return False, ""
     waiting = any(marker in frame.f_code.co_filename for marker in WAITING_MARKERS)
+    where = ""
     for _ in range(FRAMES_EXAMINED_MAX):
         if frame is None:
             break
         filename = frame.f_code.co_filename
-        if not any(marker in filename for marker in _LIBRARY_MARKERS):
-            return waiting, f"{os.path.basename(filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+        if waiting and any(marker in filename for marker in COMPILING_MARKERS):
+            waiting = False  # compiling: tracing a collective is not waiting on peers
+        if not where and not any(marker in filename for marker in _LIBRARY_MARKERS):
+            where = f"{os.path.basename(filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+            if not waiting:
+                break
         frame = frame.f_back
-    return waiting, ""
+    return waiting, where

@@ -60,6 +60,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
+    FIRST_STEP_SECTION,
     NO_RANK,
     ChildExit,
     Failure,
@@ -198,7 +199,7 @@ class DetectorCore:
         elif not watched.awaiting_since:
             watched.awaiting_since = now
         watched.where = hb.where
-        if hb.section or watched.section:
+        if _suspends_hang_rule(hb.section) or _suspends_hang_rule(watched.section):
             watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
         watched.section = hb.section
         watched.host = hb.host
@@ -337,7 +338,17 @@ class DetectorCore:
     def _stalled(self, view: JobView, now: float, threshold: float) -> list[Watched]:
         if view.finished or view.generation == 0:
             return []
-        return [w for w in view.members.values() if w.rank >= 0 and not w.done and now - w.progress_t > threshold]
+        return [
+            w
+            for w in view.members.values()
+            if w.rank >= 0 and not w.done and now - w.progress_t > self._threshold_of(w, threshold)
+        ]
+
+    def _threshold_of(self, w: Watched, threshold: float) -> float:
+        """A member in its first step of a generation (it may be compiling) has the first-step threshold."""
+        if w.section == FIRST_STEP_SECTION:
+            return max(threshold, self.config.hang_floor_s, self.config.first_step_s)
+        return threshold
 
     def stragglers(self, now: float) -> list[Straggler]:
         """Ranks that hold the others back, each reported once per generation."""
@@ -402,7 +413,7 @@ class DetectorCore:
             for w in stalled:
                 if w.waiting:
                     continue  # blocked on a peer: the peer is the one to blame
-                failures.append(self._declare_hung(view, w, now, threshold))
+                failures.append(self._declare_hung(view, w, now, self._threshold_of(w, threshold)))
         return failures
 
     def _declare_hung(self, view: JobView, w: Watched, now: float, threshold: float, **extra: str) -> Failure:
@@ -434,7 +445,10 @@ class DetectorCore:
         behind = [w for w in ranked if not w.awaiting_since]
         stalled_ids = {id(w) for w in stalled}
         if not behind or not all(
-            id(w) in stalled_ids and w.in_step and not w.section and w.beat_generation == view.generation
+            id(w) in stalled_ids
+            and w.in_step
+            and not _suspends_hang_rule(w.section)
+            and w.beat_generation == view.generation
             for w in behind
         ):
             return []
@@ -481,3 +495,8 @@ class DetectorCore:
             del view.declared[oldest]
             view.redeclared_t.pop(oldest, None)
         return failure
+
+
+def _suspends_hang_rule(section: str) -> bool:
+    """A user's section suspends the hang rule; the first step of a generation only lengthens it."""
+    return bool(section) and section != FIRST_STEP_SECTION
