@@ -49,6 +49,7 @@ from deadpool.member_rebuild import (
     RestoreUnavailableError,
 )
 from deadpool.process_group import GenerationGroup, Rendezvous, pick_backend
+from deadpool.sharded_module import fresh_copy, is_fully_sharded, meta_template
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.state_tree import TreeError
@@ -166,6 +167,11 @@ class Job:
         """The objects registered with `register` (schedulers, scalers, data loaders, EMA modules)."""
         for name, obj in (state or {}).items():
             self.user_state.register(name, obj)
+        self._param_device = next(iter(module.parameters()), torch.empty(0)).device
+        """Where the model's parameters live (a fresh copy of a sharded model is materialised there)."""
+        self._template: nn.Module | None = None
+        """The model on the meta device, as the user built it: each generation's fresh copy to shard (FSDP2)."""
+        self._template_made = False
         self._first_step_pending = False
         """The next step is this member's first of its generation (set by each rebuild)."""
         self._restores = 0
@@ -388,7 +394,8 @@ class Job:
         self._link.progress = replace(self._link.progress, section=WARM_UP_SECTION)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
-            wrapped = self._wrap(self.module, dist.group.WORLD) if self._wrap else self.module
+            module, _ = self._module_to_wrap()
+            wrapped = self._wrap(module, dist.group.WORLD) if self._wrap else module
             if self._factory is not None:  # the user's own optimizer is left alone
                 optimizer = self._factory(list(self.module.parameters()))
                 self.user_state.bind(optimizer)
@@ -405,6 +412,24 @@ class Job:
             self._link.progress = replace(self._link.progress, section="")
         self._warm = True
         self.log.info("spare warm", warm_up_s=round(time.monotonic() - started, 3))
+
+    def _module_to_wrap(self) -> tuple[nn.Module, bool]:
+        """The module the next wrap gets, and whether it is a fresh copy: the model itself, unless
+        `fully_shard` sharded it over an older group (see `sharded_module`)."""
+        if not self._template_made:  # the first wrap: keep a template of the model as the user built it
+            self._template_made = True
+            try:
+                self._template = meta_template(self.module)
+            except Exception as exc:  # an FSDP job then cannot rebuild; it says so when it must
+                self.log.info("no meta template of the model", error=repr(exc)[:300])
+            return self.module, False
+        if not is_fully_sharded(self.module):
+            return self.module, False
+        if self._template is None:
+            raise MemberCannotContinueError(
+                MemberErrorCause.USER_CODE, "the model is sharded with fully_shard, and it could not be deep-copied"
+            )
+        return fresh_copy(self._template), True
 
     def _leave_early(self) -> None:
         """The loop ended before its last step: this rank is done at the step it completed. Every rank

@@ -46,6 +46,7 @@ from deadpool.durable_tier import agree_on_step
 from deadpool.failure_origin import is_collective_error
 from deadpool.process_group import RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
+from deadpool.sharded_module import is_fully_sharded
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import StoreClientError, StoreConnection
 from deadpool.training_state import (
@@ -180,7 +181,7 @@ class MemberRebuild:
                     f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition}, "
                     f"not rank {self.rank} of {command.world_size}",
                 )
-            if not meta.partitioned:
+            if not meta.partitioned and not is_fully_sharded(self.job.module):  # else: once resharded (apply)
                 load_module(self.job.module, [self.snapshot])
         elif self.resuming:
             pass  # the files are read once the group exists (`exchange`): every rank must take the same step
@@ -263,7 +264,8 @@ class MemberRebuild:
                 raise RestoreUnavailableError(why)
             raise MemberCannotContinueError(MemberErrorCause.SNAPSHOT_UNAVAILABLE, why)
         try:
-            check_fits(self.job.module, meta.layout)
+            if not is_fully_sharded(self.job.module):  # shards are checked as they load (apply)
+                check_fits(self.job.module, meta.layout)
         except ValueError as exc:
             raise MemberCannotContinueError(
                 MemberErrorCause.REPLICAS_DISAGREE, f"{directory} step {step} does not fit this model: {exc}"
@@ -274,18 +276,26 @@ class MemberRebuild:
                 f"{directory} step {step} rank {self.rank} is partition {meta.partition}, not of {world} ranks",
             )
         self.snapshot, self.meta, self.source = buffer, meta, "durable"
-        if not meta.partitioned:
+        if not meta.partitioned and not is_fully_sharded(self.job.module):
             load_module(self.job.module, [buffer])
         self.log.info("resumed from the durable tier", directory=str(directory), step=step)
 
     def apply(self) -> None:
         job = self.job
         try:
-            model = job._wrap(job.module, self.group) if job._wrap else job.module
+            module, fresh = job._module_to_wrap()
+            model = job._wrap(module, self.group) if job._wrap else module
             check_wrapped(model)
+            if is_fully_sharded(module) and job._own_optimizer is not None:
+                raise TypeError("a model sharded with fully_shard needs an optimizer factory: its parameters change")
+            if fresh:
+                self._load_into_fresh(module)
+            job.module = module
             optimizer = job._factory(list(job.module.parameters())) if job._factory else job._own_optimizer
             assert optimizer is not None
             job.user_state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
+        except MemberCannotContinueError:
+            raise
         except Exception as exc:
             job._waits.check(self.generation)  # broken because the generation was superseded
             if is_collective_error(exc):  # DDP broadcasts at construction: the new group broke under it
@@ -371,6 +381,21 @@ class MemberRebuild:
 
     # ------------------------------------------------------------------ helpers
 
+    def _load_into_fresh(self, module: torch.nn.Module) -> None:
+        """A fresh copy of a sharded model (`sharded_module`): give it local shards, and fill them with
+        this rank's shards from the snapshot."""
+        if self.snapshot is None:
+            raise MemberCannotContinueError(
+                MemberErrorCause.SNAPSHOT_UNAVAILABLE,
+                "a model sharded with fully_shard must be re-formed from scratch: restart the job",
+            )
+        device = self.job._param_device
+        module.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
+        try:
+            load_module(module, [self.snapshot, *self.replicas])
+        except ValueError as exc:
+            raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, f"shards do not fit: {exc}") from exc
+
     def _send_ack(self, source: str, restore_step: int, last_completed: int) -> None:
         job = self.job
         self.marks["ready"] = time.time()
@@ -409,7 +434,8 @@ class MemberRebuild:
                 if meta.step != step or meta.layout.total_bytes != total_bytes:
                     raise StoreClientError(f"store sent step {meta.step} of {total_bytes} bytes, not step {step}")
                 try:
-                    check_fits(job.module, meta.layout)
+                    if not is_fully_sharded(job.module):  # shards are checked as they load (apply)
+                        check_fits(job.module, meta.layout)
                 except ValueError as exc:
                     raise StoreClientError(f"store's snapshot does not fit this model: {exc}") from exc
                 got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)

@@ -35,6 +35,7 @@ import msgpack
 import torch
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, plan_layout
 from deadpool.state_tree import decode_tree, encode_tree
@@ -52,6 +53,7 @@ __all__ = [
     "load_optimizer",
     "load_user_state",
     "local_optimizer",
+    "local_tensor",
     "replica_owners",
     "restore_rng",
     "rng_state",
@@ -181,14 +183,14 @@ def collect_sources(
     included; pass `WHOLE` unless the model is data-parallel. The state tree's tensors come last."""
     src = SnapshotSources(names=[], partition=partition)
     params = list(module.parameters())
-    owners = replica_owners([_nbytes(p) for p in params], partition.world_size)
+    owners = replica_owners([_nbytes(local_tensor(p)) for p in params], partition.world_size)
     sharded = optimizer is not None and local_optimizer(optimizer) is not optimizer
     shared: list[tuple[str, torch.Tensor]] = []
     unique: list[tuple[str, torch.Tensor, bool]] = []
     for i, p in enumerate(params):
-        src.whole_bytes += _nbytes(p)
+        src.whole_bytes += _nbytes(local_tensor(p))
         if owners[i] == partition.rank:
-            shared.append((f"param.{i}", p))
+            shared.append((f"param.{i}", local_tensor(p)))
     for i, b in enumerate(module.buffers()):
         src.whole_bytes += _nbytes(b)
         unique.append((f"buffer.{i}", b, True))
@@ -200,6 +202,7 @@ def collect_sources(
                 for key, value in sorted(local.state.get(p, {}).items()):
                     name = f"{index[id(p)]}.{key}"
                     if isinstance(value, torch.Tensor):
+                        value = local_tensor(value)
                         src.whole_bytes += _nbytes(value)
                         if sharded:
                             unique.append((f"optim.{name}", value, False))
@@ -220,6 +223,22 @@ def collect_sources(
     src.early_tensors = [src.tensors[i] for i in src.early]
     src.late_tensors = [src.tensors[i] for i in src.late]
     return src
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard (FSDP2 parameters and their optimizer
+    state), a view of the same storage; any other tensor is its own part."""
+    if isinstance(tensor, DTensor):
+        local: torch.Tensor = tensor.to_local()
+        return local
+    return tensor
+
+
+def _like_param(state: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Optimizer state of a sharded (DTensor) parameter is a DTensor sharded as the parameter is."""
+    if not isinstance(param, DTensor) or state.dim() == 0:
+        return state
+    return DTensor.from_local(state, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -347,7 +366,7 @@ def check_fits(module: nn.Module, layout: SnapshotLayout) -> None:
     """Raise ValueError, saying why, unless every parameter and buffer `layout` holds is one of
     `module`'s, with its shape and dtype. Checked on a fetched snapshot's layout before its bytes are
     received, so a snapshot of another model (or a mangled layout) is never loaded."""
-    tensors: dict[str, torch.Tensor] = {f"param.{i}": t for i, t in enumerate(module.parameters())}
+    tensors: dict[str, torch.Tensor] = {f"param.{i}": local_tensor(t) for i, t in enumerate(module.parameters())}
     tensors |= {f"buffer.{i}": t for i, t in enumerate(module.buffers())}
     for spec in layout.specs:
         if spec.name.partition(".")[0] not in ("param", "buffer"):
@@ -385,7 +404,7 @@ def load_module(module: nn.Module, parts: Sequence[FlatBuffer]) -> None:
             f"snapshot holds {len(found)} parameters and buffers, the model has {len(expected)}"
             + (f" (missing {missing[:3]})" if missing else "")
         )
-    dst = params + buffers
+    dst = [local_tensor(p) for p in params] + buffers
     src = [found[name] for name in expected]
     with torch.no_grad():
         for d, s in zip(dst, src, strict=True):
@@ -429,9 +448,12 @@ def load_optimizer(
                 )
             device = param.device if view.dim() > 0 else view.device
             if device != view.device:
-                local.state[param][key] = view.to(device)
+                value = view.to(device)
+            elif take_buffers:
+                value = view
             else:
-                local.state[param][key] = view if take_buffers else view.clone()
+                value = view.clone()
+            local.state[param][key] = _like_param(value, param)
     for index, state in tree["optim"].items():
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(state, dict):
             raise ValueError(f"malformed state tree: optimizer state of parameter {index!r}")
