@@ -21,6 +21,7 @@ import contextlib
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -107,6 +108,8 @@ ERROR_REPORT_WAIT_S = 5.0
 STEP_TIMES_KEPT = 16
 WARM_UP_SECTION = "warm-up"
 """The section a spare's heartbeats name while it warms up (it is not ready to take a rank yet)."""
+LEFT_LOOP_SECTION = "after-the-loop"
+"""The section a rank that left its loop early names until its script ends."""
 FORM_LEAVE_S = 1.5
 """After a group's creation was broken, how long the training thread may take to leave it."""
 GROUP_RETIRE_MARGIN_S = 5.0
@@ -172,6 +175,9 @@ class Job:
         self._template: nn.Module | None = None
         """The model on the meta device, as the user built it: each generation's fresh copy to shard (FSDP2)."""
         self._template_made = False
+        self._left_early = False
+        self._step_open = False
+        """A step began (at the top of the loop) and has not ended yet."""
         self._first_step_pending = False
         """The next step is this member's first of its generation (set by each rebuild)."""
         self._restores = 0
@@ -262,11 +268,14 @@ class Job:
             if self._next_step >= total_steps:
                 self._finish(total_steps)
                 continue
+            self._step_started()  # the loop body is the step, with or without `with job.step()`
             try:
                 yield self._next_step
             except GeneratorExit:  # the loop was left early (`break`, an early stop, a time budget)
                 self._leave_early()
                 raise
+            if self._step_open:  # the body ran without `with job.step()` (its errors are not caught)
+                self._step_completed()
 
     def register(self, name: str, obj: Any) -> Any:
         """Capture `obj`'s state with every snapshot and restore it at every rebuild; returns `obj`.
@@ -349,6 +358,8 @@ class Job:
         """Release wrappers, the process group and the background threads (also runs at exit)."""
         if self._closed:
             return
+        if self._left_early and not self._finished and not hasattr(sys, "last_value"):  # no uncaught exception
+            self._finish(self._next_step, replay=False)
         self._closed = True
         self._stuck.close()
         self._leave_group()
@@ -432,13 +443,16 @@ class Job:
         return fresh_copy(self._template), True
 
     def _leave_early(self) -> None:
-        """The loop ended before its last step: this rank is done at the step it completed. Every rank
-        must leave at the same step (a condition they agree on: an all-reduced loss, a step budget);
-        the job finishes when all have said so, and its spares are released."""
+        """The loop ended before its last step (`break`, an early stop, a time budget). Every rank must
+        leave at the same step (a condition they agree on: an all-reduced loss, a step budget). The rank
+        says it is done when the script ends (`close`), unless it ends with an uncaught exception: the
+        code after the loop runs first, inside a section, so it is not taken for a hang."""
         if self._finished or self.rank is None or self._closed:
             return
-        self.log.info("loop left early; this rank is done", step=self._completed_step)
-        self._finish(self._next_step, replay=False)
+        self._left_early = True
+        self._step_open = False
+        self._link.progress = replace(self._link.progress, in_step=False, section=LEFT_LOOP_SECTION)
+        self.log.info("loop left early; this rank is done when the script ends", step=self._completed_step)
 
     def _finish(self, total_steps: int, replay: bool = True) -> None:
         """After the last step: report done (again every `DONE_RETRANSMIT_S`) until the job finishes
@@ -472,6 +486,9 @@ class Job:
     # ------------------------------------------------------------------ steps and snapshots
 
     def _step_started(self) -> None:
+        if self._step_open:  # `with job.step()` inside the loop: the step began at the loop's top
+            return
+        self._step_open = True
         entered = time.perf_counter()
         self.stats.started(self._next_step, self.generation)
         progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
@@ -483,6 +500,7 @@ class Job:
             time.sleep(delay)
 
     def _step_completed(self) -> None:
+        self._step_open = False
         entered = time.perf_counter()
         step = self._next_step + 1
         self._next_step = self._completed_step = step
@@ -580,6 +598,7 @@ class Job:
     def _recover(self, exc: Exception) -> None:
         """Leave the broken step: break the group (releasing peers), then obey the swapper's next rebuild."""
         marks = {"out": time.time()}
+        self._step_open = False
         self.stats.abandoned()
         self._link.progress = replace(self._link.progress, in_step=False, awaiting_rebuild=True)  # out of the step
         self._leave_group()

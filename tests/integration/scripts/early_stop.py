@@ -1,6 +1,7 @@
 """A torchrun-style script run as a module (`deadpool launch -m`): it records the torchrun variables
 it was started with, then leaves its loop early, the way early stopping or a step budget does: every
-rank `break`s at the same step. Each member, spares too, writes what it saw to `--out`."""
+rank `break`s at the same step. The loop body is not under `with job.step()`: each pass of the loop is
+a step. Each member, spares too, writes what it saw to `--out`."""
 
 from __future__ import annotations
 
@@ -33,10 +34,9 @@ def main() -> None:
     for step in job.steps(args.steps):
         if step == args.stop_at:  # a condition every rank meets at the same step
             break
-        with job.step():
-            job.model(torch.randn(2, 4)).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        job.model(torch.randn(2, 4)).square().mean().backward()  # no `with job.step()`: the body is the step
+        optimizer.step()
+        optimizer.zero_grad()
         last = step
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"env": seen, "rank": job.rank, "last_step": last}
