@@ -25,12 +25,12 @@ KILL_STEP = 6
 RUN_TIMEOUT_S = 240.0
 
 
-async def run(url: str, job: str, workdir: Path, kill_step: int) -> tuple[Path, Path]:
+async def run(url: str, job: str, workdir: Path, kill_step: int, *flags: str) -> tuple[Path, Path]:
     out, log, flag = workdir / job, workdir / f"{job}.log", workdir / f"{job}.killed"
     command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
     command += ["--kill-step", str(kill_step), "--flag", str(flag), "--out", str(out)]
-    command += ["--optimizer", job.rsplit("-", 1)[0]]
+    command += list(flags)
     with open(log, "wb") as sink:
         process = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
     try:
@@ -43,13 +43,25 @@ async def run(url: str, job: str, workdir: Path, kill_step: int) -> tuple[Path, 
     return out, log
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "zero", "sgd-momentum", "sparse-adam", "lbfgs", "adam-tensor-lr"])
+@pytest.mark.parametrize(
+    ("optimizer", "step_context"),
+    [
+        ("adamw", True),
+        ("adamw", False),  # wrap=deadpool.ddp, the loop body not under `with job.step()` (noting_group)
+        ("zero", True),
+        ("sgd-momentum", True),
+        ("sparse-adam", True),
+        ("lbfgs", True),
+        ("adam-tensor-lr", True),
+    ],
+)
 async def test_user_state_and_every_kind_of_optimizer_state_survive_a_swap_bit_identical(
-    tmp_path: Path, optimizer: str
+    tmp_path: Path, optimizer: str, step_context: bool
 ) -> None:
+    flags = ["--optimizer", optimizer] + ([] if step_context else ["--no-step-context"])
     async with Stack(StackConfig(workdir=tmp_path, stores=2)) as stack:
-        reference, _ = await run(stack.url, f"{optimizer}-ref", tmp_path, kill_step=-1)
-        swapped, log = await run(stack.url, f"{optimizer}-swap", tmp_path, kill_step=KILL_STEP)
+        reference, _ = await run(stack.url, f"{optimizer}-ref", tmp_path, -1, *flags)
+        swapped, log = await run(stack.url, f"{optimizer}-swap", tmp_path, KILL_STEP, *flags)
     assert '"rebuild done"' in log.read_text(errors="replace"), tail(log)
     identical, count, differences = compare_final_states(reference, swapped)
     assert identical and count > 0, differences[:8]

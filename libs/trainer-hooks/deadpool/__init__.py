@@ -18,7 +18,19 @@ if TYPE_CHECKING:
     from deadpool.job import Job, OptimizerFactory, Wrapper
     from deadpool.member_config import MemberConfig
 
-__all__ = ["attach"]
+__all__ = ["attach", "ddp"]
+
+
+def ddp(module: Any, group: Any) -> Any:
+    """`wrap=deadpool.ddp`: DistributedDataParallel as the job needs it (`find_unused_parameters=True`,
+    see `ddp_check`), over a group whose failures do not raise but end the step in a recovery
+    (`noting_group`): the loop body needs no `with job.step()`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
+
+
+ddp.notes_failures = True  # type: ignore[attr-defined]
 
 
 def attach(

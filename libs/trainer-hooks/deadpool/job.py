@@ -49,6 +49,7 @@ from deadpool.member_rebuild import (
     RendezvousFailedError,
     RestoreUnavailableError,
 )
+from deadpool.noting_group import FailureNote, NotingGroup
 from deadpool.process_group import GenerationGroup, Rendezvous, pick_backend
 from deadpool.sharded_module import fresh_copy, is_fully_sharded, meta_template
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
@@ -131,7 +132,7 @@ class _StepContext:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         if exc is None:
-            self.job._step_completed()
+            self.job._step_ended()
             return False
         if isinstance(exc, Exception) and self.job._recoverable(exc):
             self.job._recover(exc)
@@ -155,8 +156,9 @@ class Job:
         """The user's optimizer, kept for the whole run, when one was given rather than a factory."""
         self.module = module
         """The unwrapped model; its parameters are what snapshots hold."""
-        self.model: nn.Module = module
-        """The model to call in the step: the wrapped one once this member holds a rank."""
+        self.model: Any = module
+        """The model to call in the step: the wrapped one once this member holds a rank (typed Any: it
+        is whatever the wrapper returned, so that `job.model.no_sync()` and the like type-check)."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.rank: int | None = None
         """This member's rank, or None while it is a spare."""
@@ -175,6 +177,8 @@ class Job:
         self._template: nn.Module | None = None
         """The model on the meta device, as the user built it: each generation's fresh copy to shard (FSDP2)."""
         self._template_made = False
+        self._note = FailureNote()
+        """Collective failures of the current step that did not raise (see `noting_group`)."""
         self._left_early = False
         self._step_open = False
         """A step began (at the top of the loop) and has not ended yet."""
@@ -274,8 +278,8 @@ class Job:
             except GeneratorExit:  # the loop was left early (`break`, an early stop, a time budget)
                 self._leave_early()
                 raise
-            if self._step_open:  # the body ran without `with job.step()` (its errors are not caught)
-                self._step_completed()
+            if self._step_open:  # the body ran without `with job.step()`
+                self._step_ended()
 
     def register(self, name: str, obj: Any) -> Any:
         """Capture `obj`'s state with every snapshot and restore it at every rebuild; returns `obj`.
@@ -406,7 +410,7 @@ class Job:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             module, _ = self._module_to_wrap()
-            wrapped = self._wrap(module, dist.group.WORLD) if self._wrap else module
+            wrapped = self._wrap(module, self._group_for_wrap(dist.group.WORLD)) if self._wrap else module
             if self._factory is not None:  # the user's own optimizer is left alone
                 optimizer = self._factory(list(self.module.parameters()))
                 self.user_state.bind(optimizer)
@@ -485,10 +489,19 @@ class Job:
 
     # ------------------------------------------------------------------ steps and snapshots
 
+    def _step_ended(self) -> None:
+        """The step's code ran to its end: completed, or recovered if a collective of it failed without
+        raising (`noting_group`)."""
+        if self._note.error is not None:
+            self._recover(self._note.error)
+        else:
+            self._step_completed()
+
     def _step_started(self) -> None:
         if self._step_open:  # `with job.step()` inside the loop: the step began at the loop's top
             return
         self._step_open = True
+        self._note.clear()
         entered = time.perf_counter()
         self.stats.started(self._next_step, self.generation)
         progress = replace(self._link.progress, in_step=True, step_started_t=time.time())
@@ -593,7 +606,12 @@ class Job:
     # ------------------------------------------------------------------ failures and rebuilds
 
     def _recoverable(self, exc: Exception) -> bool:
-        return is_collective_error(exc) or self._waits.superseded(self.generation)
+        noted = self._note.error is not None  # the group broke in this step: what followed is its consequence
+        return noted or is_collective_error(exc) or self._waits.superseded(self.generation)
+
+    def _group_for_wrap(self, group: Any) -> Any:
+        """What the wrapper gets: for `deadpool.ddp`, the group that notes its failures (`noting_group`)."""
+        return NotingGroup(group, self._note) if getattr(self._wrap, "notes_failures", False) else group
 
     def _recover(self, exc: Exception) -> None:
         """Leave the broken step: break the group (releasing peers), then obey the swapper's next rebuild."""

@@ -44,6 +44,7 @@ from deadpool.control_link import Progress
 from deadpool.ddp_check import check_wrapped
 from deadpool.durable_tier import agree_on_step
 from deadpool.failure_origin import is_collective_error
+from deadpool.noting_group import skip_step_after_failure
 from deadpool.process_group import RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
 from deadpool.sharded_module import is_fully_sharded
@@ -284,7 +285,10 @@ class MemberRebuild:
         job = self.job
         try:
             module, fresh = job._module_to_wrap()
-            model = job._wrap(module, self.group) if job._wrap else module
+            job._note.clear()
+            model = job._wrap(module, job._group_for_wrap(self.group)) if job._wrap else module
+            if job._note.error is not None:  # DDP's checks and broadcast at construction failed, without raising
+                raise RendezvousFailedError(f"the new group broke while wrapping: {job._note.error}")
             check_wrapped(model)
             if is_fully_sharded(module) and job._own_optimizer is not None:
                 raise TypeError("a model sharded with fully_shard needs an optimizer factory: its parameters change")
@@ -294,7 +298,7 @@ class MemberRebuild:
             optimizer = job._factory(list(job.module.parameters())) if job._factory else job._own_optimizer
             assert optimizer is not None
             job.user_state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
-        except MemberCannotContinueError:
+        except (MemberCannotContinueError, RendezvousFailedError):
             raise
         except Exception as exc:
             job._waits.check(self.generation)  # broken because the generation was superseded
@@ -307,6 +311,7 @@ class MemberRebuild:
             ) from exc
         if optimizer is not job._hooked_optimizer:  # the user's own optimizer is hooked once
             optimizer.register_step_pre_hook(lambda *_: job._fence_optimizer_step())
+            skip_step_after_failure(optimizer, job._note)
             job._hooked_optimizer = optimizer
         step = 0
         if self.snapshot is not None and self.meta is not None:

@@ -22,6 +22,7 @@ WAITING_MARKERS = (
     f"{os.sep}torch{os.sep}distributed{os.sep}",
     f"{os.sep}torch{os.sep}autograd{os.sep}",
     f"{os.sep}torch{os.sep}nn{os.sep}parallel{os.sep}",
+    f"{os.sep}deadpool{os.sep}noting_group.py",
 )
 """Code a thread is in while it waits for its peers (collectives; backward, where DDP reduces)."""
 COMPILING_MARKERS = (

@@ -10,6 +10,7 @@ spare takes its rank. Each rank writes its final state, user objects included, t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import signal
@@ -83,6 +84,9 @@ def main() -> None:
     parser.add_argument("--flag", type=Path, required=True, help="exists once rank 1 was killed")
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--no-step-context", action="store_true", help="wrap=deadpool.ddp and no `with job.step()` around the body"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -101,11 +105,13 @@ def main() -> None:
     loader = StatefulDataLoader(Numbers(), batch_size=2 * BATCH, shuffle=True, num_workers=2)
     state["loader"] = loader
     wrap = None if sparse else (lambda m, pg: DDP(m, process_group=pg, find_unused_parameters=True))
+    if args.no_step_context:
+        wrap = deadpool.ddp  # its collectives' failures end the step in a recovery, without raising
 
     job = deadpool.attach(model, optimizer=optimizer, wrap=wrap, state=state)
     batches = job.iterate(loader)  # resumes where the restored loader state says, after every rebuild
     for step in job.steps(args.steps):
-        with job.step():
+        with contextlib.nullcontext() if args.no_step_context else job.step():
             assert job.rank is not None and job.optimizer is not None
             x = next(batches)[job.rank :: job.world_size]  # every rank reads the same loader: its share
             ids = torch.arange(step, step + x.shape[0]) % 64
