@@ -11,6 +11,7 @@ with the path to it: a value we cannot restore exactly must not be dropped silen
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -34,41 +35,54 @@ class TreeError(TypeError):
 
 
 def encode_tree(value: Any, path: str = "state") -> tuple[bytes, list[torch.Tensor]]:
-    """`value` as msgpack bytes with tensor references, and the tensors referred to, in order."""
-    tensors: list[torch.Tensor] = []
+    """`value` as msgpack bytes with tensor references, and the tensors referred to, in order.
 
-    def walk(v: Any, where: str) -> Any:
+    Runs on the training thread at every capture, so the walk keeps the keys it is under on a stack
+    and formats a path only for the error it raises."""
+    tensors: list[torch.Tensor] = []
+    keys: list[Any] = []
+
+    def refuse(why: str) -> TreeError:
+        where = path + "".join(f"[{k!r}]" for k in keys)
+        return TreeError(f"{where}: {why}")
+
+    def walk(v: Any) -> Any:
         if v is None or isinstance(v, bool | str | bytes | float):
             return v
         if isinstance(v, int):
             if not _INT_MIN <= v <= _INT_MAX:
-                raise TreeError(f"{where}: the integer {v} does not fit 64 bits")
+                raise refuse(f"the integer {v} does not fit 64 bits")
             return int(v)
         if isinstance(v, torch.Tensor):
             if v.layout != torch.strided:
-                raise TreeError(f"{where}: a {v.layout} tensor; a snapshot holds dense tensors only")
-            if v.device.type not in _DEVICES:
-                raise TreeError(f"{where}: a tensor on {v.device}, which a snapshot cannot restore")
-            tensors.append(v.detach())
-            return msgpack.ExtType(_TENSOR, msgpack.packb([len(tensors) - 1, v.device.type]))
-        if isinstance(v, list):
-            return [walk(item, f"{where}[{i}]") for i, item in enumerate(v)]
-        if isinstance(v, tuple):
-            items = [walk(item, f"{where}[{i}]") for i, item in enumerate(v)]
-            return msgpack.ExtType(_TUPLE, _pack(items))
+                raise refuse(f"a {v.layout} tensor; a snapshot holds dense tensors only")
+            device = v.device.type
+            if device not in _DEVICES:
+                raise refuse(f"a tensor on {v.device}, which a snapshot cannot restore")
+            tensors.append(v)  # copied under no_grad at capture: no detach needed
+            return _reference(len(tensors) - 1, device)
+        if isinstance(v, list | tuple):
+            items = []
+            for i, item in enumerate(v):
+                keys.append(i)
+                items.append(walk(item))
+                keys.pop()
+            return items if isinstance(v, list) else msgpack.ExtType(_TUPLE, _pack(items))
         if isinstance(v, dict):
             out = {}
             for key, item in v.items():
                 if not isinstance(key, str | int) or isinstance(key, bool):
-                    raise TreeError(f"{where}: a key of type {type(key).__name__} ({key!r}); keys must be str or int")
-                out[key] = walk(item, f"{where}[{key!r}]")
+                    raise refuse(f"a key of type {type(key).__name__} ({key!r}); keys must be str or int")
+                keys.append(key)
+                out[key] = walk(item)
+                keys.pop()
             return out
-        raise TreeError(
-            f"{where}: a {type(v).__module__}.{type(v).__qualname__}, which a snapshot cannot hold "
+        raise refuse(
+            f"a {type(v).__module__}.{type(v).__qualname__}, which a snapshot cannot hold "
             "(only None, bool, int, float, str, bytes, tensors, and lists, tuples and dicts of them)"
         )
 
-    return _pack(walk(value, path)), tensors
+    return _pack(walk(value)), tensors
 
 
 def decode_tree(data: bytes, tensor: Callable[[int], torch.Tensor], tensor_count: int) -> Any:
@@ -101,6 +115,12 @@ def decode_tree(data: bytes, tensor: Callable[[int], torch.Tensor], tensor_count
         return _unpack(data)
     except (TypeError, ValueError, msgpack.UnpackException) as exc:
         raise ValueError(f"malformed state tree: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reference(index: int, device: str) -> msgpack.ExtType:
+    """The reference to tensor `index` (the same ones recur at every capture)."""
+    return msgpack.ExtType(_TENSOR, msgpack.packb([index, device]))
 
 
 def _pack(value: Any) -> bytes:
