@@ -93,6 +93,16 @@ async def finish(process: asyncio.subprocess.Process, log: Path, timeout_s: floa
         raise AssertionError(f"the launcher did not finish within {timeout_s} s\n{tail(log)}") from None
 
 
+async def run_to_end(command: list[str], log: Path, timeout_s: float = 240.0) -> int:
+    """Run `command` (its output to `log`) to its end; its exit code. Fails the test if it runs longer."""
+    with open(log, "wb") as sink:
+        process = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
+    try:
+        return await finish(process, log, timeout_s)
+    finally:
+        stop_all(process)
+
+
 def kill(watch: JobWatch, member: str, sig: signal.Signals = signal.SIGKILL) -> int:
     pid = watch.members[member].pid
     os.kill(pid, sig)

@@ -36,6 +36,8 @@ STEPS = 30
 RUN_TIMEOUT_S = 180.0
 SETTLE_S = 0.3
 """After freezing the ranks, time for the snapshot reports already sent to be committed."""
+SWAP_WAIT_S = 1.0
+"""How long a frozen rank 0 waits for the swap of rank 1 to be decided (its heartbeat timeout is 2 s)."""
 
 
 async def launch(url: str, job: str, out: Path, log: Path, *flags: str) -> asyncio.subprocess.Process:
@@ -103,7 +105,11 @@ async def test_with_every_copy_of_the_committed_step_corrupt_the_older_committed
                     assert reply["corrupted"] == [step], reply
                 await asyncio.sleep(SETTLE_S)
             seen["committed"] = step
+            generation = watch.rebuild.generation  # type: ignore[union-attr]
             os.kill(pids[1], signal.SIGKILL)
+            # Rank 0 stays frozen until the swap is decided: its snapshot of the next step, half-streamed,
+            # would otherwise complete and commit a step whose rank-1 copy was stored, and not spoilt.
+            await asyncio.wait_for(watch.wait_for(lambda: watch.rebuild.generation > generation), SWAP_WAIT_S)  # type: ignore[union-attr]
         finally:
             os.kill(pids[0], signal.SIGCONT)
 

@@ -5,13 +5,12 @@ the kill (`torch.equal`)."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
-from tests.integration.jobs import tail
+from tests.integration.jobs import run_to_end, tail
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_loop.py"
 RUN_TIMEOUT_S = 240.0
@@ -22,14 +21,7 @@ async def run(url: str, job: str, workdir: Path, kill_step: int) -> tuple[Path, 
     command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "4"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", "10"]
     command += ["--kill-step", str(kill_step), "--flag", str(flag), "--out", str(out)]
-    with open(log, "wb") as sink:
-        process = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
-    try:
-        code = await asyncio.wait_for(process.wait(), RUN_TIMEOUT_S)
-    finally:
-        if process.returncode is None:
-            process.kill()
-    assert code == 0, tail(log)
+    assert await run_to_end(command, log, RUN_TIMEOUT_S) == 0, tail(log)
     assert flag.exists() == (kill_step >= 0), tail(log)
     return out, log
 

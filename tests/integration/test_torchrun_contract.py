@@ -6,7 +6,6 @@ launcher exits 0, long before any wait for the last step could run out. Its body
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from deadpool.job import FINISH_WAIT_S
 from deadpool_cli.stack import Stack, StackConfig
-from tests.integration.jobs import tail
+from tests.integration.jobs import run_to_end, tail
 
 MODULE = "tests.integration.scripts.early_stop"
 RUN_TIMEOUT_S = 120.0
@@ -28,13 +27,7 @@ async def test_a_module_launched_like_torchrun_sees_its_variables_and_ends_clean
         command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", "early"]
         command += ["--nproc-per-node", "2", "--spares", "1", "-m", MODULE, "--stop-at", "3", "--out", str(out)]
         started = time.monotonic()
-        with open(log, "wb") as sink:
-            process = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
-        try:
-            code = await asyncio.wait_for(process.wait(), RUN_TIMEOUT_S)
-        finally:
-            if process.returncode is None:
-                process.kill()
+        code = await run_to_end(command, log, RUN_TIMEOUT_S)
         took_s = time.monotonic() - started
     assert code == 0, tail(log)
     assert took_s < FINISH_WAIT_S, "the job waited for a last step that never came"

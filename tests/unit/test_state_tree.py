@@ -54,34 +54,36 @@ def test_malformed_bytes_are_refused(data: bytes) -> None:
 
 def test_every_kind_of_optimizer_state_is_restored_exactly() -> None:
     """SparseAdam's int step, LBFGS's history lists and float counters, a tensor learning rate and a
-    scheduler over it: a replica built differently continues exactly like the original."""
+    scheduler over it, SGD's momentum: a replica built differently continues exactly like the original."""
 
     def build(seed: int) -> tuple[nn.ModuleDict, list[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]:
         torch.manual_seed(seed)
-        model = nn.ModuleDict({"e": nn.Embedding(8, 4, sparse=True), "l": nn.Linear(4, 1)})
+        model = nn.ModuleDict({"e": nn.Embedding(8, 4, sparse=True), "l": nn.Linear(4, 1), "s": nn.Linear(4, 1)})
         sparse = torch.optim.SparseAdam(model["e"].parameters(), lr=0.01)
         lbfgs = torch.optim.LBFGS(model["l"].parameters(), lr=0.5, max_iter=2, history_size=3)
         adam = torch.optim.Adam(model["l"].parameters(), lr=torch.tensor(0.01), foreach=False)
-        return model, [sparse, lbfgs, adam], torch.optim.lr_scheduler.LambdaLR(adam, lambda s: 0.5**s)
+        sgd = torch.optim.SGD(model["s"].parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        return model, [sparse, lbfgs, adam, sgd], torch.optim.lr_scheduler.LambdaLR(adam, lambda s: 0.5**s)
 
     def train(model: nn.ModuleDict, optimizers: list[torch.optim.Optimizer], sched: object, steps: int) -> None:
-        sparse, lbfgs, adam = optimizers
+        sparse, lbfgs, adam, sgd = optimizers
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
             ids, x = torch.randint(8, (3,), generator=g), torch.randn(3, 4, generator=g)
 
             def closure(x: torch.Tensor = x, ids: torch.Tensor = ids) -> float:
                 lbfgs.zero_grad()
-                loss = model["l"](x + model["e"](ids)).square().mean()
+                loss = (model["l"](x + model["e"](ids)) + model["s"](x)).square().mean()
                 loss.backward()
                 return float(loss)
 
             closure()
             sparse.step()
             adam.step()
+            sgd.step()
             lbfgs.step(closure)
             sched.step()  # type: ignore[attr-defined]
-            sparse.zero_grad()
+            model.zero_grad(set_to_none=True)  # as a restore leaves them
 
     original, optimizers, sched = build(0)
     train(original, optimizers, sched, 4)
@@ -110,4 +112,4 @@ def test_every_kind_of_optimizer_state_is_restored_exactly() -> None:
 
 
 def snapshot_params(shots: list[tuple[FlatBuffer, SnapshotMeta]]) -> list[torch.Tensor]:
-    return [shots[0][0].by_name[f"param.{i}"] for i in range(3)]
+    return [shots[0][0].by_name[f"param.{i}"] for i in range(5)]
