@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -129,6 +130,8 @@ def main() -> None:
                 opt.zero_grad()
             job.state["scheduler"].step()
             job.state["ema"].update_parameters(model)
+            if not args.no_step_context:  # a collective of the loop's own (it keeps ranks without DDP in step)
+                dist.all_reduce(torch.tensor([float(step)]))
             if args.optimizer == "lbfgs" and job.rank == 1 and step == args.kill_step and not args.flag.exists():
                 args.flag.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
