@@ -168,10 +168,11 @@ class Job:
         """Small msgpack-able values saved with every snapshot and restored with it."""
         self.config = config
         self.log = log
-        self.user_state = UserState()
-        """The objects registered with `register` (schedulers, scalers, data loaders, EMA modules)."""
+        self.state = UserState()
+        """The objects registered with `register`, by name (schedulers, scalers, data loaders, EMA modules;
+        a factory's object once this member holds a rank)."""
         for name, obj in (state or {}).items():
-            self.user_state.register(name, obj)
+            self.state.register(name, obj)
         self._param_device = next(iter(module.parameters()), torch.empty(0)).device
         """Where the model's parameters live (a fresh copy of a sharded model is materialised there)."""
         self._template: nn.Module | None = None
@@ -292,7 +293,7 @@ class Job:
         """
         if self.rank is not None or self._completed_step != NO_STEP:
             raise RuntimeError(f"register {name!r} before the job's first step: every snapshot must hold it")
-        self.user_state.register(name, obj)
+        self.state.register(name, obj)
         return obj
 
     def iterate(self, loader: Iterable[T]) -> Iterator[T]:
@@ -305,7 +306,7 @@ class Job:
             for step in job.steps(total_steps):
                 x, y = next(batches)
         """
-        if not any(obj is loader for obj in self.user_state.values()):
+        if not any(obj is loader for obj in self.state.values()):
             raise ValueError("iterate() a loader registered with the job: its state must be captured to be resumed")
         resuming = self._restores > 0  # a spare's first batches come from the state it was given
         while True:
@@ -324,11 +325,6 @@ class Job:
             resuming = self._restores != restores  # the loader's state was restored: resume from it
             if empty and not resuming:
                 raise ValueError("the loader yields no batches")
-
-    @property
-    def state(self) -> UserState:
-        """The registered objects, by name (a factory's object once this member holds a rank)."""
-        return self.user_state
 
     def step(self) -> _StepContext:
         """Context for one training step; a broken collective inside it is handled, not raised.
@@ -413,7 +409,7 @@ class Job:
             wrapped = self._wrap(module, self._group_for_wrap(dist.group.WORLD)) if self._wrap else module
             if self._factory is not None:  # the user's own optimizer is left alone
                 optimizer = self._factory(list(self.module.parameters()))
-                self.user_state.bind(optimizer)
+                self.state.bind(optimizer)
                 del optimizer
             del wrapped
             gc.collect()
@@ -568,7 +564,7 @@ class Job:
         assert self.rank is not None
         self._adopt_placement()
         try:
-            tree = capture_tree(self.module, self.optimizer, self.user_state)
+            tree = capture_tree(self.module, self.optimizer, self.state)
         except TreeError as exc:  # every member would meet it: end the job, saying what cannot be held
             raise MemberCannotContinueError(MemberErrorCause.USER_CODE, f"state cannot be snapshotted: {exc}") from exc
         sources, layout = self._sources(tree)

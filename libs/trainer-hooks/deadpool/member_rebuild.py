@@ -297,7 +297,7 @@ class MemberRebuild:
             job.module = module
             optimizer = job._factory(list(job.module.parameters())) if job._factory else job._own_optimizer
             assert optimizer is not None
-            job.user_state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
+            job.state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
         except (MemberCannotContinueError, RendezvousFailedError):
             raise
         except Exception as exc:
@@ -329,7 +329,7 @@ class MemberRebuild:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
             job._restores += 1
             try:
-                load_user_state(job.user_state, tree)
+                load_user_state(job.state, tree)
             except Exception as exc:  # the user's load_state_dict, or a snapshot of other objects
                 text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 raise MemberCannotContinueError(

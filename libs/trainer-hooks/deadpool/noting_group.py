@@ -33,10 +33,8 @@ class FailureNote:
 
     def __init__(self) -> None:
         self.error: Exception | None = None
-        self.failures = 0
 
     def note(self, exc: Exception) -> None:
-        self.failures += 1
         if self.error is None:
             self.error = exc
 
