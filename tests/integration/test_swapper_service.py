@@ -60,6 +60,19 @@ async def leader_status(nc: Client, job: str, timeout_s: float = 10.0) -> dict[s
                 raise
 
 
+async def wait_for_leader(nc: Client, timeout_s: float = 30.0) -> None:
+    """Block until a swapper leads: only the leader answers status requests (or hellos), and a swapper
+    answers micro-service pings before it has taken the lease."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await nc.request(SWAPPER_STATUS, b"no-such-job", timeout=0.5)  # a 404 is an answer
+            return
+        except (NatsTimeoutError, NoRespondersError):
+            if time.monotonic() > deadline:
+                raise
+
+
 def ack(rebuild: Rebuild, member: str) -> RebuildAck:
     now = time.time()
     return RebuildAck(
@@ -78,6 +91,7 @@ def ack(rebuild: Rebuild, member: str) -> RebuildAck:
 async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnService) -> None:
     swapper = spawn_service("swapper", "--replication", "1")
     await wait_for_micro_service(nc, "deadpool-swapper")
+    await wait_for_leader(nc)
     rebuilds = await queue_of(nc, S.rebuild, Rebuild)
     incidents = await queue_of(nc, S.incident, Incident)
 
@@ -108,6 +122,7 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
     swapper.wait(10)
     spawn_service("swapper", "--replication", "1")
     await wait_for_micro_service(nc, "deadpool-swapper")
+    await wait_for_leader(nc)
     status = await leader_status(nc, "job1")
     assert status["generation"] == 2 and status["ranks"] == ["r0", "sp"]
     assert [i["replacement"] for i in status["incidents"]] == ["sp"]
@@ -127,6 +142,7 @@ async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spaw
     arriving meanwhile, is swapped at once: each job has its own worker."""
     spawn_service("swapper", "--replication", "1")
     await wait_for_micro_service(nc, "deadpool-swapper")
+    await wait_for_leader(nc)
 
     async def store_announces() -> None:
         while True:

@@ -26,13 +26,13 @@ def test_a_wait_is_broken_from_another_thread_when_its_generation_is_superseded(
     blocked, broken = threading.Event(), threading.Event()
 
     def control() -> None:
-        blocked.wait(5)
+        assert blocked.wait(60), "the training thread never reached its wait"
         assert waits.supersede(newest=5) == 1
 
     threading.Thread(target=control, daemon=True).start()
     with pytest.raises(SupersededError), waits.breakable(4, broken.set):
         blocked.set()
-        if not broken.wait(5):  # a blocked socket call, failing once its socket is shut down
+        if not broken.wait(60):  # a blocked socket call, failing once its socket is shut down
             raise AssertionError("never broken")
         raise ConnectionResetError("the socket was shut down")
 
