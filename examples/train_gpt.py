@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,14 +118,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--out", type=Path, default=None, help="write each rank's final state here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--deterministic", action="store_true", help="CUDA: deterministic algorithms only")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # CPU: denormals make backward up to 50x slower
     device = torch.device("cpu")
-    if args.device == "cuda":  # one GPU per process where there are enough, else they share GPU 0
-        device = torch.device("cuda", int(os.environ.get("DEADPOOL_LOCAL_INDEX", "0")) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    if args.device == "cuda":  # the GPU `deadpool launch` gave this member (spares get one of their own)
+        if args.deterministic:  # cuBLAS reads this when CUDA starts: before the first CUDA call
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        device = deadpool.local_device()
+        if device.type != "cuda":
+            sys.exit("--device cuda: this member was given no GPU (see deadpool launch --gpus)")
+        if args.deterministic:  # bit-identity on a GPU needs deterministic kernels (cuBLAS included)
+            torch.use_deterministic_algorithms(True)
     torch.manual_seed(args.seed)  # every member, spares too, builds the same model
     config = SIZES[args.model_size]
     model = GPT(config).to(device)

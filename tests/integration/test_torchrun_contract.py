@@ -1,6 +1,6 @@
 """The torchrun contract: `deadpool launch -m module` runs a module, sets WORLD_SIZE,
 LOCAL_WORLD_SIZE and LOCAL_RANK for every member and RANK for those started holding a rank (a spare
-has none), and a loop left early with `break` ends the job cleanly: the spare is released and the
+has none), gives every member a GPU of its own when told of devices (spares too: `--gpus`), and a loop left early with `break` ends the job cleanly: the spare is released and the
 launcher exits 0, long before any wait for the last step could run out. Its body, not under
 `with job.step()`, still makes one step per pass."""
 
@@ -25,7 +25,20 @@ async def test_a_module_launched_like_torchrun_sees_its_variables_and_ends_clean
     out, log = tmp_path / "out", tmp_path / "launch.log"
     async with Stack(StackConfig(workdir=tmp_path, stores=1, replication=1)) as stack:
         command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", "early"]
-        command += ["--nproc-per-node", "2", "--spares", "1", "-m", MODULE, "--stop-at", "3", "--out", str(out)]
+        command += [
+            "--nproc-per-node",
+            "2",
+            "--spares",
+            "1",
+            "--gpus",
+            "5,6,7",
+            "-m",
+            MODULE,
+            "--stop-at",
+            "3",
+            "--out",
+            str(out),
+        ]
         started = time.monotonic()
         code = await run_to_end(command, log, RUN_TIMEOUT_S)
         took_s = time.monotonic() - started
@@ -40,3 +53,5 @@ async def test_a_module_launched_like_torchrun_sees_its_variables_and_ends_clean
     assert {r["env"]["WORLD_SIZE"] for r in reports} == {"2"}
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in reports} == {"2"}
     assert sorted(r["env"]["LOCAL_RANK"] for r in reports) == ["0", "1", "2"]
+    assert {r["env"]["CUDA_VISIBLE_DEVICES"] for r in reports} == {"5,6,7"}  # none shared: as with torchrun,
+    assert all(r["env"]["DEADPOOL_DEVICE"] == r["env"]["LOCAL_RANK"] for r in reports)  # cuda:LOCAL_RANK

@@ -67,6 +67,8 @@ class DemoConfig:
     kill_rank: int = 2
     model_size: str = "small"
     device: str = "cpu"
+    gpus: str = "auto"
+    """With --device cuda: `deadpool launch --gpus` (a GPU per member; `0,0,0` shares one, gloo only)."""
     seed: int = 1337
     stores: int = 2
     report: str = ""
@@ -146,8 +148,11 @@ async def _train(
     script = cfg.script or str(default_script())
     launch = ["launch", "--nats", stack_url, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    launch += ["--gpus", cfg.gpus if cfg.device == "cuda" else "none"]
     train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
     train += ["--device", cfg.device]
+    if cfg.device == "cuda":  # the weights are compared bit for bit
+        train += ["--deterministic"]
     command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
     started = time.time()
     with open(log_path, "wb") as log:

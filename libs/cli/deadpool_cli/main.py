@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--kill-rank", type=int, default=2)
     demo.add_argument("--model-size", default="small", choices=["tiny", "small", "base", "medium"])
     demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the example trains")
+    demo.add_argument("--gpus", default="auto", help="with --device cuda: as deadpool launch --gpus")
     demo.add_argument("--seed", type=int, default=1337)
     demo.add_argument("--stores", type=int, default=2, help="snapshot store processes")
     demo.add_argument("--report", default="", help="write the outcome as JSON to this file")
@@ -78,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--rank-offset", type=int, default=0, help="first rank this host asks for")
     launch.add_argument("--rendezvous-host", default="127.0.0.1", help="address other hosts reach this host at")
     launch.add_argument("--respawns", type=int, default=0, help="replace up to N dead members with fresh spares")
+    launch.add_argument(
+        "--gpus",
+        default="auto",
+        help="a GPU per member, spares included: auto (what the host shows), none, a count, or ids like 0,1,2",
+    )
     launch.add_argument(
         "--collective-timeout-s", type=float, default=0.0, help="how long a collective may block (default 60)"
     )
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             kill_rank=args.kill_rank,
             model_size=args.model_size,
             device=args.device,
+            gpus=args.gpus,
             seed=args.seed,
             stores=args.stores,
             report=args.report,
@@ -235,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from deadpool.cuda_devices import detect_devices, plan_devices
     from deadpool.launcher import LaunchConfig, Launcher
     from deadpool.member_config import ENV
     from deadpool_cli.stack import Stack, StackConfig
@@ -257,6 +265,11 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"deadpool launch: --resume-from {args.resume_from}: no such directory", file=sys.stderr)
             return 2
         durable_env[ENV.RESUME_FROM] = str(Path(args.resume_from).resolve())
+    try:
+        devices = plan_devices(args.gpus, args.nproc, args.spares, detect_devices())
+    except ValueError as exc:
+        print(f"deadpool launch: {exc}", file=sys.stderr)
+        return 2
     result = {"code": 1}
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-")) if not args.nats else Path()
     stack_config = StackConfig(workdir=workdir)
@@ -286,6 +299,7 @@ def _launch(args: argparse.Namespace) -> int:
                 respawns=args.respawns,
                 collective_timeout_s=args.collective_timeout_s,
                 extra_env=durable_env,
+                devices=devices,
             )
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 

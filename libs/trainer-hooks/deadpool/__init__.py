@@ -18,7 +18,25 @@ if TYPE_CHECKING:
     from deadpool.job import Job, OptimizerFactory, Wrapper
     from deadpool.member_config import MemberConfig
 
-__all__ = ["attach", "ddp"]
+__all__ = ["attach", "ddp", "local_device"]
+
+
+def local_device() -> Any:
+    """The device this member trains on: the GPU `deadpool launch` gave it (made the current CUDA
+    device), or the CPU when it was given none. Every member has a GPU of its own, spares included,
+    and a promoted spare keeps it (see `cuda_devices`)."""
+    import os
+
+    import torch
+
+    from deadpool.member_config import ENV
+
+    index = os.environ.get(ENV.DEVICE)
+    if index is None or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(index))
+    torch.cuda.set_device(device)
+    return device
 
 
 def ddp(module: Any, group: Any) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from deadpool.cuda_devices import DevicePlan
 from deadpool.member_config import ENV, host_name
 from deadpool_protocol import (
     ChildExit,
@@ -78,12 +79,16 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     batch_heartbeats: bool = True
     """Members send heartbeats to this launcher, which forwards them in one message per period."""
+    devices: DevicePlan | None = None
+    """Each slot's GPU (`cuda_devices`); None for a CPU job."""
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
             raise ValueError("launch at least one process (--nproc and --spares)")
         if not self.command:
             raise ValueError("no training script given")
+        if self.devices is not None and len(self.devices.devices) < self.nproc + self.spares:
+            raise ValueError("the device plan needs a device for every rank and spare")
 
 
 def _die_with_parent() -> None:
@@ -99,6 +104,8 @@ def _die_with_parent() -> None:
 class Child:
     member: str
     rank_hint: int
+    slot: int
+    """Its place on this host (LOCAL_RANK, and its device): a respawn takes the slot of the dead."""
     process: asyncio.subprocess.Process
 
 
@@ -119,6 +126,7 @@ class Launcher:
         self._events: EventPublisher | None = None
         self.respawns_left = config.respawns
         self._serial = 0
+        self._free_slots = list(range(config.nproc + config.spares))
         self._nc: Client | None = None
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
@@ -168,7 +176,7 @@ class Launcher:
             return 1
         return 0 if all(self.exit_codes.get(m) == 0 for m in self._alive_at_finish) else 1
 
-    def _torchrun_env(self, rank_hint: int) -> dict[str, str]:
+    def _torchrun_env(self, rank_hint: int, slot: int) -> dict[str, str]:
         """The variables torchrun sets that mean the same here. `RANK` only for a member started to hold
         a rank (a spare has none until it is promoted: read `job.rank`, which also follows a swap);
         `LOCAL_RANK` is the member's slot on this host, spares included, so that a spare can pick its
@@ -176,7 +184,7 @@ class Launcher:
         env = {
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.config.nproc),
-            "LOCAL_RANK": str(self._serial - 1),
+            "LOCAL_RANK": str(slot),
         }
         if rank_hint >= 0:
             env["RANK"] = str(rank_hint)
@@ -185,6 +193,7 @@ class Launcher:
     async def _spawn(self, rank_hint: int) -> None:
         self._serial += 1
         member = f"{self.launcher_id}-{self._serial}"
+        slot = self._free_slots.pop(0)  # the lowest free: a respawn takes the slot its dead member left
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         if self.config.rendezvous_host.startswith("127."):
@@ -197,7 +206,7 @@ class Launcher:
                 ENV.LAUNCHER: self.launcher_id,
                 ENV.RANK_HINT: str(rank_hint),
                 ENV.HEARTBEAT_VIA_LAUNCHER: "1" if self.config.batch_heartbeats else "0",
-                ENV.LOCAL_INDEX: str(self._serial - 1),
+                ENV.LOCAL_INDEX: str(slot),
                 ENV.WORLD_SIZE: str(self.world_size),
                 ENV.HOST: self.host,
                 ENV.RENDEZVOUS_HOST: self.config.rendezvous_host,
@@ -205,16 +214,18 @@ class Launcher:
             }
         )
         env.pop("RANK", None)  # inherited from a launcher run under torchrun, say: a spare must not have one
-        env.update(self._torchrun_env(rank_hint))
+        env.update(self._torchrun_env(rank_hint, slot))
+        if self.config.devices is not None:
+            env.update(self.config.devices.env_for(slot))
         if self.config.collective_timeout_s > 0:
             env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
         env.update(self.config.extra_env)
         process = await asyncio.create_subprocess_exec(
             sys.executable, *self.config.command, env=env, preexec_fn=_die_with_parent
         )
-        child = Child(member, rank_hint, process)
+        child = Child(member, rank_hint, slot, process)
         self.children[member] = child
-        self.log.info("member started", member=member, pid=process.pid, rank_hint=rank_hint)
+        self.log.info("member started", member=member, pid=process.pid, rank_hint=rank_hint, slot=slot)
         task = asyncio.create_task(self._watch(child))
         self._watchers.add(task)
         task.add_done_callback(self._watchers.discard)
@@ -223,6 +234,7 @@ class Launcher:
         returncode = await child.process.wait()
         t_exit = time.time()
         self.exit_codes[child.member] = returncode
+        self._free_slots = sorted([*self._free_slots, child.slot])  # its device is free again
         report = ChildExit(
             self.config.job,
             self.generation,

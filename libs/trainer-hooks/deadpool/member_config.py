@@ -46,7 +46,9 @@ class ENV:
     RESUME_FROM = "DEADPOOL_RESUME_FROM"
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
-    """The member's index among those its launcher started (0, 1, ...): which local GPU it may use."""
+    """The member's slot on its host (0 .. ranks + spares - 1; a respawn takes its dead member's)."""
+    DEVICE = "DEADPOOL_DEVICE"
+    """The index of the member's own GPU among those it sees (`cuda_devices`), when it was given one."""
 
 
 @dataclass(frozen=True)
