@@ -14,7 +14,7 @@ def restore_from_partitions(rank: int, world_size: int, port: int, results: Any)
     import torch.distributed as dist
     from torch import nn
 
-    from deadpool.replica_exchange import exchange_partitions
+    from deadpool.replica_exchange import broadcast_bytes, exchange_partitions
     from deadpool.training_state import Partition, collect_sources, load_module, load_optimizer, snapshot_now
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -43,6 +43,11 @@ def restore_from_partitions(rank: int, world_size: int, port: int, results: Any)
         same = all(torch.equal(a, b) for a, b in zip(model.parameters(), replica.parameters(), strict=True))
         for p, q in zip(model.parameters(), replica.parameters(), strict=True):
             same = same and all(torch.equal(v, replica_optimizer.state[q][k]) for k, v in optimizer.state[p].items())
-        results.put((rank, same, layout.total_bytes, collect_sources(model, optimizer).whole_bytes))
+        # the staged path NCCL takes (a bounded device buffer, chunk by chunk), here staged on the CPU
+        sent = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+        received = sent.clone() if rank == 1 else torch.zeros(5000, dtype=torch.uint8)
+        broadcast_bytes(received, 4999, 1, rank, dist.group.WORLD, torch.device("cpu"), chunk_bytes=1024)
+        staged = torch.equal(received[:4999], sent[:4999]) and (rank == 1 or int(received[4999]) == 0)
+        results.put((rank, same and staged, layout.total_bytes, collect_sources(model, optimizer).whole_bytes))
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""Replicated state reassembled over a real gloo group from each rank's snapshot share."""
+"""Replicated state reassembled over a real gloo group from each rank's snapshot share; and the
+chunked, staged broadcast the exchange uses on NCCL, over the same group."""
 
 from __future__ import annotations
 

@@ -378,6 +378,8 @@ class Job:
                 "snapshots_streamed": worker.captures,
                 "snapshot_copy_cpu_s": worker.copy_cpu_s,
                 "snapshot_stream_cpu_s": worker.stream_cpu_s,
+                "snapshot_copy_gpu_s": worker.copy_gpu_s,
+                "snapshot_copy_gpu_bytes": worker.copy_gpu_bytes,
             }
             self.stats.write(self.config.stats_dir, self.config.member, extra)
         self._link.close()

@@ -6,7 +6,10 @@ TCPStore master on the already-bound socket (`master_listen_fd`), so clients tha
 wait in the kernel's backlog, and the store listens only on the configured address (a TCPStore given a
 host still listens on all interfaces). Each generation uses its own key prefix.
 
-Aborting: see `GenerationGroup`. For NCCL the communicator's own abort is used (from any thread).
+Aborting: see `GenerationGroup`. For NCCL the recorded group's own abort is used (from any thread):
+the group is created bound to the member's device (`device_id`), so its communicator exists from the
+start and `ProcessGroup.abort()` has something to abort; `NCCL_ENVIRONMENT` says how torch's own NCCL
+error handling is set, and why.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from deadpool_protocol import Rebuild
 
 __all__ = [
     "CONNECT_ATTEMPT_S",
+    "NCCL_ENVIRONMENT",
     "GenerationGroup",
     "Rendezvous",
     "RendezvousUnreachableError",
@@ -39,6 +43,31 @@ PROBE_TIMEOUT_S = 0.2
 """One plain connect to a rendezvous host, before an attempt (`_await_listening`)."""
 PROBE_RETRY_S = 0.02
 """Between probes, and how often a member waiting for a TCPStore constructor checks for supersession."""
+
+NCCL_ENVIRONMENT = {
+    # A failed or timed-out collective aborts its communicator and raises in the training thread, but
+    # never kills the process: the default (3, SkipCleanUp) and 1 (TearDown) end a survivor whose peer
+    # died, turning one failure into many. The swapper decides who goes; DeadPool aborts the group itself.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # The heartbeat monitor kills a process whose watchdog seems stuck (480 s): hang verdicts are the
+    # detector's, which fences the member it means, not a survivor waiting on an aborted communicator.
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    # No debug dump before raising: a dump on timeout delays the survivor's exit from the collective.
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # Waits stay asynchronous (the CPU does not block in wait()): the compute stream waits, and an abort
+    # from the control thread ends it; a blocking wait would hold the training thread until the timeout.
+    "TORCH_NCCL_BLOCKING_WAIT": "0",
+}
+"""torch's NCCL error handling as DeadPool needs it, each read by ProcessGroupNCCL when a group is made.
+Set only where the user has not set them (`apply_nccl_environment`)."""
+
+
+def apply_nccl_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set `NCCL_ENVIRONMENT` in this process where unset; returns what is in force for those keys."""
+    env = os.environ if environ is None else environ
+    for key, value in NCCL_ENVIRONMENT.items():
+        env.setdefault(key, value)
+    return {key: env[key] for key in NCCL_ENVIRONMENT}
 
 
 class Rendezvous:
@@ -213,6 +242,8 @@ class GenerationGroup:
         self._generation = 0
         self._backend = ""
         self._group: Any = None
+        self._aborted: Any = None
+        """The NCCL group last aborted (an abort is done once per group)."""
         self._retire_s = retire_s
         self._retired: list[tuple[float, Any]] = []
         """(monotonic time dropped, process group) of earlier generations, oldest first."""
@@ -243,9 +274,18 @@ class GenerationGroup:
         with self._lock:
             self._forming = (generation, before, service_ports, dict(store_sockets or {}))
         _reset_group_names()
+        device_id = None
+        if backend == "nccl":  # pragma: no cover - needs a GPU
+            apply_nccl_environment()
+            device_id = torch.device("cuda", torch.cuda.current_device())  # the communicator, made now
         try:
             dist.init_process_group(
-                backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+                backend,
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                device_id=device_id,
             )
         except BaseException:
             if dist.is_initialized():  # pragma: no cover - torch leaves no half-made default group today
@@ -287,13 +327,18 @@ class GenerationGroup:
                 for fd, link in store_sockets.items():
                     _shutdown_connected(fd, link)
                 return True
-            if not self._sockets or (below_generation is not None and self._generation >= below_generation):
+            if self._group is None or (below_generation is not None and self._generation >= below_generation):
                 return False
-            if self._backend == "nccl":  # pragma: no cover - needs a GPU
-                _abort_nccl()
-            else:
-                for fd, link in self._sockets.items():
-                    _shutdown_connected(fd, link)
+            if self._backend == "nccl":
+                if self._aborted is self._group:
+                    return False
+                _abort_group(self._group)  # this generation's communicator, whatever WORLD is by now
+                self._aborted = self._group
+                return True
+            if not self._sockets:
+                return False
+            for fd, link in self._sockets.items():
+                _shutdown_connected(fd, link)
             self._sockets = {}
             return True
 
@@ -396,10 +441,11 @@ def _shutdown_connected(fd: int, link: str) -> None:
         sock.detach()  # the descriptor stays gloo's to close
 
 
-def _abort_nccl() -> None:  # pragma: no cover - needs a GPU
-    """Abort the NCCL communicator so no kernel waits for a dead peer (safe from another thread)."""
-    group = dist.group.WORLD
-    backend = group._get_backend(torch.device("cuda")) if group is not None else None
-    abort = getattr(backend, "abort", None)
-    if callable(abort):
-        abort()
+def _abort_group(group: Any) -> None:
+    """Abort `group`'s communicators so no kernel waits for a dead peer (safe from another thread).
+
+    `ProcessGroup.abort()` aborts every backend of that one group (for NCCL, `ncclCommAbort`), and
+    unlike `_abort_process_group` touches none of torch's global group registry, which the training
+    thread may be using. A kernel waiting on the aborted communicator returns, so the compute stream,
+    and the training thread blocked on it, move on."""
+    group.abort()

@@ -7,8 +7,9 @@ W partitions to everyone: first the small layouts (so a rank whose optimizer has
 the shapes), then the bytes, one broadcast per owner. The bytes are exact copies, so the result is
 bit-identical to a rank that never stopped.
 
-On NCCL the partitions travel through device memory (NCCL moves device tensors only); on gloo they
-stay in host memory.
+On NCCL the partitions travel through device memory (NCCL moves device tensors only), staged in
+chunks of `EXCHANGE_CHUNK_BYTES` through one device buffer, so a rebuild needs that much GPU memory,
+not a model's worth; the partitions received land in host memory. On gloo they stay in host memory.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ import torch.distributed as dist
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.training_state import SnapshotMeta
 
-__all__ = ["ReplicaMismatchError", "exchange_device", "exchange_partitions"]
+__all__ = [
+    "EXCHANGE_CHUNK_BYTES",
+    "ReplicaMismatchError",
+    "broadcast_bytes",
+    "chunk_spans",
+    "exchange_device",
+    "exchange_partitions",
+]
+
+EXCHANGE_CHUNK_BYTES = 64 << 20
+"""The device staging buffer of the exchange on NCCL: the most GPU memory a rebuild's exchange takes."""
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -31,7 +42,12 @@ class ReplicaMismatchError(RuntimeError):
 
 
 def exchange_partitions(
-    snapshot: FlatBuffer, meta: SnapshotMeta, rank: int, world_size: int, group: Any
+    snapshot: FlatBuffer,
+    meta: SnapshotMeta,
+    rank: int,
+    world_size: int,
+    group: Any,
+    chunk_bytes: int = EXCHANGE_CHUNK_BYTES,
 ) -> list[FlatBuffer]:
     """The other ranks' replicated partitions of step `meta.step` (an empty list if `meta` is whole).
 
@@ -48,18 +64,52 @@ def exchange_partitions(
     _check_consistent(gathered, rank, world_size)
     if not meta.partitioned:
         return []
+    staging = device if device.type != "cpu" else None
     parts: list[FlatBuffer] = []
     for owner, theirs in enumerate(gathered):
         layout = SnapshotLayout.from_fields(theirs["shared"])
         if owner == rank:
-            payload = snapshot.data[: layout.total_bytes].to(device)
+            payload = snapshot.data
         else:
-            payload = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, device=device)
-        if layout.total_bytes:
-            dist.broadcast(payload[: layout.total_bytes], src=owner, group=group)
+            payload = torch.empty(max(layout.total_bytes, 1), dtype=torch.uint8, pin_memory=staging is not None)
+        broadcast_bytes(payload, layout.total_bytes, owner, rank, group, staging, chunk_bytes)
         if owner != rank:
             parts.append(FlatBuffer(layout, data=payload))
     return parts
+
+
+def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) spans covering `total_bytes` in pieces of at most `chunk_bytes`."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    return [(start, min(start + chunk_bytes, total_bytes)) for start in range(0, total_bytes, chunk_bytes)]
+
+
+def broadcast_bytes(
+    host: torch.Tensor,
+    nbytes: int,
+    src: int,
+    rank: int,
+    group: Any,
+    staging_device: torch.device | None,
+    chunk_bytes: int = EXCHANGE_CHUNK_BYTES,
+) -> None:
+    """Broadcast the first `nbytes` of the host uint8 tensor `host` from `src` to every rank's `host`.
+    With `staging_device`, the bytes go through one buffer of at most `chunk_bytes` there, a chunk at a
+    time (NCCL moves device tensors only); without, the host tensor is broadcast as it is."""
+    if nbytes == 0:
+        return
+    if staging_device is None:
+        dist.broadcast(host[:nbytes], src=src, group=group)
+        return
+    stage = torch.empty(min(chunk_bytes, nbytes), dtype=torch.uint8, device=staging_device)
+    for start, end in chunk_spans(nbytes, chunk_bytes):
+        piece = stage[: end - start]
+        if rank == src:
+            piece.copy_(host[start:end])
+        dist.broadcast(piece, src=src, group=group)
+        if rank != src:
+            host[start:end].copy_(piece)
 
 
 def _all_gather_bytes(data: bytes, world_size: int, group: Any, device: torch.device) -> list[bytes]:

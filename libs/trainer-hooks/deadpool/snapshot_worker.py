@@ -14,7 +14,14 @@ if the previous snapshot is still streaming when the next is due, the capture wa
 one snapshot, and the price of a stream slower than a step is paid in step time, where it shows.
 
 On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
-stream wait on the copy's event: the GPU orders the two, the CPU never blocks.
+stream wait on the copy's event: the GPU orders the two, the CPU never blocks. The path is chosen per
+tensor (CUDA tensors on the side stream, host tensors by `_foreach_copy_`), so state kept partly on
+the host is captured too. Pinned memory is slow to allocate, so a buffer for a new layout is allocated
+by the copy thread, never the training thread: that capture hands the copy thread the buffers' device
+clones (the next forward may change them) and an event on the compute stream, and the pre-hook waits
+until the copies are issued. Every wait on the GPU is bounded (`COPY_WAIT_S`) and ends when its
+generation is superseded: a survivor whose compute stream waits on a dead peer's collective must not
+hold its recovery on a copy that cannot finish.
 
 Two threads: the copy (the next optimizer step may wait for it) and the stream. The stream has a
 whole step to finish; if it has not, the next capture waits for it. Both run at normal priority by
@@ -33,7 +40,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +56,12 @@ __all__ = ["CaptureRequest", "SnapshotSlot", "SnapshotWorker"]
 
 ABANDON_WAIT_S = 5.0
 """After abandoning a stuck stream's uploads, how long a capture waits for the stream to notice."""
+COPY_WAIT_S = 30.0
+"""How long the copy thread waits for a capture's device-to-host copies (and a rebuild for the copy
+thread) before the capture is given up: copies queue behind the compute stream, which a collective
+with a dead peer can hold until its communicator is aborted."""
+EVENT_POLL_S = 0.0005
+"""The longest pause between two polls of a CUDA event (the pauses grow to it from 20 us)."""
 
 
 @dataclass
@@ -58,20 +71,81 @@ class SnapshotSlot:
     buffer: FlatBuffer | None = None
     step: int = -1
     meta: bytes = b""
-    early_views: list[torch.Tensor] = field(default_factory=list)
-    late_views: list[torch.Tensor] = field(default_factory=list)
-    sources: SnapshotSources | None = None
-    """The sources the two view lists were selected for (rebuilt when the plan changes)."""
+    plan: CopyPlan | None = None
+    """The copies into this buffer, for the sources it was made for (made again when the plan changes)."""
+
+
+@dataclass
+class CopyPlan:
+    """One buffer's copies for one plan of sources, split by when (early: at capture; late: before
+    the next optimizer step) and by path (CUDA: side stream; host: `_foreach_copy_`)."""
+
+    sources: SnapshotSources
+    early_cuda: list[int]
+    early_host: list[int]
+    late_cuda: list[int]
+    late_host: list[int]
+    """Positions in `sources.early_tensors` / `sources.late_tensors`."""
+    early_views: list[torch.Tensor]
+    late_views: list[torch.Tensor]
+
+    @classmethod
+    def make(cls, buffer: FlatBuffer, sources: SnapshotSources) -> CopyPlan:
+        early_cuda, early_host = device_split(sources.early_tensors)
+        late_cuda, late_host = device_split(sources.late_tensors)
+        views = buffer.views
+        return cls(
+            sources,
+            early_cuda,
+            early_host,
+            late_cuda,
+            late_host,
+            [views[i] for i in sources.early],
+            [views[i] for i in sources.late],
+        )
+
+    @property
+    def uses_cuda(self) -> bool:
+        return bool(self.early_cuda or self.late_cuda)
+
+
+def device_split(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """The positions of the CUDA tensors and of the host tensors: each takes its own copy path."""
+    cuda = [i for i, t in enumerate(tensors) if t.is_cuda]
+    host = [i for i, t in enumerate(tensors) if not t.is_cuda]
+    return cuda, host
+
+
+def wait_for_event(event: Any, bound_s: float, abandoned: Callable[[], bool], poll_s: float = EVENT_POLL_S) -> bool:
+    """Poll a CUDA event (`query()`) until it completes (True), `bound_s` passes or `abandoned()`
+    (False). Unlike `event.synchronize()`, this wait ends when the work it waits for never will."""
+    deadline = time.monotonic() + bound_s
+    pause = min(20e-6, poll_s)
+    while not event.query():
+        if abandoned() or time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, poll_s)
+    return True
 
 
 @dataclass
 class CaptureRequest:
     slot: SnapshotSlot
     key: UploadKey
-    sources: list[torch.Tensor]
-    views: list[torch.Tensor]
     stores: list[StoreAddress]
+    host_sources: list[torch.Tensor] = field(default_factory=list)
+    host_views: list[torch.Tensor] = field(default_factory=list)
+    """Late host tensors, copied by the copy thread."""
     cuda_event: Any = None
+    """Marks the end of the side stream's copies (None: no CUDA copy, or not issued yet)."""
+    cuda_started: Any = None
+    """Marks their start on the side stream (for the copy's GPU time)."""
+    pending: tuple[SnapshotLayout, SnapshotSources, list[torch.Tensor], Any] | None = None
+    """CUDA, new layout: the copy thread allocates the pinned buffer, then issues the copies of (the
+    sources; device clones of the early tensors; the compute stream's event at capture)."""
+    issued: threading.Event = field(default_factory=threading.Event)
+    """Set once the CUDA copies are issued (at once, unless the copy thread allocates the buffer)."""
     done: threading.Event = field(default_factory=threading.Event)
     """Set when the upload to every store ended (sealed or failed)."""
     sealed_on: list[str] = field(default_factory=list)
@@ -115,6 +189,9 @@ class SnapshotWorker:
         """CPU time the copy thread spent copying, over all captures."""
         self.stream_cpu_s = 0.0
         """CPU time the stream thread spent streaming (socket copies, checksums), over all captures."""
+        self.copy_gpu_s = 0.0
+        self.copy_gpu_bytes = 0
+        """CUDA: the side stream's time copying device-to-host, and the bytes it copied, over all captures."""
         self._threads = [
             threading.Thread(target=self._copy_loop, name="deadpool-snapshot-copy", daemon=True),
             threading.Thread(target=self._stream_loop, name="deadpool-snapshot-stream", daemon=True),
@@ -144,30 +221,19 @@ class SnapshotWorker:
                     self.skipped += 1
                     return None
         slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
-        if slot.buffer is None or (slot.buffer.layout is not layout and slot.buffer.layout != layout):
-            slot.buffer = FlatBuffer(layout, pin=_on_cuda(sources.tensors))
-            slot.sources = None
-        if slot.sources is not sources:
-            views = slot.buffer.views
-            slot.early_views = [views[i] for i in sources.early]
-            slot.late_views = [views[i] for i in sources.late]
-            slot.sources = sources
         slot.step = -1  # invalid until the copy is done
         slot.meta = meta
-        early_views, early_sources = slot.early_views, sources.early_tensors
-        request = CaptureRequest(
-            slot=slot,
-            key=key,
-            sources=sources.late_tensors,
-            views=slot.late_views,
-            stores=list(stores),
-            persist_world_size=persist_world_size,
-        )
-        if _on_cuda(sources.tensors):
-            request.cuda_event = self._issue_cuda_copy(request, early_views, early_sources)
-        elif early_views:
-            with torch.no_grad():
-                torch._foreach_copy_(early_views, early_sources)
+        request = CaptureRequest(slot=slot, key=key, stores=list(stores), persist_world_size=persist_world_size)
+        fits = slot.buffer is not None and (slot.buffer.layout is layout or slot.buffer.layout == layout)
+        if not fits and any(t.is_cuda for t in sources.tensors):
+            request.pending = self._defer_to_copy_thread(layout, sources)
+        else:
+            if not fits:  # host memory: cheap to allocate, its pages are touched by the copy thread
+                slot.buffer, slot.plan = FlatBuffer(layout), None
+            assert slot.buffer is not None
+            if slot.plan is None or slot.plan.sources is not sources:
+                slot.plan = CopyPlan.make(slot.buffer, sources)
+            self._issue(request, slot.plan, sources.early_tensors)
         self._last_request = request
         self._idle.clear()
         self._captured.clear()
@@ -180,7 +246,9 @@ class SnapshotWorker:
 
     def local(self, step: int) -> SnapshotSlot | None:
         """The local snapshot of `step`, if one of the buffers holds it."""
-        self.wait_captured()
+        if not self.wait_captured(COPY_WAIT_S):
+            self.log.warning("snapshot copy still running: the local snapshot is not used", wait_s=COPY_WAIT_S)
+            return None
         for slot in self.slots:
             if slot.step == step and slot.buffer is not None:
                 return slot
@@ -188,7 +256,7 @@ class SnapshotWorker:
 
     def forget_after(self, step: int) -> None:
         """Invalidate local snapshots newer than `step` (their timeline was abandoned)."""
-        self.wait_captured()
+        self.wait_captured(COPY_WAIT_S)  # a copy still running then is of an abandoned generation
         for slot in self.slots:
             if slot.step > step:
                 slot.step = -1
@@ -205,7 +273,8 @@ class SnapshotWorker:
             self.log.info("snapshot uploads to stores no longer placed abandoned", stores=dropped)
 
     def cancel_uploads_before(self, generation: int) -> None:
-        """Abandon uploads of older generations: their steps will be recomputed."""
+        """Abandon uploads (and copies still waiting on the GPU) of older generations: their steps
+        will be recomputed."""
         self._cancel_below_generation = generation
 
     def close(self) -> None:
@@ -217,45 +286,99 @@ class SnapshotWorker:
         for conn in self._connections.values():
             conn.close()
 
-    # ------------------------------------------------------------ CUDA path
+    # ------------------------------------------------------------ issuing the copies
+
+    def _issue(self, request: CaptureRequest, plan: CopyPlan, early_sources: Sequence[torch.Tensor]) -> None:
+        """Copy the early host tensors now, queue every CUDA copy on the side stream, and leave the late
+        host tensors to the copy thread. `early_sources`: the early tensors (or device clones of them)."""
+        late_sources = plan.sources.late_tensors
+        if plan.early_host:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [plan.early_views[i] for i in plan.early_host], [early_sources[i] for i in plan.early_host]
+                )
+        if plan.uses_cuda:  # pragma: no cover - needs a GPU
+            request.cuda_started, request.cuda_event = self._issue_cuda_copy(
+                [plan.early_views[i] for i in plan.early_cuda],
+                [early_sources[i] for i in plan.early_cuda],
+                [plan.late_views[i] for i in plan.late_cuda],
+                [late_sources[i] for i in plan.late_cuda],
+                request.pending[3] if request.pending is not None else None,
+            )
+        request.host_views = [plan.late_views[i] for i in plan.late_host]
+        request.host_sources = [late_sources[i] for i in plan.late_host]
+        request.issued.set()
+
+    def _defer_to_copy_thread(
+        self, layout: SnapshotLayout, sources: SnapshotSources
+    ) -> tuple[SnapshotLayout, SnapshotSources, list[torch.Tensor], Any]:  # pragma: no cover - needs a GPU
+        """A CUDA capture into a layout this slot has no pinned buffer for: the copy thread allocates
+        it. The early tensors may change in the next forward, so they are cloned on their device now
+        (buffers: small); the copy thread's side stream waits on the compute stream's event."""
+        with torch.no_grad():
+            clones = [t.clone() for t in sources.early_tensors]
+        device = next(t.device for t in sources.tensors if t.is_cuda)
+        compute_event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        compute_event.record(torch.cuda.current_stream(device))
+        return layout, sources, clones, compute_event
 
     def _issue_cuda_copy(
-        self, request: CaptureRequest, early_views: list[torch.Tensor], early_sources: list[torch.Tensor]
-    ) -> Any:
-        """Queue the device-to-host copies on a side stream; returns the event that marks their end.
+        self,
+        early_views: list[torch.Tensor],
+        early_sources: list[torch.Tensor],
+        late_views: list[torch.Tensor],
+        late_sources: list[torch.Tensor],
+        after: Any,
+    ) -> tuple[Any, Any]:  # pragma: no cover - needs a GPU
+        """Queue the device-to-host copies on a side stream; returns the events that mark their start
+        and their end.
 
         Buffers (which the next forward may change) are copied first and the compute stream waits for
         them at once; parameters and optimizer state follow, fenced later by `fence_optimizer_step`.
+        `after`: an event on the compute stream to start after (copies issued by the copy thread), else
+        the compute stream as it is now.
         """
-        device = request.sources[0].device if request.sources else early_sources[0].device
+        device = (early_sources or late_sources)[0].device
         compute = torch.cuda.current_stream(device)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         stream = self._side_stream
-        stream.wait_stream(compute)
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(compute)
+        started = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        started.record(stream)
         with torch.cuda.stream(stream), torch.no_grad():
             if early_views:
                 torch._foreach_copy_(early_views, early_sources, non_blocking=True)
-                early_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                early_done.record(stream)
-                compute.wait_event(early_done)
-            if request.views:
-                torch._foreach_copy_(request.views, request.sources, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                if after is None:  # copies issued later read clones: the compute stream need not wait
+                    early_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    early_done.record(stream)
+                    compute.wait_event(early_done)
+            if late_views:
+                torch._foreach_copy_(late_views, late_sources, non_blocking=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record(stream)
-        return event
+        return started, event
 
     def fence_optimizer_step(self) -> None:
         """The optimizer step pre-hook: the step may not change what the capture still reads.
 
-        CUDA: the compute stream waits on the copy's event (the CPU does not block). CPU: wait for the
-        snapshot thread's copy, which has normally finished during forward and backward.
+        CUDA: the compute stream waits on the copy's event (the CPU does not block, unless the copy
+        thread is still allocating a new layout's pinned buffer). Host tensors: wait for the copy
+        thread's copy, which has normally finished during forward and backward.
         """
         request = self._last_request
-        if request is not None and request.cuda_event is not None:
-            device = request.sources[0].device if request.sources else None
-            torch.cuda.current_stream(device).wait_event(request.cuda_event)
+        if request is None:
             return
+        if not request.issued.wait(COPY_WAIT_S):
+            self.log.warning("snapshot copies not issued in time: the step goes on", step=request.key.step)
+        if request.cuda_event is not None:  # pragma: no cover - needs a GPU
+            device = self._side_stream.device if self._side_stream is not None else None
+            torch.cuda.current_stream(device).wait_event(request.cuda_event)
+            if not request.host_views:
+                return
         self._captured.wait()
 
     # ------------------------------------------------------------ snapshot thread
@@ -268,15 +391,18 @@ class SnapshotWorker:
                 return
             started = time.thread_time()
             try:
-                self._copy(request)
+                copied = self._copy(request)
             except Exception:
                 self.log.exception("snapshot copy failed", step=request.key.step)
+                copied = False
+            finally:
+                self.copy_cpu_s += time.thread_time() - started
+                request.issued.set()
+            if not copied:
                 self._captured.set()
                 request.done.set()
                 self._idle.set()
                 continue
-            finally:
-                self.copy_cpu_s += time.thread_time() - started
             self._uploads.put(request)
 
     def _stream_loop(self) -> None:
@@ -310,14 +436,34 @@ class SnapshotWorker:
                 request.done.set()
                 self._idle.set()
 
-    def _copy(self, request: CaptureRequest) -> None:
-        if request.cuda_event is not None:
-            request.cuda_event.synchronize()
-        else:
+    def _abandoned(self, request: CaptureRequest) -> bool:
+        return request.key.generation < self._cancel_below_generation
+
+    def _copy(self, request: CaptureRequest) -> bool:
+        """Finish the capture's copies; False if they were given up (the slot stays invalid)."""
+        slot = request.slot
+        if request.pending is not None:  # pragma: no cover - needs a GPU
+            layout, sources, clones, _ = request.pending
+            if slot.buffer is None or slot.buffer.layout != layout:
+                slot.buffer = FlatBuffer(layout, pin=True)
+            slot.plan = CopyPlan.make(slot.buffer, sources)
+            self._issue(request, slot.plan, clones)
+        if request.cuda_event is not None and not wait_for_event(  # pragma: no cover - needs a GPU
+            request.cuda_event, COPY_WAIT_S, lambda: self._abandoned(request)
+        ):
+            self.log.warning("snapshot copy given up", step=request.key.step, abandoned=self._abandoned(request))
+            return False
+        if request.cuda_started is not None:  # pragma: no cover - needs a GPU
+            self.copy_gpu_s += request.cuda_started.elapsed_time(request.cuda_event) / 1000
+            self.copy_gpu_bytes += sum(v.numel() * v.element_size() for v in _cuda_views(slot.plan))
+        if request.host_views:
             with torch.no_grad():
-                torch._foreach_copy_(request.views, request.sources)
-        request.slot.step = request.key.step
+                torch._foreach_copy_(request.host_views, request.host_sources)
+        if self._abandoned(request):
+            return False
+        slot.step = request.key.step
         self._captured.set()
+        return True
 
     def _stream(self, request: CaptureRequest) -> None:
         buffer = request.slot.buffer
@@ -344,5 +490,8 @@ class SnapshotWorker:
                 self.log.warning("snapshot not stored", step=key.step, store=address.store, reason=str(exc))
 
 
-def _on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
-    return bool(tensors) and tensors[0].is_cuda
+def _cuda_views(plan: CopyPlan | None) -> list[torch.Tensor]:
+    """The buffer views a plan fills from CUDA tensors."""
+    if plan is None:
+        return []
+    return [plan.early_views[i] for i in plan.early_cuda] + [plan.late_views[i] for i in plan.late_cuda]
