@@ -61,8 +61,8 @@ async def run_round(
         "OMP_NUM_THREADS": "1",
     }
     command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
-    command += ["--nproc", str(RANKS), "--spares", "0", str(SCRIPT)]
-    command += ["--steps", str(args.steps), "--model-size", args.model_size, "--device", args.device]
+    command += ["--nproc", str(RANKS), "--spares", "0", "--gpus", args.gpus if args.device == "cuda" else "none"]
+    command += [str(SCRIPT), "--steps", str(args.steps), "--model-size", args.model_size, "--device", args.device]
     started = time.monotonic()
     store_cpu_before = cpu_seconds(store_pid)
     with open(workdir / f"{job}.log", "wb") as log:
@@ -123,6 +123,8 @@ def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
     stream_ms = 1000 * sum(m.get("snapshot_stream_cpu_s", 0.0) for r in on_rounds for m in r["members"]) / streamed
     store_ms = 1000 * sum(r["store_cpu_s"] for r in on_rounds) / streamed
     step_budget_ms = 1000 * statistics.median(step_off) * (os.cpu_count() or 1)
+    gpu_copy_s = sum(m.get("snapshot_copy_gpu_s", 0.0) for r in on_rounds for m in r["members"])
+    gpu_copy_bytes = sum(m.get("snapshot_copy_gpu_bytes", 0) for r in on_rounds for m in r["members"])
     result = {
         "model_size": args.model_size,
         "device": args.device,
@@ -145,6 +147,7 @@ def summarise(rounds: list[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "store_ingest": round(store_ms, 2),
         },
         "snapshot_cpu_share_of_machine": round(RANKS * (copy_ms + stream_ms + store_ms) / step_budget_ms, 4),
+        "d2h_gb_per_s": round(gpu_copy_bytes / gpu_copy_s / 1e9, 2) if gpu_copy_s else None,
         "snapshot_bytes_per_rank": member["snapshot_bytes"],
         "snapshot_bytes_per_rank_unpartitioned": member["snapshot_bytes_whole"],
         "goals": GOALS,
@@ -183,6 +186,7 @@ def main() -> None:
     parser.add_argument("--warm-up-steps", type=int, default=2, help="steps of each round not measured")
     parser.add_argument("--model-size", default="medium")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--gpus", default="auto", help="with --device cuda: as deadpool launch --gpus (0,0 shares one)")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     r = result
@@ -208,6 +212,8 @@ def main() -> None:
         f"(without partitioning {r['snapshot_bytes_per_rank_unpartitioned'] / 1e6:.2f} MB); "
         f"streamed {r['streamed_mb_per_s']:.1f} MB/s"
     )
+    if r["d2h_gb_per_s"] is not None:
+        print(f"  device-to-host snapshot copies on the side stream: {r['d2h_gb_per_s']:.2f} GB/s")
     cpu = r["cpu_ms_per_snapshot"]
     print(
         f"  CPU per rank's snapshot: copy {cpu['copy']:.1f} ms, stream {cpu['stream']:.1f} ms, store ingest "
