@@ -1,8 +1,9 @@
 """The torchrun contract: `deadpool launch -m module` runs a module, sets WORLD_SIZE,
 LOCAL_WORLD_SIZE and LOCAL_RANK for every member and RANK for those started holding a rank (a spare
-has none), gives every member a GPU of its own when told of devices (spares too: `--gpus`), and a loop left early with `break` ends the job cleanly: the spare is released and the
-launcher exits 0, long before any wait for the last step could run out. Its body, not under
-`with job.step()`, still makes one step per pass."""
+has none), gives every member a GPU of its own when told of devices (spares too: `--gpus`), and a
+loop left early with `break` ends the job cleanly: the spare is released and the launcher exits 0,
+long before any wait for the last step could run out. Its body, not under `with job.step()`, still
+makes one step per pass."""
 
 from __future__ import annotations
 
