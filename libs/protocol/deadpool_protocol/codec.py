@@ -1,7 +1,8 @@
 """msgpack encoding of control-plane messages, validated on decode.
 
 `decode` never trusts its input: it checks the protocol version, the kind, every field's type (from
-the dataclass annotations, recursively) and the message's own `check()`. Anything wrong raises
+the dataclass annotations, recursively; a number must be finite: a NaN time or step size poisons every
+computation it enters) and the message's own `check()`. Anything wrong raises
 `ProtocolError` with a reason fit for a log line; callers log it and carry on.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -154,7 +156,7 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
             kind = type(value)
             if scalar is None:
                 values[name] = _check_type(value, hint, f"{where}.{name}")
-            elif kind is scalar:
+            elif kind is scalar and (kind is not float or math.isfinite(value)):
                 values[name] = value
             elif scalar is float and kind is int:
                 values[name] = float(value)
@@ -190,6 +192,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ProtocolError(f"{where}: {value} is not a finite number")
         return float(value)
     if hint in (int, str, bytes, bool):
         if isinstance(value, bool) and hint is int:

@@ -29,9 +29,11 @@ from deadpool_protocol.names import is_valid_name
 
 __all__ = [
     "CHUNK_BYTES_DEFAULT",
+    "CHUNK_BYTES_MAX",
     "DATAPLANE_VERSION",
     "FRAME_LENGTH",
     "HEADER_BYTES_MAX",
+    "SNAPSHOT_BYTES_MAX",
     "Fetch",
     "FetchReply",
     "Frame",
@@ -39,6 +41,7 @@ __all__ = [
     "Reply",
     "Seal",
     "chunk_checksum",
+    "chunk_count",
     "chunk_spans",
     "decode_frame_header",
     "encode_frame",
@@ -48,6 +51,10 @@ FRAME_LENGTH = struct.Struct("!I")
 HEADER_BYTES_MAX = 16 * 1024 * 1024
 """A Seal carries the snapshot's layout; a model with 10^5 tensors still fits."""
 CHUNK_BYTES_DEFAULT = 4 * 1024 * 1024
+CHUNK_BYTES_MAX = 256 * 1024 * 1024
+"""The largest chunk either end accepts."""
+SNAPSHOT_BYTES_MAX = 1 << 40
+"""The largest snapshot either end accepts (1 TiB: one rank's state; a store's capacity bounds it further)."""
 DATAPLANE_VERSION = 2
 """1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
 
@@ -57,11 +64,34 @@ def chunk_checksum(data: memoryview | bytes | bytearray) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """(offset, nbytes) of each chunk of a snapshot of `total_bytes`."""
+def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
+    """How many chunks a snapshot of `total_bytes` has: arithmetic, so a hostile size costs nothing."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
+    return -(-total_bytes // chunk_bytes)
+
+
+def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """(offset, nbytes) of each chunk of a snapshot of `total_bytes` (check `chunk_count` first: the
+    list is as long as that)."""
+    chunk_count(total_bytes, chunk_bytes)
     return [(off, min(chunk_bytes, total_bytes - off)) for off in range(0, total_bytes, chunk_bytes)]
+
+
+def _check_manifest(total_bytes: int, chunk_bytes: int, checksums: list[int]) -> None:
+    """A manifest's sizes are within bounds and it lists one checksum per chunk; the chunk count is
+    computed, never the chunks (a seal of 2**40 bytes in 1-byte chunks allocated them all)."""
+    if not 0 <= total_bytes <= SNAPSHOT_BYTES_MAX:
+        raise ProtocolError(f"a snapshot of {total_bytes} bytes (allowed: 0 to {SNAPSHOT_BYTES_MAX})")
+    if not 0 < chunk_bytes <= CHUNK_BYTES_MAX:
+        raise ProtocolError(f"chunks of {chunk_bytes} bytes (allowed: 1 to {CHUNK_BYTES_MAX})")
+    if len(checksums) != chunk_count(total_bytes, chunk_bytes):
+        raise ProtocolError(
+            f"{len(checksums)} checksums for {chunk_count(total_bytes, chunk_bytes)} chunks of {chunk_bytes} "
+            "bytes: the manifest needs one checksum per chunk"
+        )
+    if any(not 0 <= c < 1 << 64 for c in checksums):
+        raise ProtocolError("a checksum is not an unsigned 64-bit integer")
 
 
 def _check_key(job: str, rank: int, step: int) -> None:
@@ -71,6 +101,13 @@ def _check_key(job: str, rank: int, step: int) -> None:
         raise ProtocolError(f"rank {rank} is negative")
     if step < 0:
         raise ProtocolError(f"step {step} is negative")
+
+
+def _check_upload(generation: int, member: str) -> None:
+    if generation < 0:
+        raise ProtocolError(f"generation {generation} is negative")
+    if not is_valid_name(member):
+        raise ProtocolError(f"member {member!r} is not a valid name")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +134,11 @@ class PutChunk(Frame):
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
+        _check_upload(self.generation, self.member)
+        if not 0 < self.total_bytes <= SNAPSHOT_BYTES_MAX:
+            raise ProtocolError(f"a snapshot of {self.total_bytes} bytes (allowed: 1 to {SNAPSHOT_BYTES_MAX})")
+        if self.nbytes > CHUNK_BYTES_MAX:
+            raise ProtocolError(f"a chunk of {self.nbytes} bytes (allowed: up to {CHUNK_BYTES_MAX})")
         if not (self.offset >= 0 and self.nbytes > 0 and self.offset + self.nbytes <= self.total_bytes):
             raise ProtocolError(
                 f"chunk [{self.offset}, {self.offset + self.nbytes}) lies outside {self.total_bytes} bytes"
@@ -120,10 +162,8 @@ class Seal(Frame):
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
-        if self.chunk_bytes <= 0:
-            raise ProtocolError("chunk_bytes must be positive")
-        if len(self.checksums) != len(chunk_spans(self.total_bytes, self.chunk_bytes)):
-            raise ProtocolError("checksums does not hold one checksum per chunk")
+        _check_upload(self.generation, self.member)
+        _check_manifest(self.total_bytes, self.chunk_bytes, self.checksums)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +197,11 @@ class FetchReply(Frame):
     chunk_bytes: int
     checksums: list[int]
     meta: bytes
+
+    def check(self) -> None:
+        if self.ok:  # the member allocates total_bytes and reads chunk by chunk: bound both first
+            _check_upload(self.generation, self.member)
+            _check_manifest(self.total_bytes, self.chunk_bytes, self.checksums)
 
 
 _OPS: dict[str, type[Frame]] = {cls.OP: cls for cls in (PutChunk, Seal, Fetch, Reply, FetchReply)}

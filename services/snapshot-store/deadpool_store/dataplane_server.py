@@ -5,12 +5,21 @@ the connection waits for next (a length prefix, a header, or a chunk's slice of 
 memory), so a chunk's bytes are copied once, by the kernel, and then checksummed in place. A
 connection carries any number of uploads and fetches, one after the other. A malformed header closes
 the connection (framing is lost); a refused upload is answered at its Seal with the reason.
+
+Nothing a peer sends can hold the store: at most `connections_max` connections, `per_peer_max` of
+them from one address; frame headers in memory at once are bounded by `header_budget_bytes` over all
+connections (one peer announcing 16 MiB headers on many connections, and sending nothing, held that
+much each); and a connection that stops in the middle of a frame for `frame_idle_s` is dropped.
+Between frames a connection may idle: members keep theirs open from one snapshot to the next.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from deadpool_protocol import ProtocolError
@@ -38,23 +47,76 @@ SEND_PIECE_BYTES = 1024 * 1024
 """A fetch writes at most this much before checking the transport's flow control."""
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    connections_max: int = 256
+    per_peer_max: int = 64
+    """Connections from one address (a host runs a member per GPU, and each member one per store)."""
+    header_budget_bytes: int = 64 * 1024 * 1024
+    """Frame headers being received, over all connections (a Seal of a 10^5-tensor model is ~5 MB)."""
+    frame_idle_s: float = 30.0
+    """How long a connection may send nothing in the middle of a frame."""
+    sweep_s: float = 1.0
+    """How often stalled connections are looked for."""
+
+
 class DataPlaneServer:
-    def __init__(self, memory: SnapshotMemory, on_sealed: OnSealed, log: Any) -> None:
+    def __init__(
+        self, memory: SnapshotMemory, on_sealed: OnSealed, log: Any, limits: ConnectionLimits | None = None
+    ) -> None:
         self.memory = memory
         self.on_sealed = on_sealed
         self.log = log
+        self.limits = limits or ConnectionLimits()
         self._server: asyncio.Server | None = None
+        self._connections: set[_Connection] = set()
+        self._per_peer: Counter[str] = Counter()
+        self.header_bytes = 0
+        """Bytes of frame headers allocated and not yet decoded, over all connections."""
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); returns the port (useful with port 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self._sweeper = loop.create_task(self._sweep())
         return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    def admit(self, conn: _Connection) -> str:
+        """Register a new connection; returns why it is refused ('' if admitted)."""
+        if len(self._connections) >= self.limits.connections_max:
+            return f"the store already has {len(self._connections)} connections"
+        if self._per_peer[conn.peer_host] >= self.limits.per_peer_max:
+            return f"{conn.peer_host} already has {self._per_peer[conn.peer_host]} connections"
+        self._connections.add(conn)
+        self._per_peer[conn.peer_host] += 1
+        return ""
+
+    def forget(self, conn: _Connection) -> None:
+        if conn in self._connections:
+            self._connections.discard(conn)
+            self._per_peer[conn.peer_host] -= 1
+            if self._per_peer[conn.peer_host] <= 0:
+                del self._per_peer[conn.peer_host]
+
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    async def _sweep(self) -> None:
+        """Drop connections stalled in the middle of a frame (slow loris)."""
+        while True:
+            await asyncio.sleep(self.limits.sweep_s)
+            now = time.monotonic()
+            for conn in list(self._connections):
+                conn.drop_if_stalled(now, self.limits.frame_idle_s)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -69,6 +131,10 @@ class _Connection(asyncio.BufferedProtocol):
         self.log = server.log
         self.transport: asyncio.Transport | None = None
         self.peer = ""
+        self.peer_host = ""
+        self._header_held = 0
+        """Bytes of header buffer this connection holds against the server's budget."""
+        self._last_rx = time.monotonic()
         self._length = bytearray(FRAME_LENGTH.size)
         self._discard = bytearray(0)
         self._target = memoryview(self._length)
@@ -86,12 +152,30 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self.peer = str(transport.get_extra_info("peername"))
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername)
+        self.peer_host = str(peername[0]) if isinstance(peername, tuple) and peername else self.peer
+        refused = self.server.admit(self)
+        if refused:
+            self.log.warning("data plane connection refused", peer=self.peer, reason=refused)
+            transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._target[self._filled :]
 
+    def mid_frame(self) -> bool:
+        """Whether a frame has begun and not ended (between frames a connection may idle)."""
+        return self._filled > 0 or self._on_full != self._length_read
+
+    def drop_if_stalled(self, now: float, idle_s: float) -> None:
+        if self.transport is not None and self.mid_frame() and now - self._last_rx > idle_s:
+            self.log.warning(
+                "data plane connection dropped", peer=self.peer, reason=f"no bytes for {idle_s} s mid-frame"
+            )
+            self.transport.abort()
+
     def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = time.monotonic()
         self._filled += nbytes
         if self._filled < len(self._target):
             return
@@ -108,6 +192,8 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None:
             self.log.info("data plane peer went away", peer=self.peer, reason=str(exc))
+        self._release_header()
+        self.server.forget(self)
         self._can_write.set()  # a fetch waiting to write sees the closed transport and stops
 
     def pause_writing(self) -> None:
@@ -125,9 +211,19 @@ class _Connection(asyncio.BufferedProtocol):
         (length,) = FRAME_LENGTH.unpack(self._length)
         if not 0 < length <= HEADER_BYTES_MAX:
             raise ProtocolError(f"frame header of {length} bytes (allowed: 1 to {HEADER_BYTES_MAX})")
+        budget = self.server.limits.header_budget_bytes
+        if self.server.header_bytes + length > budget:
+            raise ProtocolError(f"a {length}-byte header would take the store's headers past {budget} bytes")
+        self.server.header_bytes += length
+        self._header_held = length
         self._expect(memoryview(bytearray(length)), self._header_read)
 
+    def _release_header(self) -> None:
+        self.server.header_bytes -= self._header_held
+        self._header_held = 0
+
     def _header_read(self) -> None:
+        self._release_header()
         frame = decode_frame_header(bytes(self._target))
         if isinstance(frame, PutChunk):
             self._chunk_started(frame)

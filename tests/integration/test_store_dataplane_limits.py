@@ -1,0 +1,115 @@
+"""The store's data-plane server under hostile peers, over real loopback sockets: connections beyond
+its bounds are refused, a peer stalled in the middle of a frame is dropped (slow loris), headers in
+memory are bounded over all connections, and honest uploads go on meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from deadpool_protocol.dataplane import (
+    FRAME_LENGTH,
+    PutChunk,
+    Reply,
+    Seal,
+    chunk_checksum,
+    decode_frame_header,
+    encode_frame,
+)
+from deadpool_protocol.logs import get_logger
+from deadpool_store.dataplane_server import ConnectionLimits, DataPlaneServer
+from deadpool_store.memory import SnapshotMemory, StoredSnapshot
+
+LIMITS = ConnectionLimits(connections_max=6, per_peer_max=4, header_budget_bytes=4096, frame_idle_s=0.3, sweep_s=0.05)
+CLOSED_WAIT_S = 5.0
+
+
+async def no_op(_snap: StoredSnapshot) -> None:
+    return None
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[DataPlaneServer, int]]:
+    running = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), LIMITS)
+    port = await running.start("127.0.0.1", 0)
+    yield running, port
+    await running.stop()
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection (EOF or reset) within the wait."""
+    try:
+        return await asyncio.wait_for(reader.read(1), CLOSED_WAIT_S) == b""
+    except (ConnectionResetError, TimeoutError):
+        return True
+
+
+async def upload(port: int, step: int) -> bool:
+    """An honest upload of 8 bytes; True if the store sealed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = bytes(range(8))
+    writer.write(encode_frame(PutChunk("j", 1, 0, "m", step, 0, 8, 8)) + data)
+    writer.write(encode_frame(Seal("j", 1, 0, "m", step, 8, 8, [chunk_checksum(data)], b"meta")))
+    await writer.drain()
+    (length,) = FRAME_LENGTH.unpack(await reader.readexactly(FRAME_LENGTH.size))
+    reply = decode_frame_header(await reader.readexactly(length), Reply)
+    writer.close()
+    return isinstance(reply, Reply) and reply.ok
+
+
+async def test_a_peer_stalled_mid_frame_is_dropped_and_one_idle_between_frames_is_not(
+    server: tuple[DataPlaneServer, int],
+) -> None:
+    _, port = server
+    loris_r, loris_w = await asyncio.open_connection("127.0.0.1", port)
+    loris_w.write(FRAME_LENGTH.pack(1000) + b"\x81")  # a header of 1000 bytes, 1 of them sent
+    await loris_w.drain()
+    idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)  # a member between snapshots
+    assert await closed_by_server(loris_r)
+    with pytest.raises(TimeoutError):  # still open well past frame_idle_s
+        await asyncio.wait_for(idle_r.read(1), 3 * LIMITS.frame_idle_s)
+    assert await upload(port, 1)
+    loris_w.close()
+    idle_w.close()
+
+
+async def test_connections_beyond_the_bounds_are_refused_and_freed_slots_serve_again(
+    server: tuple[DataPlaneServer, int],
+) -> None:
+    running, port = server
+    held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(LIMITS.per_peer_max)]
+    extra_r, extra_w = await asyncio.open_connection("127.0.0.1", port)
+    assert await closed_by_server(extra_r)  # one peer address may not hold more
+    assert running.connections == LIMITS.per_peer_max
+    for _, writer in held:
+        writer.close()
+    for _ in range(100):  # the server notices the closes on its own loop
+        if running.connections == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert running.connections == 0
+    assert await upload(port, 2)
+    extra_w.close()
+
+
+async def test_headers_in_memory_are_bounded_over_all_connections(server: tuple[DataPlaneServer, int]) -> None:
+    running, port = server
+    first_r, first_w = await asyncio.open_connection("127.0.0.1", port)
+    first_w.write(FRAME_LENGTH.pack(3000) + b"\x81")  # holds 3000 of the 4096 budget, stalls
+    await first_w.drain()
+    for _ in range(100):
+        if running.header_bytes == 3000:
+            break
+        await asyncio.sleep(0.02)
+    assert running.header_bytes == 3000
+    second_r, second_w = await asyncio.open_connection("127.0.0.1", port)
+    second_w.write(FRAME_LENGTH.pack(3000))  # would take headers past the budget
+    await second_w.drain()
+    assert await closed_by_server(second_r)
+    assert await closed_by_server(first_r)  # then the stalled one is dropped, and its budget returned
+    assert running.header_bytes == 0
+    assert await upload(port, 3)
+    first_w.close()
+    second_w.close()
