@@ -87,7 +87,7 @@ def test_a_clean_exit_after_the_job_finished_is_not_a_failure() -> None:
     core.on_done(MemberDone("j", 1, "m0", 0, 10))
     assert core.on_exit(ChildExit("j", 1, "l0", "m0", 1, 0, 1.0), 1.0) == []  # m0 said it was done
     assert len(core.on_exit(ChildExit("j", 1, "l0", "m1", 2, 0, 1.0), 1.0)) == 1  # m1 left early
-    core.on_finished(JobFinished("j", 1, 10))
+    core.on_finished(JobFinished("j", 1, 10), 10.0)
     assert core.on_exit(ChildExit("j", 1, "l0", "m2", 3, 0, 2.0), 2.0) == []  # a spare leaving at the end
     assert core.check(1000.0) == []
 

@@ -99,6 +99,16 @@ class DetectorConfig:
     0 means the heartbeat timeout (a member that died without a word is declared by then)."""
     redeclare_after_s: float = 1.0
     """A verdict is published again when a rebuild still names the member this long after it."""
+    generation_lead_max: int = 1
+    """How far ahead of the newest generation a rebuild (or the job record) announced a heartbeat may
+    claim to be: a member beats in g+1 a moment before the detector hears of rebuild g+1, but a beat
+    from generation 2**62 would make every real rebuild look stale."""
+    jobs_max: int = 1000
+    """Jobs watched at once; heartbeats of one more job are refused until a job is pruned."""
+    finished_kept_s: float = 600.0
+    """A finished job is forgotten this long after it finished."""
+    idle_job_s: float = 3600.0
+    """A job nothing was heard of for this long (a job name made up on the bus, say) is forgotten."""
 
     @property
     def regroup_wait_s(self) -> float:
@@ -151,7 +161,12 @@ class Watched:
 class JobView:
     job: str
     generation: int = 0
+    announced: int = 0
+    """The newest generation a rebuild or the job record announced (heartbeats may lead it by little)."""
     finished: bool = False
+    finished_t: float = 0.0
+    heard_t: float = 0.0
+    """When anything was last heard of the job (for pruning)."""
     members: dict[str, Watched] = field(default_factory=dict)
     declared: dict[str, Failure | None] = field(default_factory=dict)
     """Members declared failed, with the verdict this detector published (None: loaded from KV)."""
@@ -177,10 +192,18 @@ class DetectorCore:
             view = self.jobs[job] = JobView(job)
         return view
 
-    def on_heartbeat(self, hb: Heartbeat, now: float) -> None:
-        view = self._view(hb.job)
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> str:
+        """Take a heartbeat in; returns why it was refused ('' when taken)."""
+        view = self.jobs.get(hb.job)
+        if view is None:
+            if len(self.jobs) >= self.config.jobs_max:
+                return f"already watching {len(self.jobs)} jobs (jobs_max)"
+            view = self._view(hb.job)
+        if hb.generation > view.announced + self.config.generation_lead_max:
+            return f"generation {hb.generation} is far ahead of the newest announced, {view.announced}"
+        view.heard_t = now
         if hb.member in view.declared:
-            return  # a declared member is being fenced; its last words change nothing
+            return ""  # a declared member is being fenced; its last words change nothing
         view.generation = max(view.generation, hb.generation)
         watched = view.members.get(hb.member)
         if watched is None:
@@ -210,6 +233,7 @@ class DetectorCore:
             if watched.rank != hb.rank:
                 watched.progress_t = now  # a spare that just got a rank: its step clock starts now
             watched.rank = hb.rank
+        return ""
 
     def on_rebuild(self, rebuild: Rebuild, now: float) -> list[Failure]:
         """Learn the rank map. Members named there are watched from now on, even before they beat.
@@ -223,6 +247,8 @@ class DetectorCore:
         ]
         for failure in again:  # at most once per redeclare period
             view.redeclared_t[failure.member] = now
+        view.heard_t = now
+        view.announced = max(view.announced, rebuild.generation)
         if rebuild.generation < view.generation:
             return again
         newer = rebuild.generation > view.generation
@@ -245,7 +271,10 @@ class DetectorCore:
         members already declared failed."""
         view = self._view(summary.job)
         view.finished = view.finished or summary.finished
+        view.finished_t = view.finished_t or (now if summary.finished else 0.0)
+        view.heard_t = now
         view.generation = max(view.generation, summary.generation)
+        view.announced = max(view.announced, summary.generation)
         for member in summary.failed:
             view.declared.setdefault(member, None)
         rank_of = {member: rank for rank, member in enumerate(summary.ranks)}
@@ -260,8 +289,22 @@ class DetectorCore:
         if watched is not None:
             watched.done = True
 
-    def on_finished(self, finished: JobFinished) -> None:
-        self._view(finished.job).finished = True
+    def on_finished(self, finished: JobFinished, now: float) -> None:
+        view = self._view(finished.job)
+        if not view.finished:
+            view.finished, view.finished_t = True, now
+
+    def prune(self, now: float) -> list[str]:
+        """Forget jobs finished `finished_kept_s` ago, and jobs nothing was heard of for `idle_job_s`."""
+        gone = [
+            job
+            for job, view in self.jobs.items()
+            if (view.finished and now - view.finished_t > self.config.finished_kept_s)
+            or now - max(view.heard_t, view.finished_t) > self.config.idle_job_s
+        ]
+        for job in gone:
+            del self.jobs[job]
+        return gone
 
     def on_exit(self, exit_: ChildExit, now: float) -> list[Failure]:
         view = self._view(exit_.job)

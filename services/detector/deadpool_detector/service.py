@@ -60,6 +60,8 @@ VERSION = "0.1.0"
 REVIEW_PERIOD_S = 1.0
 """Stragglers and culprit-less stalls are reviewed this often (verdicts run every check period)."""
 START_RETRY_S = 0.5
+REFUSALS_LOGGED_MAX = 10_000
+"""Distinct refused heartbeats logged (then refusals go unlogged, not the detector's memory)."""
 KV_KEYS_TIMEOUT_S = 5.0
 KV_GET_TIMEOUT_S = 2.0
 
@@ -86,6 +88,7 @@ class DetectorService:
         self._was_connected = True
         self._stalls_logged: dict[str, list[str]] = {}
         self._last_review = 0.0
+        self._refusals_logged: set[tuple[str, str, str]] = set()
 
     async def _check(self) -> None:
         """One pass: verdicts, unless the detector itself just missed time (its outage, its pause)."""
@@ -113,6 +116,9 @@ class DetectorService:
         if now - self._last_review < REVIEW_PERIOD_S:
             return
         self._last_review = now
+        pruned = self.core.prune(now)
+        if pruned:
+            self.log.info("jobs forgotten: finished, or nothing heard of them for long", jobs=pruned[:20])
         for event in self.core.stragglers(now):
             self.log.warning("straggler", job=event.job, member=event.member, rank=event.rank, evidence=event.evidence)
             await publish(self.nc, Subjects.for_job(event.job).straggler, event)
@@ -139,12 +145,20 @@ class DetectorService:
             self.events.publish_soon(Subjects.for_job(failure.job).failure, failure)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
-        self.core.on_heartbeat(hb, time.time())
+        self._refused(hb, self.core.on_heartbeat(hb, time.time()))
 
     async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
         now = time.time()
         for hb in batch.beats:
-            self.core.on_heartbeat(hb, now)
+            self._refused(hb, self.core.on_heartbeat(hb, now))
+
+    def _refused(self, hb: Heartbeat, reason: str) -> None:
+        """Log a refused heartbeat, once per (job, member, reason) so a flood cannot fill the log."""
+        if reason and len(self._refusals_logged) < REFUSALS_LOGGED_MAX:
+            key = (hb.job, hb.member, reason)
+            if key not in self._refusals_logged:
+                self._refusals_logged.add(key)
+                self.log.warning("heartbeat refused", job=hb.job, member=hb.member, reason=reason)
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         await self._emit(self.core.on_rebuild(rebuild, time.time()), again=True)
@@ -200,7 +214,7 @@ class DetectorService:
         return reader
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
-        self.core.on_finished(finished)
+        self.core.on_finished(finished, time.time())
 
     async def _status_endpoint(self, req: Request) -> None:
         body = {

@@ -100,6 +100,14 @@ class SwapperConfig:
     """Generations published in a row without one forming; one more ends the job, saying why."""
     finished_kept_s: float = 3600.0
     """A finished job's state is kept this long (late members are told it finished), then pruned."""
+    unformed_kept_s: float = 600.0
+    """A job that never formed is forgotten this long after its last hello (a name made up on the bus,
+    or a launch abandoned before its ranks came)."""
+    jobs_max: int = 1000
+    """Jobs one swapper drives at once; a hello for one more is refused until a job is pruned."""
+    snapshot_step_lead_max: int = 100_000
+    """How far beyond the committed step a stored snapshot may be: a snapshot of step 2**62 would
+    commit a step nobody has, after which no real step could ever commit."""
 
     def __post_init__(self) -> None:
         if self.replication < 1:
@@ -262,7 +270,10 @@ class SwapperCore:
         if hello.world_size != state.world_size:
             why = f"world size {hello.world_size} differs from the job's {state.world_size}"
             return reply(False, why), Decision([], f"hello refused: {why}")
-        known = hello.member in state.members
+        known = state.members.get(hello.member)
+        if known is not None and not _same_process(known, hello):
+            why = f"member {hello.member} is registered from {known.host} pid {known.pid}: its identity never changes"
+            return reply(False, why), Decision([], f"hello refused: {why}")
         state.last_hello_t = now
         state.members[hello.member] = MemberInfo(
             member=hello.member,
@@ -272,7 +283,7 @@ class SwapperCore:
             rank_hint=hello.rank_hint,
             rendezvous_host=hello.rendezvous_host,
             rendezvous_port=hello.rendezvous_port,
-            registered_at=state.members[hello.member].registered_at if known else now,
+            registered_at=known.registered_at if known else now,
         )
         if known:
             return reply(True, "already registered"), Decision([], "repeated hello")
@@ -657,6 +668,11 @@ class SwapperCore:
             if now - state.finished_t > self.config.finished_kept_s:
                 del self.jobs[job]
             return Decision([], "tick")
+        if state.generation == 0 and now - state.last_hello_t > self.config.unformed_kept_s:
+            del self.jobs[job]
+            return Decision(
+                [], f"job {job} never formed: forgotten {self.config.unformed_kept_s} s after its last hello"
+            )
         actions: list[Action] = []
         reason = "tick"
         if state.generation == 0:
@@ -729,6 +745,9 @@ class SwapperCore:
             return Decision([Persist(state.job)], f"committed step {sc.step} rank {sc.rank} now also on {sc.store}")
         if sc.step <= state.committed_step:
             return Decision([], f"snapshot step {sc.step} rank {sc.rank}: already committed")
+        lead = sc.step - max(state.committed_step, state.restore_step, 0)
+        if lead > self.config.snapshot_step_lead_max:
+            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: {lead} steps beyond the committed step")
         state.rank_bytes[sc.rank] = sc.nbytes
         state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
         live = self._live_names(now)
@@ -882,3 +901,15 @@ def incident_phases(incident: OpenIncident, acks: list[RebuildAck]) -> dict[str,
         "rendezvous": slowest("rendezvous", "restored"),
         "apply": slowest("ready", "rendezvous"),
     }
+
+
+def _same_process(known: MemberInfo, hello: MemberHello) -> bool:
+    """A repeated hello comes from the process that registered (a restarted process is a new member):
+    where it runs, its launcher and its rendezvous endpoint never change."""
+    return (known.host, known.pid, known.launcher, known.rendezvous_host, known.rendezvous_port) == (
+        hello.host,
+        hello.pid,
+        hello.launcher,
+        hello.rendezvous_host,
+        hello.rendezvous_port,
+    )

@@ -92,6 +92,7 @@ class JobWorker:
         """Publications waiting for the record to be saved."""
         self._dirty = False
         self._replies: list[tuple[Hello, HelloReply]] = []
+        self._had_state = False
         self._last_reason = ""
         self._stop = asyncio.Event()
         self._reader: EventReader | None = None
@@ -101,6 +102,11 @@ class JobWorker:
     @property
     def state(self) -> JobState | None:
         return self.core.jobs.get(self.job)
+
+    @property
+    def forgotten(self) -> bool:
+        """The core had this job's state and pruned it (finished long ago, or never formed)."""
+        return self._had_state and self.state is None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"job-{self.job}")
@@ -152,6 +158,7 @@ class JobWorker:
                 item = None
             try:
                 decision = self._decide(item, time.time())
+                self._had_state = self._had_state or self.state is not None
                 await self._carry_out(decision)
             except Exception:  # a bug must not silence this job for good: log it, go on with the next input
                 self.log.exception("job worker failed on an input; going on", item=type(item).__name__)

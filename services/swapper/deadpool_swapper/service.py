@@ -82,6 +82,7 @@ class SwapperService:
         self.core = SwapperCore(SwapperConfig(replication=config.replication, last_call_s=config.last_call_s))
         self.tracer = IncidentTracer(config.trace_file)
         self.workers: dict[str, JobWorker] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
         self.records: JobRecords | None = None
         self.lease: LeaderLease | None = None
         self._leading = False
@@ -133,6 +134,14 @@ class SwapperService:
         self.core.jobs.clear()
         self.log.warning("no longer leading", instance=self.instance)
 
+    def _forget_pruned(self) -> None:
+        """Stop the workers of jobs the core has forgotten (finished long ago, or never formed)."""
+        for job in [j for j, w in self.workers.items() if w.forgotten]:
+            worker = self.workers.pop(job)
+            task = asyncio.create_task(worker.stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
     def _start_worker(self, job: str, stream: tuple[str, int]) -> JobWorker:
         assert self.records is not None
         worker = JobWorker(
@@ -158,6 +167,10 @@ class SwapperService:
         async with self._transition:
             if job in self.workers or not self.leading():
                 return self.workers.get(job)
+            self._forget_pruned()
+            if len(self.workers) >= self.core.config.jobs_max:
+                self.log.warning("job not started: jobs_max reached", job=job, jobs=len(self.workers))
+                return None
             assert self.records is not None
             try:
                 state = await self.records.load(job)
