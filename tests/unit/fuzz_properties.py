@@ -1,0 +1,318 @@
+"""What the fuzzers check, shared by the CI tests (`test_fuzz_protocol.py`, a few thousand cases) and
+`bench/fuzz.py` (a hundred thousand and more).
+
+Each property takes one input and either returns (the input was refused with the protocol's own
+error, or accepted and is sound) or raises: `Forgery` when an input that must be refused was
+accepted, anything else is a crash. Inputs are drawn two ways: raw bytes, and maps shaped like the
+real messages and frames (the right kind and field names, values of the right type or not, edge
+numbers, names that are not names), which get much deeper into validation than random bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import Any
+
+import msgpack
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from deadpool_protocol import ProtocolError, decode_any, encode
+from deadpool_protocol.codec import _KINDS, PROTOCOL_VERSION
+from deadpool_protocol.dataplane import (
+    _OPS,
+    CHUNK_BYTES_MAX,
+    DATAPLANE_VERSION,
+    SNAPSHOT_BYTES_MAX,
+    FetchReply,
+    PutChunk,
+    Seal,
+    chunk_checksum,
+    chunk_spans,
+    decode_frame_header,
+    encode_frame,
+)
+from deadpool_store.memory import SnapshotMemory, StoreError
+
+__all__ = [
+    "Forgery",
+    "StoreProtocol",
+    "check_frame_bytes",
+    "check_message_bytes",
+    "frame_bodies",
+    "message_bodies",
+]
+
+
+class Forgery(AssertionError):
+    """An input that must be refused was accepted."""
+
+
+EDGE_INTS = [-1, 2**31, 2**53 + 1, 2**62, 2**63 - 1, -(2**63), 2**64 - 1]
+VALID_NAMES = ["j", "m0", "m1", "store-1", "l0", "127.0.0.1"]
+BAD_NAMES = ["a.b", "", "*", ">", "x" * 129, "sp ace"]
+
+wire_values: st.SearchStrategy[Any] = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=10,
+)
+"""Anything msgpack can carry."""
+
+
+@functools.cache
+def _plausible(hint: Any) -> st.SearchStrategy[Any]:
+    """Values a real sender might put in a field of this type."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        return st.booleans()
+    if hint is int:
+        return st.integers(0, 64)
+    if hint is float:
+        return st.floats(0.0, 2e9)
+    if hint is str:
+        return st.sampled_from(VALID_NAMES)
+    if hint is bytes:
+        return st.binary(max_size=16)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return st.lists(_plausible(item), max_size=4)
+    if origin is dict:
+        key, value = typing.get_args(hint)
+        return st.dictionaries(_plausible(key), _plausible(value), max_size=3)
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of(*[st.none() if a is type(None) else _plausible(a) for a in typing.get_args(hint)])
+    if dataclasses.is_dataclass(hint):
+        return _plausible_fields(typing.cast(type, hint))
+    return wire_values
+
+
+@functools.cache
+def _hostile(hint: Any) -> st.SearchStrategy[Any]:
+    """Values no honest sender puts there: edge numbers, NaN, names that are not names, deep or
+    oversized structures, or a value of another type altogether."""
+    origin = typing.get_origin(hint)
+    edge: st.SearchStrategy[Any]
+    if hint is int:
+        edge = st.sampled_from(EDGE_INTS) | st.integers(-(2**63), 2**64 - 1)
+    elif hint is float:
+        edge = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -1.0, 1e308]), st.floats())
+    elif hint is str:
+        edge = st.one_of(st.sampled_from(BAD_NAMES), st.text(max_size=40))
+    elif origin is list:
+        (item,) = typing.get_args(hint)
+        edge = st.lists(_hostile(item) | _plausible(item), max_size=6)
+    elif origin is dict:
+        key, value = typing.get_args(hint)
+        edge = st.dictionaries(_plausible(key), _hostile(value), max_size=3)
+    elif dataclasses.is_dataclass(hint):
+        edge = st.fixed_dictionaries({}, optional=_field_values(typing.cast(type, hint), _hostile))
+    else:
+        edge = st.nothing()
+    return edge | wire_values
+
+
+def _field_values(cls: type, of: Any) -> dict[str, st.SearchStrategy[Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: of(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def _plausible_fields(cls: type) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(_field_values(cls, _plausible))
+
+
+@functools.cache
+def _shaped(cls: type, envelope_items: tuple[tuple[str, Any], ...]) -> st.SearchStrategy[bytes]:
+    """A plausible map of `cls`'s fields and its envelope, with a few fields (often none) replaced by
+    hostile values, removed, or added."""
+    hints = typing.get_type_hints(cls)
+    envelope = dict(envelope_items)
+    targets = [*hints, *envelope, "unknown"]
+
+    def mutation(name: str) -> st.SearchStrategy[tuple[str, Any]]:
+        hostile = _hostile(hints[name]) if name in hints else wire_values
+        return st.tuples(st.just(name), hostile | st.just(_REMOVE))
+
+    def build(fields: dict[str, Any], changes: list[tuple[str, Any]]) -> bytes:
+        body = {**fields, **envelope}
+        for name, value in changes:
+            if value is _REMOVE:
+                body.pop(name, None)
+            else:
+                body[name] = value
+        return bytes(msgpack.packb(body, use_bin_type=True))
+
+    changes = st.lists(st.sampled_from(targets).flatmap(mutation), max_size=3)
+    return st.builds(build, _plausible_fields(cls), changes)
+
+
+_REMOVE = object()
+"""A mutation that takes the field out."""
+
+
+def message_bodies() -> st.SearchStrategy[bytes]:
+    """msgpack maps shaped like control messages (see `_shaped`)."""
+    return st.sampled_from(sorted(_KINDS)).flatmap(
+        lambda kind: _shaped(typing.cast(type, _KINDS[kind]), (("v", PROTOCOL_VERSION), ("kind", kind)))
+    )
+
+
+def frame_bodies() -> st.SearchStrategy[bytes]:
+    """msgpack maps shaped like data-plane frame headers (see `_shaped`)."""
+    return st.sampled_from(sorted(_OPS)).flatmap(
+        lambda op: _shaped(typing.cast(type, _OPS[op]), (("v", DATAPLANE_VERSION), ("op", op)))
+    )
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return all(_finite(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    return True
+
+
+def check_message_bytes(data: bytes) -> bool:
+    """Decode a control message: refused with ProtocolError (False), or accepted (True), finite and
+    stable under a second encoding."""
+    try:
+        message = decode_any(data)
+    except ProtocolError:
+        return False
+    if not _finite(message):
+        raise Forgery(f"a {message.KIND} with a number that is not finite was accepted")
+    if decode_any(encode(message)) != message:
+        raise Forgery(f"a {message.KIND} changed when encoded again")
+    return True
+
+
+def check_frame_bytes(data: bytes) -> bool:
+    """Decode a frame header: refused, or accepted within the data plane's bounds."""
+    try:
+        frame = decode_frame_header(data)
+    except ProtocolError:
+        return False
+    if isinstance(frame, Seal) or (isinstance(frame, FetchReply) and frame.ok):
+        if not (0 <= frame.total_bytes <= SNAPSHOT_BYTES_MAX and 0 < frame.chunk_bytes <= CHUNK_BYTES_MAX):
+            raise Forgery(f"a {frame.OP} of {frame.total_bytes} bytes in chunks of {frame.chunk_bytes} was accepted")
+        if len(frame.checksums) != len(chunk_spans(frame.total_bytes, frame.chunk_bytes)):
+            raise Forgery(f"a {frame.OP} with a checksum count that does not fit its chunks was accepted")
+    if isinstance(frame, PutChunk) and frame.offset + frame.nbytes > frame.total_bytes:
+        raise Forgery("a chunk outside its snapshot was accepted")
+    if decode_frame_header(encode_frame(frame)[4:]) != frame:
+        raise Forgery(f"a {frame.OP} frame changed when encoded again")
+    return True
+
+
+class StoreProtocol(RuleBasedStateMachine):
+    """The store's snapshot memory driven by any sequence of chunks, seals (honest, or with checksums
+    that do not match the bytes), fetches, commits and expiries, from two uploaders, one of them
+    hostile. Invariants: memory accounting never goes wrong or past capacity; a snapshot that is
+    served matches its manifest; nothing but StoreError is raised."""
+
+    CAPACITY = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory = SnapshotMemory(self.CAPACITY, keep_committed=2, uncommitted_max=2)
+        self.sent: dict[tuple[int, int, int, str], bytearray] = {}
+        """(rank, step, generation, member) -> the bytes that member sent for it."""
+        self.now = 0.0
+
+    @rule(
+        rank=st.integers(0, 2),
+        step=st.integers(0, 6),
+        generation=st.integers(1, 3),
+        member=st.sampled_from(["m0", "evil"]),
+        total=st.sampled_from([1, 8, 64, 100, 3000, 5000]),
+        offset=st.integers(0, 5000),
+        nbytes=st.integers(1, 64),
+        fill=st.integers(0, 255),
+    )
+    def chunk(
+        self, rank: int, step: int, generation: int, member: str, total: int, offset: int, nbytes: int, fill: int
+    ) -> None:
+        frame = PutChunk("j", generation, rank, member, step, offset, nbytes, total)
+        try:
+            frame.check()
+        except ProtocolError:
+            return  # the server drops the connection before the memory sees it
+        try:
+            target = self.memory.chunk_target(frame)
+        except StoreError:
+            return
+        target[:] = bytes([fill]) * nbytes
+        self.memory.chunk_received(frame)
+        key = (rank, step, generation, member)
+        sent = self.sent.setdefault(key, bytearray(total))
+        if len(sent) == total:
+            sent[offset : offset + nbytes] = bytes([fill]) * nbytes
+
+    @rule(
+        rank=st.integers(0, 2),
+        step=st.integers(0, 6),
+        generation=st.integers(1, 3),
+        member=st.sampled_from(["m0", "evil"]),
+        chunk_bytes=st.sampled_from([1, 8, 64, 4096]),
+        honest=st.booleans(),
+    )
+    def seal(self, rank: int, step: int, generation: int, member: str, chunk_bytes: int, honest: bool) -> None:
+        sent = self.sent.get((rank, step, generation, member))
+        total = len(sent) if sent is not None else 8
+        data = bytes(sent) if sent is not None else bytes(total)
+        checksums = [chunk_checksum(data[o : o + n]) for o, n in chunk_spans(total, chunk_bytes)]
+        if not honest and checksums:
+            checksums[0] ^= 1  # the manifest does not describe the bytes
+        try:
+            self.memory.seal(Seal("j", generation, rank, member, step, total, chunk_bytes, checksums, b""))
+        except StoreError:
+            return
+        if not honest:
+            raise Forgery("a seal whose checksums do not match the bytes was accepted")
+
+    @rule(step=st.integers(0, 6))
+    def commit(self, step: int) -> None:
+        self.memory.commit("j", step)
+
+    @rule(advance_s=st.floats(0.0, 100.0))
+    def expire(self, advance_s: float) -> None:
+        self.now += advance_s
+        self.memory.expire_unsealed(self.now + 1e6 if advance_s > 90 else -1.0, 60.0)
+
+    @rule(rank=st.integers(0, 2), step=st.integers(0, 6))
+    def fetch(self, rank: int, step: int) -> None:
+        try:
+            snap = self.memory.get("j", rank, step)
+        except StoreError:
+            return
+        data = memoryview(snap.data)[: snap.total_bytes]
+        for (offset, nbytes), want in zip(chunk_spans(snap.total_bytes, snap.chunk_bytes), snap.checksums, strict=True):
+            if chunk_checksum(data[offset : offset + nbytes]) != want:
+                raise Forgery(f"snapshot rank {rank} step {step} served bytes its manifest does not describe")
+
+    @invariant()
+    def accounting(self) -> None:
+        held = sum(s.total_bytes for s in self.memory._snapshots.values())
+        if self.memory.used_bytes != held or held > self.CAPACITY:
+            raise AssertionError(f"used_bytes {self.memory.used_bytes}, held {held}, capacity {self.CAPACITY}")
+        if self.memory.used_bytes + self.memory.pooled_bytes > self.CAPACITY:
+            raise AssertionError("stored plus pooled bytes exceed the capacity")
+
+    @precondition(lambda self: len(self.sent) > 64)
+    @rule()
+    def forget_sent(self) -> None:
+        self.sent.clear()

@@ -1,0 +1,49 @@
+"""Property-based fuzzing of everything a peer can send: control messages, data-plane frame headers,
+and the store's upload protocol as a state machine. Nothing but the protocol's own errors may come
+out, and nothing that must be refused may be accepted (`fuzz_properties`). The CI profile runs a few
+thousand cases; `bench/fuzz.py` runs a hundred thousand and more."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.unit.fuzz_properties import (
+    StoreProtocol,
+    check_frame_bytes,
+    check_message_bytes,
+    frame_bodies,
+    message_bodies,
+)
+
+CI = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@CI
+@given(st.binary(max_size=256))
+def test_random_bytes_are_refused_as_a_message_or_decode_to_a_sound_one(data: bytes) -> None:
+    check_message_bytes(data)
+
+
+@CI
+@given(message_bodies())
+def test_maps_shaped_like_messages_are_refused_or_decode_to_sound_ones(data: bytes) -> None:
+    check_message_bytes(data)
+
+
+@CI
+@given(st.binary(max_size=256))
+def test_random_bytes_are_refused_as_a_frame_header_or_decode_to_a_bounded_one(data: bytes) -> None:
+    check_frame_bytes(data)
+
+
+@CI
+@given(frame_bodies())
+def test_maps_shaped_like_frames_are_refused_or_decode_to_bounded_ones(data: bytes) -> None:
+    check_frame_bytes(data)
+
+
+TestStoreProtocol = StoreProtocol.TestCase
+TestStoreProtocol.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
