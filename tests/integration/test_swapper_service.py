@@ -19,6 +19,7 @@ from deadpool_protocol import (
     MemberHello,
     Rebuild,
     RebuildAck,
+    StepResumed,
     StoreStatus,
     Subjects,
     decode,
@@ -115,6 +116,9 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
     assert swap.generation == 2 and swap.ranks == ["r0", "sp"] and swap.restore_step == 0
     for member in swap.ranks:
         await nc.publish(S.rebuild_ack, encode(ack(swap, member)))
+    for rank, member in enumerate(swap.ranks):  # the recovery ends at every rank's first step
+        resumed = StepResumed("job1", swap.generation, member, rank, swap.restore_step + 1, time.time())
+        await nc.publish(S.step_resumed, encode(resumed))
     incident = await asyncio.wait_for(incidents.get(), 10)
     assert (incident.rank, incident.member, incident.replacement, incident.generation) == (1, "r1", "sp", 2)
 

@@ -23,6 +23,7 @@ from deadpool_protocol import (
 )
 from deadpool_swapper.core import Decision, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.placement import MemberInfo, StoreInfo, place_snapshots
+from tests.unit.test_swapper_core import first_steps
 
 W = 2
 STORES = ("store0", "store1", "store2")
@@ -210,7 +211,8 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
 
     sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 0, "r0", 3, 1000)
     core.on_snapshot_complete(sc, 2.2)  # the resumed step, sealed before the acks
-    (incident,) = published(ack_all(core, rebuild, "durable", 3, 2.3), Incident)
+    ack_all(core, rebuild, "durable", 3, 2.3)
+    (incident,) = published(first_steps(core, rebuild, 2.5), Incident)
     state = core.jobs["j"]
     assert state.committed_step == 3 and state.committed_generation == rebuild.generation
     assert incident.restore_step == 3 and incident.evidence["lost_committed_steps"] == "2"

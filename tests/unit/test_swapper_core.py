@@ -18,6 +18,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     SnapshotComplete,
+    StepResumed,
     StoreStatus,
 )
 from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
@@ -43,6 +44,15 @@ def ack(rebuild: Rebuild, member: str, t: float, source: str = "local", last: in
 
 
 LAST_CALL_S = SwapperConfig().last_call_s
+
+
+def first_steps(core: SwapperCore, rebuild: Rebuild, t: float) -> Decision:
+    """Every rank of `rebuild` completes its first step at `t`: the recovery ends as a user feels it."""
+    actions: list[Any] = []
+    for rank, member in enumerate(rebuild.ranks):
+        resumed = StepResumed("j", rebuild.generation, member, rank, rebuild.restore_step + 1, t)
+        actions += core.on_step_resumed(resumed, t).actions
+    return Decision(actions, "first steps")
 
 
 def fail(core: SwapperCore, failure: Failure, now: float) -> Decision:
@@ -185,7 +195,8 @@ def test_two_failures_within_the_last_call_are_swapped_in_one_generation() -> No
     assert rebuild.generation == 2 and rebuild.ranks == ["s0", "r1", "s1", "r3"]
     for member in rebuild.ranks:
         decision = core.on_ack(ack(rebuild, member, 5.5), 5.5)
-    assert sorted(i.rank for i in published(decision, Incident)) == [0, 2]
+    assert published(decision, Incident) == []  # they end at the first step every rank completes
+    assert sorted(i.rank for i in published(first_steps(core, rebuild, 5.9), Incident)) == [0, 2]
 
 
 def test_a_stale_or_repeated_failure_changes_nothing() -> None:
@@ -216,17 +227,23 @@ def test_without_a_spare_the_generation_stays_void_until_one_registers() -> None
     assert rebuild.ranks == ["late", "r1"] and rebuild.generation == 2
 
 
-def test_an_incident_closes_when_every_rank_acked_with_its_phases_and_lost_steps() -> None:
+def test_an_incident_ends_at_every_ranks_first_step_with_its_phases_and_lost_steps() -> None:
     core, formation = formed_core()
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10), 2.0)
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    early = StepResumed("j", rebuild.generation, "r0", 0, 4, 5.9)  # may be stored before the last ack
+    assert published(core.on_step_resumed(early, 5.65), Incident) == []
     assert published(core.on_ack(ack(rebuild, "r0", 5.6, last=4), 5.6), Incident) == []
-    (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
+    assert published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident) == []
+    assert published(core.on_step_resumed(early, 5.91), Incident) == []  # delivered again: counted once
+    (incident,) = published(first_steps(core, rebuild, 6.0), Incident)
     assert incident.rank == 1 and incident.replacement == "s" and incident.restore_step == 3
     assert incident.lost_steps == 1  # r0 had completed step 4
-    assert incident.downtime_s == pytest.approx(0.7)
+    assert incident.t_resumed == pytest.approx(5.7) and incident.t_first_step == pytest.approx(6.0)
+    assert incident.downtime_s == pytest.approx(1.0)  # fault to every rank's first step after it
+    assert incident.phases["first_step"] == pytest.approx(0.3)
     assert incident.phases["detect"] == pytest.approx(0.01)
     assert incident.phases["decide"] == pytest.approx(LAST_CALL_S + 0.01)
     assert incident.phases["abort"] == pytest.approx(0.25)  # r0 left its collective at 5.25
@@ -242,7 +259,8 @@ def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 1, 10), 2.0)
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.6, source="store", last=7), 5.6)
-    (incident,) = published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident)
+    core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7)
+    (incident,) = published(first_steps(core, rebuild, 5.8), Incident)
     assert incident.restore_step == 1 and incident.lost_steps == 6
 
 
@@ -257,7 +275,8 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
     assert rebuild.restore_step == 5
     assert published(core.on_group_broken(broken, 7.1), Rebuild) == []  # stale: generation 1 is gone
     core.on_ack(ack(rebuild, "r0", 7.3, last=6), 7.3)
-    (incident,) = published(core.on_ack(ack(rebuild, "r1", 7.4, last=6), 7.4), Incident)
+    core.on_ack(ack(rebuild, "r1", 7.4, last=6), 7.4)
+    (incident,) = published(first_steps(core, rebuild, 7.5), Incident)
     assert (incident.reason, incident.rank, incident.member, incident.replacement) == ("group", 1, "r1", "r1")
     assert incident.lost_steps == 1 and incident.detect_s == pytest.approx(2.0)
 
@@ -288,9 +307,24 @@ def test_a_second_failure_during_a_rebuild_supersedes_it_at_once() -> None:
     assert void.generation == first.generation
     assert second.generation == first.generation + 1 and second.ranks[1] not in first.ranks
     assert published(core.on_ack(ack(first, "r0", 6.0), 6.0), Incident) == []  # stale generation
+    assert published(first_steps(core, first, 6.05), Incident) == []  # first steps of a superseded generation
     core.on_ack(ack(second, "r0", 6.1), 6.1)
-    incidents = published(core.on_ack(ack(second, second.ranks[1], 6.2, source="store"), 6.2), Incident)
-    assert len(incidents) == 2
+    core.on_ack(ack(second, second.ranks[1], 6.2, source="store"), 6.2)
+    incidents = published(first_steps(core, second, 6.4), Incident)
+    assert len(incidents) == 2 and {i.t_first_step for i in incidents} == {6.4}
+
+
+def test_an_incident_whose_first_steps_never_come_is_published_after_the_bound_without_them() -> None:
+    core, _ = formed_core()
+    wait_s = core.config.first_step_wait_s
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    for member in rebuild.ranks:
+        core.on_ack(ack(rebuild, member, 5.5, source="store" if member == "s" else "local"), 5.5)
+    assert core.next_deadline("j", 6.0) <= 5.5 + wait_s
+    assert published(core.tick(5.5 + wait_s / 2), Incident) == []
+    (incident,) = published(core.tick(5.5 + wait_s), Incident)
+    assert incident.t_first_step == 0.0 and incident.downtime_s == pytest.approx(0.5)  # to the acks
+    assert "first_step" in incident.evidence
 
 
 def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import nats
 
-from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.job_watch import JobWatch, StepDone
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import Incident
@@ -120,6 +120,8 @@ class RunResult:
     log: str = ""
     stuck: list[str] = field(default_factory=list)
     """If the run timed out: each member's last heartbeat, then the failures the detector declared."""
+    steps_done: list[StepDone] = field(default_factory=list)
+    """Every step completion the members' heartbeats told of, with its exact time."""
 
 
 async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
@@ -181,6 +183,7 @@ async def _train(
         list(watch.incidents),
         log=str(log_path),
         stuck=stuck,
+        steps_done=list(watch.steps_done),
     )
     if killer is not None:
         if killer.done() and killer.exception() is None:
@@ -192,7 +195,9 @@ async def _train(
 
 def incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
     """The incident as the demo saw it. The swapper dates the fault at the launcher's `waitpid`; the
-    demo knows the kill itself, so it adds the `exit` phase (SIGKILL -> process reaped) in front."""
+    demo knows the kill itself, so it adds the `exit` phase (SIGKILL -> process reaped) in front.
+    `downtime_s` runs to the first step every rank completed after the fault; `ready_s` to every
+    rank's ack of the rebuild (ready to train, the step not yet done)."""
     killed = kill is not None and kill.rank == incident.rank
     fault_t = kill.t if kill is not None and killed else incident.t_fault
     phases = {"exit": max(0.0, incident.t_fault - fault_t), **incident.phases}
@@ -203,12 +208,43 @@ def incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
         "replacement": incident.replacement,
         "generation": incident.generation,
         "detect_s": round(incident.t_detected - fault_t, 4),
-        "downtime_s": round(incident.t_resumed - fault_t, 4),
+        "downtime_s": round((incident.t_first_step or incident.t_resumed) - fault_t, 4),
+        "ready_s": round(incident.t_resumed - fault_t, 4),
+        "first_step_known": incident.t_first_step > 0,
         "lost_steps": incident.lost_steps,
         "restore_step": incident.restore_step,
         "phases": {name: round(value, 4) for name, value in phases.items()},
         "evidence": incident.evidence,
     }
+
+
+def _all_ranks_at(steps: list[StepDone], world_size: int) -> dict[tuple[int, int], float]:
+    """(generation, step) -> when the last rank completed it, for steps every rank was seen complete."""
+    seen: dict[tuple[int, int], dict[int, float]] = {}
+    for done in steps:
+        if done.rank >= 0:
+            seen.setdefault((done.generation, done.step), {})[done.rank] = done.t
+    return {key: max(by_rank.values()) for key, by_rank in seen.items() if len(by_rank) == world_size}
+
+
+def time_lost(swap: list[StepDone], ref: list[StepDone], world_size: int) -> tuple[float, int, int] | None:
+    """The time the failure cost the run: how much longer the run with it took than the reference
+    from step s0 to step s1, both seen completed by every rank in both runs (s0 in the first
+    generation, s1 in the last). Exact step-completion times, so start-up (imports, formation),
+    which varies by seconds between runs, does not count. None if the runs have no such steps."""
+    swap_at, ref_at = _all_ranks_at(swap, world_size), _all_ranks_at(ref, world_size)
+    if not swap_at or not ref_at:
+        return None
+    first_gen, last_gen = min(g for g, _ in swap_at), max(g for g, _ in swap_at)
+    ref_gen = min(g for g, _ in ref_at)
+    starts = {s for g, s in swap_at if g == first_gen} & {s for g, s in ref_at if g == ref_gen}
+    ends = {s for g, s in swap_at if g == last_gen} & {s for g, s in ref_at if g == ref_gen}
+    if not starts or not ends or min(starts) >= max(ends):
+        return None
+    s0, s1 = min(starts), max(ends)
+    took = swap_at[(last_gen, s1)] - swap_at[(first_gen, s0)]
+    took_ref = ref_at[(ref_gen, s1)] - ref_at[(ref_gen, s0)]
+    return took - took_ref, s0, s1
 
 
 def _print_summary(report: dict[str, Any]) -> None:
@@ -237,7 +273,8 @@ def _print_summary(report: dict[str, Any]) -> None:
         )
         phases = "  ".join(f"{k} {v * 1000:.0f}" for k, v in inc["phases"].items())
         w(f"  phases (ms): {phases}")
-        w(f"  downtime, kill -> every rank training again: {inc['downtime_s']:.3f} s")
+        to = "every rank's first step after it" if inc["first_step_known"] else "every rank ready (first step unknown)"
+        w(f"  downtime, fault -> {to}: {inc['downtime_s']:.3f} s (ready to train after {inc['ready_s']:.3f} s)")
     w(
         f"  run with the failure: {'finished' if swap['finished'] else 'DID NOT FINISH'} in {swap['wall_s']:.1f} s "
         f"(launcher exit code {swap['returncode']})"
@@ -248,6 +285,13 @@ def _print_summary(report: dict[str, Any]) -> None:
             f"  reference run without failure: {'finished' if ref['finished'] else 'DID NOT FINISH'} "
             f"in {ref['wall_s']:.1f} s"
         )
+        lost = report.get("time_lost_s")
+        if lost is not None:
+            span = report["time_lost_span"]
+            w(
+                f"  time lost to the failure: {lost:.3f} s (steps {span[0]} to {span[1]} took that much longer "
+                "than in the reference run)"
+            )
         verdict = "bit-identical to" if report["bit_identical"] else "DIFFERENT from"
         w(
             f"  final weights and optimizer shards: {verdict} the reference "
@@ -357,6 +401,9 @@ async def run_demo(cfg: DemoConfig) -> int:
         "run_dir": str(run_dir),
     }
     if ref is not None:
+        lost = time_lost(swap.steps_done, ref.steps_done, cfg.nproc)
+        report["time_lost_s"] = round(lost[0], 4) if lost is not None else None
+        report["time_lost_span"] = list(lost[1:]) if lost is not None else None
         report["runs"]["reference"] = {
             "job": ref.job,
             "returncode": ref.returncode,

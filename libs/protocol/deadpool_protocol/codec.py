@@ -40,6 +40,7 @@ from deadpool_protocol.messages import (
     RebuildAck,
     Replicate,
     SnapshotComplete,
+    StepResumed,
     StoreStatus,
     Straggler,
 )
@@ -69,6 +70,7 @@ _KINDS: dict[str, type[Message]] = {
         HeartbeatBatch,
         MemberError,
         MemberDone,
+        StepResumed,
         Straggler,
         GroupBroken,
         ChildExit,

@@ -18,6 +18,7 @@ from deadpool_protocol.messages import (
     Message,
     RebuildAck,
     SnapshotComplete,
+    StepResumed,
 )
 from deadpool_protocol.subjects import Subjects
 
@@ -37,13 +38,14 @@ EVENT_KINDS: dict[str, type[Message]] = {
     "group_broken": GroupBroken,
     "snapshot_complete": SnapshotComplete,
     "member_done": MemberDone,
+    "step_resumed": StepResumed,
     "member_error": MemberError,
     "child_exit": ChildExit,
 }
 """`Subjects` property name -> the message published there."""
 
-SWAPPER_EVENTS = ("failure", "rebuild_ack", "group_broken", "snapshot_complete", "member_done")
-"""What the swapper consumes: verdicts, acks, commits' raw material, completion."""
+SWAPPER_EVENTS = ("failure", "rebuild_ack", "group_broken", "snapshot_complete", "member_done", "step_resumed")
+"""What the swapper consumes: verdicts, acks, commits' raw material, completion, first steps."""
 DETECTOR_EVENTS = ("child_exit", "member_error", "member_done")
 """What the detector consumes besides heartbeats: exits, members' own reports, completion."""
 

@@ -45,6 +45,7 @@ __all__ = [
     "RebuildAck",
     "Replicate",
     "SnapshotComplete",
+    "StepResumed",
     "StoreAddress",
     "StoreStatus",
     "Straggler",
@@ -288,6 +289,24 @@ class MemberDone(JobMessage):
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _check_step(self.step)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResumed(JobMessage):
+    """A rank completed its first step of `generation`: training goes on. The recovery a user feels
+    ends when every rank of the new generation has sent this (its incident's `t_first_step`)."""
+
+    KIND: ClassVar[str] = "step_resumed"
+    member: str
+    rank: int
+    step: int
+    t_completed: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _need(self.rank >= 0, "a resumed step belongs to a rank")
+        _need(self.step >= 0, "a resumed step has a step")
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,10 +601,13 @@ class Incident(JobMessage):
     t_detected: float
     t_decided: float
     t_resumed: float
+    """Every rank acked the rebuild: ready to train."""
     restore_step: int
     lost_steps: int
     phases: dict[str, float]
     evidence: dict[str, str] = field(default_factory=dict)
+    t_first_step: float = 0.0
+    """Every rank completed its first step after the fault (0: not known, see `downtime_s`)."""
 
     @property
     def detect_s(self) -> float:
@@ -593,7 +615,9 @@ class Incident(JobMessage):
 
     @property
     def downtime_s(self) -> float:
-        return self.t_resumed - self.t_fault
+        """The recovery as a user feels it: from the fault to the first step completed by every rank
+        after it (to every rank's ack where that step was not heard of in time)."""
+        return (self.t_first_step or self.t_resumed) - self.t_fault
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,11 @@ class Subjects:
     def rebuild_ack(self) -> str:
         return self._s("member.ack")
 
+    @property
+    def step_resumed(self) -> str:
+        """A rank's first completed step of a generation (`StepResumed`)."""
+        return self._s("member.resumed")
+
     # launchers
     @property
     def child_exit(self) -> str:

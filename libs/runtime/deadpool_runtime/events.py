@@ -77,7 +77,10 @@ async def ensure_events_stream(nc: Client, replicas: int = 1) -> None:
         duplicate_window=STREAM_DUPLICATE_WINDOW_S,
     )
     try:
-        await js.stream_info(EVENTS_STREAM)
+        info = await js.stream_info(EVENTS_STREAM)
+        if sorted(info.config.subjects or []) != sorted(config.subjects or []):  # a newer version's events
+            with contextlib.suppress(nats.js.errors.BadRequestError):  # updated meanwhile by another service
+                await js.update_stream(config)
     except nats.js.errors.NotFoundError:
         try:
             await js.add_stream(config)

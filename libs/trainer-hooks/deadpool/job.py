@@ -83,6 +83,7 @@ from deadpool_protocol import (
     MemberHello,
     Placement,
     Rebuild,
+    StepResumed,
     StoreAddress,
 )
 
@@ -521,6 +522,9 @@ class Job:
         except MemberCannotContinueError as exc:
             self._report_fatal(exc, exc.cause)
             raise
+        if self._first_step_pending and self.rank is not None:  # a recovery ends here, as a user feels it
+            resumed = StepResumed(self.config.job, self.generation, self.config.member, self.rank, step, time.time())
+            self._link.publish_event(self._link.subjects.step_resumed, resumed)
         self._first_step_pending = False
         section = self._link.progress.section
         self._link.progress = replace(

@@ -22,6 +22,7 @@ delivered at least once and a new leader replays the ones its predecessor had no
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
@@ -42,6 +43,7 @@ from deadpool_protocol import (
     RebuildAck,
     Replicate,
     SnapshotComplete,
+    StepResumed,
     StoreAddress,
     StoreStatus,
 )
@@ -105,6 +107,9 @@ class SwapperConfig:
     or a launch abandoned before its ranks came)."""
     jobs_max: int = 1000
     """Jobs one swapper drives at once; a hello for one more is refused until a job is pruned."""
+    first_step_wait_s: float = 120.0
+    """A recovery's incident is published once every rank completed its first step after it (the
+    downtime a user feels), or this long after every rank acked (that step may compile, say)."""
     snapshot_step_lead_max: int = 100_000
     """How far beyond the committed step a stored snapshot may be: a snapshot of step 2**62 would
     commit a step nobody has, after which no real step could ever commit."""
@@ -233,6 +238,13 @@ class JobState:
     """The committed step before the current one, which stores keep too (the chain's second link)."""
     unavailable: set[tuple[int, int]] = field(default_factory=set)
     """(rank, step) a member reported it found no copy of, since the last generation that formed."""
+    awaiting_first_step: list[str] = field(default_factory=list)
+    """Closed incidents (ids, in `incidents`) not yet published: they end at the first step every rank
+    completes after them, in the generation that formed (or `first_step_wait_s` after its acks)."""
+    awaiting_since: float = 0.0
+    """When the generation holding them formed."""
+    first_steps: dict[int, float] = field(default_factory=dict)
+    """rank -> when it completed its first step of the current generation."""
     durable_failed: bool = False
     """A durable restore was reported impossible since the last generation that formed."""
     durable_completes: dict[int, set[str]] = field(default_factory=dict)
@@ -527,6 +539,7 @@ class SwapperCore:
         generation = state.generation + 1
         assert generation > state.generation and generation > state.void_generation, "generations only grow"
         state.generation = generation
+        state.first_steps = {}  # incidents still awaiting a first step end at this generation's
         state.attempts += 1
         state.placement = place_snapshots(
             state.ranks, state.members, stores, self.config.replication, state.rank_bytes, state.placement
@@ -594,9 +607,48 @@ class SwapperCore:
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
         state.open_incidents.clear()
         state.incidents = (state.incidents + incidents)[-INCIDENTS_KEPT:]
-        actions += [Publish("incident", i) for i in incidents]
+        if incidents:
+            state.awaiting_first_step += [i.incident_id for i in incidents]
+            state.awaiting_since = now
+            actions += self._end_incidents(state, now)  # every first step may be in already
         what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
         return Decision(actions, f"generation {state.generation} {what}: every rank acked")
+
+    def on_step_resumed(self, resumed: StepResumed, now: float) -> Decision:
+        """A rank completed its first step of a generation; with every rank's, its incidents end."""
+        state = self.jobs.get(resumed.job)
+        if state is None or resumed.generation != state.generation or resumed.rank >= state.world_size:
+            return Decision([], f"first step of {resumed.member} in generation {resumed.generation}: not current")
+        if resumed.rank in state.first_steps:
+            return Decision([], f"first step of rank {resumed.rank}: already counted")
+        state.first_steps[resumed.rank] = resumed.t_completed
+        actions = self._end_incidents(state, now)
+        return Decision([Persist(state.job), *actions], f"rank {resumed.rank} completed its first step")
+
+    def _end_incidents(self, state: JobState, now: float, force: bool = False) -> list[Action]:
+        """Publish the incidents awaiting a first step: with every rank's first step of the generation
+        that formed (`t_first_step`), or without it once `first_step_wait_s` has passed (or `force`: the
+        job ended). While a newer rebuild is pending they wait for its generation's first steps."""
+        if not state.awaiting_first_step or (state.pending is not None and not force):
+            return []
+        every_rank = len(state.first_steps) >= state.world_size and state.pending is None
+        if not every_rank and not force and now - state.awaiting_since < self.config.first_step_wait_s:
+            return []
+        t_first = max(state.first_steps.values()) if every_rank else 0.0
+        ended: list[Action] = []
+        for index, incident in enumerate(state.incidents):
+            if incident.incident_id in state.awaiting_first_step:
+                phases = dict(incident.phases)
+                evidence = dict(incident.evidence)
+                if t_first:
+                    phases["first_step"] = max(0.0, t_first - incident.t_resumed)
+                else:
+                    evidence["first_step"] = "not every rank completed one after it in time"
+                incident = dataclasses.replace(incident, t_first_step=t_first, phases=phases, evidence=evidence)
+                state.incidents[index] = incident
+                ended.append(Publish("incident", incident))
+        state.awaiting_first_step = []
+        return [Persist(state.job), *ended]
 
     def _restore_unavailable(self, state: JobState, pending: PendingRebuild, ack: RebuildAck, now: float) -> Decision:
         """A member found no copy of what the rebuild restores: the next link of the chain, at once (the
@@ -665,6 +717,8 @@ class SwapperCore:
         if state is None:
             return Decision([], "tick")
         if state.finished:
+            if state.awaiting_first_step:  # the job ended before every rank's first step was heard of
+                return Decision(self._end_incidents(state, now, force=True), "incidents published at the end")
             if now - state.finished_t > self.config.finished_kept_s:
                 del self.jobs[job]
             return Decision([], "tick")
@@ -675,6 +729,8 @@ class SwapperCore:
             )
         actions: list[Action] = []
         reason = "tick"
+        if state.awaiting_first_step and now - state.awaiting_since >= self.config.first_step_wait_s:
+            actions += self._end_incidents(state, now)
         if state.generation == 0:
             decision = self._try_formation(state, now)
             actions += decision.actions
@@ -716,6 +772,8 @@ class SwapperCore:
             deadline = min(deadline, state.pending.t_sent + self.config.rebuild_retransmit_s)
         if state.generation == 0:
             deadline = min(deadline, now + 0.1)
+        if state.awaiting_first_step:
+            deadline = min(deadline, state.awaiting_since + self.config.first_step_wait_s)
         placed = {name for names in state.placement for name in names}
         for name in placed:  # the moment a placed store counts as lost
             store = self.stores.get(name)

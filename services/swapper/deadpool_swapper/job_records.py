@@ -94,6 +94,9 @@ def state_to_record(state: JobState) -> bytes:
         "unavailable": sorted([rank, step] for rank, step in state.unavailable),
         "durable_failed": state.durable_failed,
         "durable_completes": [[rank, sorted(stores)] for rank, stores in state.durable_completes.items()],
+        "awaiting_first_step": state.awaiting_first_step,
+        "awaiting_since": state.awaiting_since,
+        "first_steps": [[rank, t] for rank, t in state.first_steps.items()],
     }
     return pack_record(summary, private)
 
@@ -137,6 +140,9 @@ def state_from_record(data: bytes) -> JobState:
         unavailable={(int(rank), int(step)) for rank, step in p.get("unavailable", [])},
         durable_failed=bool(p.get("durable_failed", False)),
         durable_completes={int(rank): set(stores) for rank, stores in p.get("durable_completes", [])},
+        awaiting_first_step=list(p.get("awaiting_first_step", [])),
+        awaiting_since=p.get("awaiting_since", 0.0),
+        first_steps={int(rank): float(t) for rank, t in p.get("first_steps", [])},
     )
     if "previous_committed" in p:
         step, generation, holders = p["previous_committed"]

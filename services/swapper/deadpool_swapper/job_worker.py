@@ -37,6 +37,7 @@ from deadpool_protocol import (
     Message,
     RebuildAck,
     SnapshotComplete,
+    StepResumed,
 )
 from deadpool_protocol.events import SWAPPER_EVENTS, event_subjects
 from deadpool_runtime import EventReader
@@ -193,6 +194,8 @@ class JobWorker:
             return core.on_done(message, now)
         if isinstance(message, GroupBroken):
             return core.on_group_broken(message, now)
+        if isinstance(message, StepResumed):
+            return core.on_step_resumed(message, now)
         return Decision([], f"event {message.KIND} is not for the swapper")
 
     # ------------------------------------------------------------------ actions

@@ -22,7 +22,7 @@ from deadpool_protocol import Incident
 
 __all__ = ["IncidentTracer", "JsonLinesExporter"]
 
-PHASE_ORDER = ("detect", "decide", "fence", "notify", "restore", "rendezvous", "apply")
+PHASE_ORDER = ("detect", "decide", "fence", "notify", "restore", "rendezvous", "apply", "first_step")
 
 
 class JsonLinesExporter(SpanExporter):
@@ -92,7 +92,7 @@ class IncidentTracer:
             start += duration
         abort = self._tracer.start_span("abort", context=ctx, start_time=_ns(incident.t_fault), attributes=attrs)
         abort.end(end_time=_ns(incident.t_fault + incident.phases.get("abort", 0.0)))
-        root.end(end_time=_ns(incident.t_resumed))
+        root.end(end_time=_ns(incident.t_first_step or incident.t_resumed))  # to the first step, if known
 
     def shutdown(self) -> None:
         if self._provider is not None:
