@@ -296,6 +296,8 @@ class DetectorCore:
 
     def prune(self, now: float) -> list[str]:
         """Forget jobs finished `finished_kept_s` ago, and jobs nothing was heard of for `idle_job_s`."""
+        for view in self.jobs.values():
+            view.heard_t = view.heard_t or now  # known only from an exit or a report: its clock starts now
         gone = [
             job
             for job, view in self.jobs.items()
