@@ -622,8 +622,8 @@ class SwapperCore:
         if resumed.rank in state.first_steps:
             return Decision([], f"first step of rank {resumed.rank}: already counted")
         state.first_steps[resumed.rank] = resumed.t_completed
-        actions = self._end_incidents(state, now)
-        return Decision([Persist(state.job), *actions], f"rank {resumed.rank} completed its first step")
+        ended = self._end_incidents(state, now)  # saves the record itself when it ends any
+        return Decision(ended or [Persist(state.job)], f"rank {resumed.rank} completed its first step")
 
     def _end_incidents(self, state: JobState, now: float, force: bool = False) -> list[Action]:
         """Publish the incidents awaiting a first step: with every rank's first step of the generation
