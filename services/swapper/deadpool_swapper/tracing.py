@@ -1,9 +1,14 @@
 """One OpenTelemetry trace per incident: root span `recovery`, children for each phase.
 
 Spans are built after the fact from the incident's time marks (explicit start and end times), so the
-trace shows what happened even though the phases ran in several processes. Exporters: OTLP when
-`OTEL_EXPORTER_OTLP_ENDPOINT` is set and the OTLP exporter package is installed, else JSON lines to
-the file given with `--trace-file`, else nothing.
+trace shows what happened even though the phases ran in several processes. Every span carries the
+incident id. They leave through a batch processor, never on the swapper's own path.
+
+Configuration is OpenTelemetry's own (`OTEL_*`): `OTEL_TRACES_EXPORTER` (`otlp`, `console` or
+`none`); OTLP over HTTP to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`;
+`OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`; `OTEL_BSP_*` for the batch processor. Without an
+exporter named or an endpoint set, JSON lines go to the file given with `--trace-file` (the local
+default), else nowhere.
 """
 
 from __future__ import annotations
@@ -13,14 +18,15 @@ import os
 from collections.abc import Sequence
 from typing import IO, Any
 
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.trace import Tracer, set_span_in_context
 
 from deadpool_protocol import Incident
 
-__all__ = ["IncidentTracer", "JsonLinesExporter"]
+__all__ = ["IncidentTracer", "JsonLinesExporter", "exporter_for"]
 
 PHASE_ORDER = ("detect", "decide", "fence", "notify", "restore", "rendezvous", "apply", "first_step")
 
@@ -41,15 +47,19 @@ class JsonLinesExporter(SpanExporter):
         self._file.close()
 
 
-def _exporter(trace_file: str) -> SpanExporter | None:
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[import-not-found]
-        except ImportError:
-            pass
-        else:
-            exporter: SpanExporter = OTLPSpanExporter()
-            return exporter
+def exporter_for(trace_file: str, env: dict[str, str] | None = None) -> SpanExporter | None:
+    """The exporter the standard variables name (see the module docstring); None for no traces."""
+    env = dict(os.environ) if env is None else env
+    named = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if named == "none":
+        return None
+    if named == "console":
+        return ConsoleSpanExporter()
+    if named not in ("", "otlp"):
+        raise ValueError(f"OTEL_TRACES_EXPORTER={named!r}: use otlp, console or none")
+    if named == "otlp" or endpoint:
+        return OTLPSpanExporter()  # reads the OTEL_EXPORTER_OTLP_* variables itself
     return JsonLinesExporter(trace_file) if trace_file else None
 
 
@@ -59,18 +69,20 @@ def _ns(t: float) -> int:
 
 class IncidentTracer:
     def __init__(self, trace_file: str = "") -> None:
-        exporter = _exporter(trace_file)
+        exporter = exporter_for(trace_file)
         self._provider: TracerProvider | None = None
         self._tracer: Tracer | None = None
         if exporter is not None:
-            self._provider = TracerProvider(resource=Resource.create({"service.name": "deadpool-swapper"}))
-            self._provider.add_span_processor(SimpleSpanProcessor(exporter))
+            named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "deadpool-swapper"}
+            self._provider = TracerProvider(resource=Resource.create(named))
+            self._provider.add_span_processor(BatchSpanProcessor(exporter))
             self._tracer = self._provider.get_tracer("deadpool.swapper")
 
     def record(self, incident: Incident) -> None:
         if self._tracer is None:
             return
         attrs: dict[str, Any] = {
+            "incident": incident.incident_id,
             "job": incident.job,
             "generation": incident.generation,
             "rank": incident.rank,
