@@ -399,6 +399,8 @@ async def run_demo(cfg: DemoConfig) -> int:
             },
         },
         "run_dir": str(run_dir),
+        "time_lost_s": None,  # how much longer than the reference run (None without one)
+        "time_lost_span": None,
     }
     if ref is not None:
         lost = time_lost(swap.steps_done, ref.steps_done, cfg.nproc)
