@@ -11,9 +11,9 @@ import threading
 import torch
 
 from deadpool.process_group import NCCL_ENVIRONMENT, GenerationGroup, apply_nccl_environment
-from deadpool.replica_exchange import chunk_spans
 from deadpool.snapshot_worker import CaptureRequest, SnapshotWorker, device_split, wait_for_event
 from deadpool.store_client import UploadKey
+from deadpool_protocol.dataplane import chunk_spans
 from deadpool_protocol.logs import get_logger
 
 
@@ -101,8 +101,8 @@ def test_an_nccl_abort_hits_the_recorded_group_once_and_only_when_it_is_older() 
 
 
 def test_the_replica_exchange_is_staged_in_bounded_chunks() -> None:
-    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert chunk_spans(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_spans(10, 4) == [(0, 4), (4, 4), (8, 2)]  # (offset, nbytes): [0, 4), [4, 8), [8, 10)
+    assert chunk_spans(8, 4) == [(0, 4), (4, 4)]
     assert chunk_spans(0, 4) == []
     spans = chunk_spans(3 << 30, 64 << 20)
-    assert max(end - start for start, end in spans) == 64 << 20 and spans[-1][1] == 3 << 30
+    assert max(size for _, size in spans) == 64 << 20 and sum(spans[-1]) == 3 << 30

@@ -74,7 +74,8 @@ def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
 def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """(offset, nbytes) of each chunk of a snapshot of `total_bytes` (check `chunk_count` first: the
     list is as long as that)."""
-    chunk_count(total_bytes, chunk_bytes)
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
     return [(off, min(chunk_bytes, total_bytes - off)) for off in range(0, total_bytes, chunk_bytes)]
 
 

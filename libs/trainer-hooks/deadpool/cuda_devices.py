@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEVICE_ENV", "DevicePlan", "DeviceShortageError", "detect_devices", "plan_devices"]
+from deadpool.member_config import ENV
 
-DEVICE_ENV = "DEADPOOL_DEVICE"
-"""The index, among the devices a member sees, of the one it trains on."""
+__all__ = ["DevicePlan", "DeviceShortageError", "detect_devices", "plan_devices"]
+
 NVIDIA_DRIVER_GPUS = Path("/proc/driver/nvidia/gpus")
 """One folder per GPU the NVIDIA driver manages."""
 NVIDIA_DEVICE_FILES = Path("/dev")
@@ -55,7 +55,7 @@ class DevicePlan:
         return self.visible.index(self.devices[slot])
 
     def env_for(self, slot: int) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.visible), DEVICE_ENV: str(self.index_of(slot))}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.visible), ENV.DEVICE: str(self.index_of(slot))}
 
 
 def detect_devices(

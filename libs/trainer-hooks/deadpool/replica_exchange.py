@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.training_state import SnapshotMeta
+from deadpool_protocol.dataplane import chunk_spans
 
 __all__ = [
     "EXCHANGE_CHUNK_BYTES",
     "ReplicaMismatchError",
     "broadcast_bytes",
-    "chunk_spans",
     "exchange_device",
     "exchange_partitions",
 ]
@@ -78,13 +78,6 @@ def exchange_partitions(
     return parts
 
 
-def chunk_spans(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """[start, end) spans covering `total_bytes` in pieces of at most `chunk_bytes`."""
-    if chunk_bytes <= 0:
-        raise ValueError("chunk_bytes must be positive")
-    return [(start, min(start + chunk_bytes, total_bytes)) for start in range(0, total_bytes, chunk_bytes)]
-
-
 def broadcast_bytes(
     host: torch.Tensor,
     nbytes: int,
@@ -103,13 +96,13 @@ def broadcast_bytes(
         dist.broadcast(host[:nbytes], src=src, group=group)
         return
     stage = torch.empty(min(chunk_bytes, nbytes), dtype=torch.uint8, device=staging_device)
-    for start, end in chunk_spans(nbytes, chunk_bytes):
-        piece = stage[: end - start]
+    for offset, size in chunk_spans(nbytes, chunk_bytes):
+        piece = stage[:size]
         if rank == src:
-            piece.copy_(host[start:end])
+            piece.copy_(host[offset : offset + size])
         dist.broadcast(piece, src=src, group=group)
         if rank != src:
-            host[start:end].copy_(piece)
+            host[offset : offset + size].copy_(piece)
 
 
 def _all_gather_bytes(data: bytes, world_size: int, group: Any, device: torch.device) -> list[bytes]:

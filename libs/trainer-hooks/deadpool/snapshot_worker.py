@@ -294,19 +294,17 @@ class SnapshotWorker:
         late_sources = plan.sources.late_tensors
         if plan.early_host:
             with torch.no_grad():
-                torch._foreach_copy_(
-                    [plan.early_views[i] for i in plan.early_host], [early_sources[i] for i in plan.early_host]
-                )
+                torch._foreach_copy_(_pick(plan.early_views, plan.early_host), _pick(early_sources, plan.early_host))
         if plan.uses_cuda:  # pragma: no cover - needs a GPU
             request.cuda_started, request.cuda_event = self._issue_cuda_copy(
-                [plan.early_views[i] for i in plan.early_cuda],
-                [early_sources[i] for i in plan.early_cuda],
-                [plan.late_views[i] for i in plan.late_cuda],
-                [late_sources[i] for i in plan.late_cuda],
+                _pick(plan.early_views, plan.early_cuda),
+                _pick(early_sources, plan.early_cuda),
+                _pick(plan.late_views, plan.late_cuda),
+                _pick(late_sources, plan.late_cuda),
                 request.pending[3] if request.pending is not None else None,
             )
-        request.host_views = [plan.late_views[i] for i in plan.late_host]
-        request.host_sources = [late_sources[i] for i in plan.late_host]
+        request.host_views = _pick(plan.late_views, plan.late_host)
+        request.host_sources = _pick(late_sources, plan.late_host)
         request.issued.set()
 
     def _defer_to_copy_thread(
@@ -490,8 +488,16 @@ class SnapshotWorker:
                 self.log.warning("snapshot not stored", step=key.step, store=address.store, reason=str(exc))
 
 
+def _pick(items: Sequence[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
+    """`items` at `positions`; the list itself when they are all of it (the usual case, every tensor on
+    one device: a capture on the training thread then builds no lists)."""
+    if len(positions) == len(items) and isinstance(items, list):
+        return items
+    return [items[i] for i in positions]
+
+
 def _cuda_views(plan: CopyPlan | None) -> list[torch.Tensor]:
     """The buffer views a plan fills from CUDA tensors."""
     if plan is None:
         return []
-    return [plan.early_views[i] for i in plan.early_cuda] + [plan.late_views[i] for i in plan.late_cuda]
+    return _pick(plan.early_views, plan.early_cuda) + _pick(plan.late_views, plan.late_cuda)
