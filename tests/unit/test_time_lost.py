@@ -23,13 +23,19 @@ def test_time_lost_is_the_extra_time_between_the_same_steps_whatever_the_start_u
     # step 11, and was back 0.9 s after the last step it completed before the kill.
     before = run(range(1, 11), start_t=107.0, step_s=0.2)
     after = run(range(9, 21), start_t=107.0 + 9 * 0.2 + 0.9, step_s=0.2, generation=2)
-    lost = time_lost(before + after, reference, 2)
+    lost = time_lost(before + after, reference)
     assert lost is not None
     assert lost[1:] == (1, 20)
     assert lost[0] == pytest.approx(0.9 + 2 * 0.2 - 0.2)  # the gap, and steps 9 and 10 done again
 
 
-def test_without_steps_seen_by_every_rank_in_both_runs_there_is_no_figure() -> None:
-    assert time_lost([], run(range(1, 5), 0.0, 0.1), 2) is None
-    one_rank = run(range(1, 5), 0.0, 0.1, ranks=1)
-    assert time_lost(one_rank, one_rank, 2) is None
+def test_a_step_counts_when_the_last_member_that_reported_it_completed_it() -> None:
+    reference = run(range(1, 5), 0.0, 0.1)  # ranks 0 and 1, rank 1 10 ms behind
+    survivor = run(range(1, 5), 50.0, 0.1, ranks=1)  # the killed rank wrote no step times
+    lost = time_lost(survivor, reference)
+    assert lost is not None and lost[0] == pytest.approx(0.0)  # 0.3 s from step 1 to 4, in both runs
+
+
+def test_without_steps_completed_in_both_runs_there_is_no_figure() -> None:
+    assert time_lost([], run(range(1, 5), 0.0, 0.1)) is None
+    assert time_lost(run(range(1, 3), 0.0, 0.1), run(range(5, 9), 0.0, 0.1)) is None

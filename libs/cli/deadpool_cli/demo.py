@@ -121,7 +121,7 @@ class RunResult:
     stuck: list[str] = field(default_factory=list)
     """If the run timed out: each member's last heartbeat, then the failures the detector declared."""
     steps_done: list[StepDone] = field(default_factory=list)
-    """Every step completion the members' heartbeats told of, with its exact time."""
+    """Every step completion of the members that ended cleanly, with its exact time (their step stats)."""
 
 
 async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
@@ -147,6 +147,7 @@ async def _train(
 ) -> RunResult:
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
+    stats_dir = out.with_name(f"{out.name}-stats")  # every member's step times, written as it ends
     script = cfg.script or str(default_script())
     launch = ["launch", "--nats", stack_url, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
@@ -158,7 +159,7 @@ async def _train(
     command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
     started = time.time()
     with open(log_path, "wb") as log:
-        env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1" if kill else "0"}
+        env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1" if kill else "0", "DEADPOOL_STATS_DIR": str(stats_dir)}
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env)
     killer = (
         asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
@@ -183,7 +184,7 @@ async def _train(
         list(watch.incidents),
         log=str(log_path),
         stuck=stuck,
-        steps_done=list(watch.steps_done),
+        steps_done=_steps_completed(stats_dir),
     )
     if killer is not None:
         if killer.done() and killer.exception() is None:
@@ -218,21 +219,43 @@ def incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
     }
 
 
-def _all_ranks_at(steps: list[StepDone], world_size: int) -> dict[tuple[int, int], float]:
-    """(generation, step) -> when the last rank completed it, for steps every rank was seen complete."""
-    seen: dict[tuple[int, int], dict[int, float]] = {}
+def _steps_completed(stats_dir: Path) -> list[StepDone]:
+    """Every step the members that ended cleanly completed, from their step stats (a SIGKILLed member
+    writes none; the others, survivors and the spare, completed every step alongside it)."""
+    done: list[StepDone] = []
+    for path in sorted(stats_dir.glob("*.json")):
+        record = json.loads(path.read_text())
+        rank = record.get("rank")
+        for step in record.get("steps", []):
+            if step.get("t_completed"):
+                done.append(
+                    StepDone(
+                        step["t_completed"],
+                        record["member"],
+                        rank if rank is not None else -1,
+                        step["generation"],
+                        step["step"],
+                    )
+                )
+    return done
+
+
+def _completed_at(steps: list[StepDone]) -> dict[tuple[int, int], float]:
+    """(generation, step) -> when the last member that reported it completed it. Ranks step together
+    (each step ends in collectives), so that is when every rank had completed it."""
+    at: dict[tuple[int, int], float] = {}
     for done in steps:
-        if done.rank >= 0:
-            seen.setdefault((done.generation, done.step), {})[done.rank] = done.t
-    return {key: max(by_rank.values()) for key, by_rank in seen.items() if len(by_rank) == world_size}
+        key = (done.generation, done.step)
+        at[key] = max(done.t, at.get(key, done.t))
+    return at
 
 
-def time_lost(swap: list[StepDone], ref: list[StepDone], world_size: int) -> tuple[float, int, int] | None:
+def time_lost(swap: list[StepDone], ref: list[StepDone]) -> tuple[float, int, int] | None:
     """The time the failure cost the run: how much longer the run with it took than the reference
-    from step s0 to step s1, both seen completed by every rank in both runs (s0 in the first
-    generation, s1 in the last). Exact step-completion times, so start-up (imports, formation),
-    which varies by seconds between runs, does not count. None if the runs have no such steps."""
-    swap_at, ref_at = _all_ranks_at(swap, world_size), _all_ranks_at(ref, world_size)
+    from step s0 to step s1, completed in both runs (s0 in the first generation, s1 in the last).
+    Exact step-completion times, so start-up (imports, formation), which varies by seconds between
+    runs, does not count. None if the runs have no such steps."""
+    swap_at, ref_at = _completed_at(swap), _completed_at(ref)
     if not swap_at or not ref_at:
         return None
     first_gen, last_gen = min(g for g, _ in swap_at), max(g for g, _ in swap_at)
@@ -403,7 +426,7 @@ async def run_demo(cfg: DemoConfig) -> int:
         "time_lost_span": None,
     }
     if ref is not None:
-        lost = time_lost(swap.steps_done, ref.steps_done, cfg.nproc)
+        lost = time_lost(swap.steps_done, ref.steps_done)
         report["time_lost_s"] = round(lost[0], 4) if lost is not None else None
         report["time_lost_span"] = list(lost[1:]) if lost is not None else None
         report["runs"]["reference"] = {

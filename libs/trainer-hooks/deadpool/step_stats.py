@@ -1,8 +1,9 @@
 """What the hooks cost each step, measured on the training thread, for benchmarks and operators.
 
-Per step: the wall time from this step's start to the next one's (`step_s`), and the time the
-training thread spent inside DeadPool (`stall_s`: the step-start bookkeeping, the capture call, and
-any wait in the optimizer pre-hook for a copy still running). Kept in memory (bounded) and written as
+Per step: the wall time from this step's start to the next one's (`step_s`), when it completed
+(`t_completed`, wall clock), and the time the training thread spent inside DeadPool (`stall_s`: the
+step-start bookkeeping, the capture call, and any wait in the optimizer pre-hook for a copy still
+running). Kept in memory (bounded) and written as
 JSON when the member closes, if `DEADPOOL_STATS_DIR` is set.
 """
 
@@ -35,6 +36,7 @@ class StepStats:
                     "step": current["step"],
                     "generation": current["generation"],
                     "step_s": now - current["t"],
+                    "t_completed": current["t_completed"],
                     "stall_s": current["stall_s"],
                     "captured": current["captured"],
                 }
@@ -48,6 +50,7 @@ class StepStats:
     def completed(self, captured: bool) -> None:
         if self._current is not None:
             self._current["done"] = True
+            self._current["t_completed"] = time.time()
             self._current["captured"] = captured
 
     def abandoned(self) -> None:
