@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
 from measures import percentile
 from nats.aio.client import Client
 
@@ -69,7 +68,6 @@ from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS, Rebuild
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.logs import get_logger
-from deadpool_runtime import server_urls
 
 KINDS = (
     "kill",
@@ -406,8 +404,8 @@ class Chaos:
                 return
 
 
-async def launch(stack_url: str, job: str, args: argparse.Namespace, steps: int, out: Path, log: Path) -> Any:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack_url, "--job", job]
+async def launch(nats_args: list[str], job: str, args: argparse.Namespace, steps: int, out: Path, log: Path) -> Any:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
     command += ["--nproc", str(NPROC), "--spares", str(SPARES), "--respawns", str(4 * args.faults + 4)]
     command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     if args.durable_every_steps:
@@ -466,16 +464,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         async def quiet(_exc: Exception) -> None:
             return None  # the watcher's own reconnections during a NATS fault are expected
 
-        nc = await nats.connect(
-            servers=server_urls(stack.url), max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet
-        )
+        nc = await stack.connect(max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet)
         job = f"chaos-{args.seed}-{token}"
         watch = JobWatch(nc, job, get_logger(job=job))
         await watch.start()
         print(
             f"training {steps} steps with {args.faults} faults (seed {args.seed}, kinds {','.join(kinds)})", flush=True
         )
-        launcher = await launch(stack.url, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log")
+        launcher = await launch(
+            stack.nats_args, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log"
+        )
         chaos = Chaos(args, stack, nc, watch, job)
         try:
             await chaos.run(kinds, args.faults)
@@ -498,7 +496,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print("reference: the same job without faults ...", flush=True)
             ref_started = time.time()
             ref_job = f"chaos-ref-{args.seed}-{token}"
-            ref = await launch(stack.url, ref_job, args, steps, workdir / "ref", workdir / "logs" / "ref-run.log")
+            ref = await launch(stack.nats_args, ref_job, args, steps, workdir / "ref", workdir / "logs" / "ref-run.log")
             ref_code = await ref.wait()
             reference_wall_s = time.time() - ref_started
             if ref_code == 0:

@@ -53,6 +53,7 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_runtime.credentials import nkey_file
 
 JOB = "scale"
 HEARTBEAT_PERIOD_S = 0.1
@@ -75,8 +76,10 @@ class SimulatedMember:
         self.last_beat = 0.0
 
 
-async def worker_main(url: str, index: int, members: list[tuple[str, int]], world_size: int, batching: bool) -> None:
-    nc = await nats.connect(url, max_reconnect_attempts=-1)
+async def worker_main(
+    url: str, nkey: str, index: int, members: list[tuple[str, int]], world_size: int, batching: bool
+) -> None:
+    nc = await nats.connect(url, max_reconnect_attempts=-1, nkeys_seed=nkey or None)
     subjects = Subjects.for_job(JOB)
     launcher = f"worker-{index}"
     sim = {name: SimulatedMember(name, hint, launcher) for name, hint in members}
@@ -221,7 +224,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         hang_floor_s=max(3.0, 2 * args.timeout_s),
     )
     async with Stack(config) as stack:
-        nc: Client = await nats.connect(stack.url)
+        nc: Client = await stack.connect()
         subjects = Subjects.for_job(JOB)
         failures: dict[str, tuple[Failure, float]] = {}
         rebuilds: dict[int, tuple[Rebuild, float]] = {}
@@ -265,6 +268,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         str(w),
                         "--url",
                         stack.url,
+                        "--nkey",  # a worker plays launchers and members both: the admin role
+                        nkey_file(stack.credentials or "", "admin"),
                         "--world-size",
                         str(world_size),
                         "--spec",
@@ -381,12 +386,13 @@ def main() -> None:
     )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker >= 0:
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
-        asyncio.run(worker_main(args.url, args.worker, members, args.world_size, not args.no_batching))
+        asyncio.run(worker_main(args.url, args.nkey, args.worker, members, args.world_size, not args.no_batching))
         return
     result = asyncio.run(main_async(args))
     print(json.dumps(result))

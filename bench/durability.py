@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 import torch
 from measures import percentile
 from nats.aio.client import Client
@@ -94,9 +93,16 @@ async def status(nc: Client, job: str) -> dict[str, Any]:
 
 
 async def launch(
-    url: str, job: str, nproc: int, steps: int, model: str, log: Path, *flags: str, env: dict[str, str] | None = None
+    nats_args: list[str],
+    job: str,
+    nproc: int,
+    steps: int,
+    model: str,
+    log: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
 ) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
     command += ["--nproc", str(nproc), "--spares", "0", *flags, str(default_script()), "--steps", str(steps)]
     command += ["--model-size", model]
     with open(log, "wb") as sink:
@@ -129,7 +135,7 @@ async def rereplication(args: argparse.Namespace, stack: Stack, nc: Client, work
     job = "durability-rereplicate"
     commits = Commits()
     await nc.subscribe(Subjects.for_job(job).commit, cb=commits.on_commit)
-    launcher = await launch(stack.url, job, 2, FOREVER_STEPS, args.model_size, workdir / "rereplicate-run.log")
+    launcher = await launch(stack.nats_args, job, 2, FOREVER_STEPS, args.model_size, workdir / "rereplicate-run.log")
     rng = random.Random(args.seed)
     trials: list[dict[str, Any]] = []
     try:
@@ -217,7 +223,7 @@ async def commit_lag(args: argparse.Namespace, stack: Stack, nc: Client, workdir
     ]
     started = time.time()
     try:
-        launcher = await launch(stack.url, job, 4, args.lag_steps, args.lag_model_size, workdir / "lag-run.log")
+        launcher = await launch(stack.nats_args, job, 4, args.lag_steps, args.lag_model_size, workdir / "lag-run.log")
         returncode = await launcher.wait()
     finally:
         for hog in hogs:
@@ -248,12 +254,12 @@ def member_stats(directory: Path) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
 
 
-async def first_step_s(nc: Client, url: str, job: str, workdir: Path, *flags: str) -> float:
+async def first_step_s(nc: Client, nats_args: list[str], job: str, workdir: Path, *flags: str) -> float:
     """From launching a 2-rank job to the first step every rank completed (the job is then stopped)."""
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
     started = time.time()
-    launcher = await launch(url, job, 2, FOREVER_STEPS, "small", workdir / f"{job}.log", *flags)
+    launcher = await launch(nats_args, job, 2, FOREVER_STEPS, "small", workdir / f"{job}.log", *flags)
 
     def every_rank_stepped() -> bool:
         ranks = {d.rank for d in watch.steps_done}
@@ -282,7 +288,7 @@ async def durable_tier(args: argparse.Namespace, stack: Stack, nc: Client, workd
             flags = ("--durable-dir", str(durable), "--durable-every-steps", str(every)) if mode == "on" else ()
             job = f"durability-{mode}-{round_}"
             env = {"DEADPOOL_STATS_DIR": str(stats)}
-            launcher = await launch(stack.url, job, 2, steps, model, workdir / f"{job}.log", *flags, env=env)
+            launcher = await launch(stack.nats_args, job, 2, steps, model, workdir / f"{job}.log", *flags, env=env)
             if await launcher.wait() != 0:
                 raise SystemExit(f"{job} failed: see {workdir / f'{job}.log'}")
             members = member_stats(stats)
@@ -300,8 +306,8 @@ async def durable_tier(args: argparse.Namespace, stack: Stack, nc: Client, workd
             flush=True,
         )
     large = await asyncio.to_thread(large_snapshot_gbps, workdir / "large", args.large_mib)
-    resume_s = await first_step_s(nc, stack.url, "durability-resumed", workdir, "--resume-from", str(durable))
-    fresh_s = await first_step_s(nc, stack.url, "durability-fresh", workdir)
+    resume_s = await first_step_s(nc, stack.nats_args, "durability-resumed", workdir, "--resume-from", str(durable))
+    fresh_s = await first_step_s(nc, stack.nats_args, "durability-fresh", workdir)
     return {
         "durable_step_time_ratio": round(statistics.median(ratios), 4),
         "durable_step_time_ratios": [round(r, 4) for r in ratios],
@@ -352,7 +358,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     print(f"work dir {workdir}", flush=True)
     config = StackConfig(workdir=workdir, stores=STORES, replication=2, restart_after_s=1.0)
     async with Stack(config) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         result: dict[str, Any] = {}
         if args.trials:
             result |= await rereplication(args, stack, nc, workdir)

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 from measures import percentile
 
 from deadpool_cli.demo import default_script
@@ -119,10 +118,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     job = f"failover-{secrets.token_hex(2)}"
     results = []
     async with Stack(config) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         watch = JobWatch(nc, job, get_logger(job=job))
         await watch.start()
-        command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", job, "--nproc", "4"]
+        command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job, "--nproc", "4"]
         command += ["--spares", "2", "--respawns", str(2 * args.trials), "--collective-timeout-s", "20"]
         command += [str(default_script()), "--steps", "1000000", "--model-size", "tiny"]
         with open(workdir / "logs" / "launch.log", "wb") as log:

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import Straggler, Subjects, decode
@@ -39,8 +37,8 @@ NOISE_S_PER_STEP = 0.5 / 10 + 1.5 / 37 + 6.0 / 50
 """Average noise per step at the default settings (GC pause, slow step, evaluation)."""
 
 
-async def run_job(url: str, job: str, steps: int, noise: list[str], workdir: Path) -> dict[str, Any]:
-    nc = await nats.connect(url)
+async def run_job(stack: Stack, job: str, steps: int, noise: list[str], workdir: Path) -> dict[str, Any]:
+    nc = await stack.connect()
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
     stragglers: list[Straggler] = []
@@ -49,7 +47,7 @@ async def run_job(url: str, job: str, steps: int, noise: list[str], workdir: Pat
         stragglers.append(decode(msg.data, Straggler))
 
     await nc.subscribe(Subjects.for_job(job).straggler, cb=on_straggler)
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "4"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job, "--nproc", "4"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(steps), *noise]
     started = time.monotonic()
     with open(workdir / f"{job}.log", "wb") as log:
@@ -82,11 +80,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     async with Stack(config) as stack:
         quiet = ["--first-step-s", "0", "--eval-every", "0", "--gc-every", "0", "--slow-every", "0"]
-        calibration = await run_job(stack.url, "calibration", 40, quiet, workdir)
+        calibration = await run_job(stack, "calibration", 40, quiet, workdir)
         base_s = calibration["median_step_s"]
         steps = max(60, int((args.minutes * 60 - 8.0) / (base_s + NOISE_S_PER_STEP)))
         print(f"calibration: median step {base_s:.3f} s -> {steps} steps for ~{args.minutes} min", flush=True)
-        run = await run_job(stack.url, "noisy", steps, [], workdir)
+        run = await run_job(stack, "noisy", steps, [], workdir)
     result = {
         "minutes": round(run["wall_s"] / 60, 2),
         "steps": steps,

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 from measures import cpu_seconds, percentile
 
 from deadpool_cli.stack import Stack, StackConfig
@@ -43,11 +42,11 @@ COMMIT_GRACE_S = 3.0
 
 
 async def run_round(
-    url: str, args: argparse.Namespace, workdir: Path, index: int, snapshots_on: bool, store_pid: int
+    stack: Stack, args: argparse.Namespace, workdir: Path, index: int, snapshots_on: bool, store_pid: int
 ) -> dict[str, Any]:
     job = f"overhead-{index}-{'on' if snapshots_on else 'off'}"
     stats_dir = workdir / job
-    nc = await nats.connect(url)
+    nc = await stack.connect()
     committed: set[int] = set()
 
     async def on_commit(msg: Any) -> None:
@@ -60,7 +59,7 @@ async def run_round(
         "DEADPOOL_STATS_DIR": str(stats_dir),
         "OMP_NUM_THREADS": "1",
     }
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job]
     command += ["--nproc", str(RANKS), "--spares", "0", "--gpus", args.gpus if args.device == "cuda" else "none"]
     command += [str(SCRIPT), "--steps", str(args.steps), "--model-size", args.model_size, "--device", args.device]
     started = time.monotonic()
@@ -168,7 +167,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     async with Stack(StackConfig(workdir=workdir, stores=1, replication=1)) as stack:
         for index in range(2 * args.pairs):
             on = index % 2 == 1
-            r = await run_round(stack.url, args, workdir, index, on, stack.processes["store-0"].pid)
+            r = await run_round(stack, args, workdir, index, on, stack.processes["store-0"].pid)
             steps = [s["step_s"] for m in r["members"] for s in m["steps"] if s["step"] >= args.warm_up_steps]
             print(
                 f"round {index}: snapshots {'on ' if on else 'off'}  median step {statistics.median(steps):.3f} s"

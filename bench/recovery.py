@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 from measures import percentile
 from nats.aio.client import Client
 
@@ -57,9 +56,16 @@ GOALS = {"crash_downtime_s_p50_max": 1.0, "hang_downtime_over_threshold_s_p50_ma
 
 
 async def launch(
-    url: str, job: str, host: str, nproc: int, rank_offset: int, spares: int, args: argparse.Namespace, log: Path
+    nats_args: list[str],
+    job: str,
+    host: str,
+    nproc: int,
+    rank_offset: int,
+    spares: int,
+    args: argparse.Namespace,
+    log: Path,
 ) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
     command += ["--nproc", str(nproc), "--world-size", "4", "--rank-offset", str(rank_offset)]
     command += ["--spares", str(spares), "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     command += [str(default_script()), "--steps", str(args.steps), "--model-size", args.model_size]
@@ -69,17 +75,17 @@ async def launch(
 
 
 async def run_trial(
-    nc: Client, url: str, kind: str, index: int, args: argparse.Namespace, workdir: Path
+    nc: Client, nats_args: list[str], kind: str, index: int, args: argparse.Namespace, workdir: Path
 ) -> dict[str, Any]:
     job = f"recovery-{kind}-{index}-{secrets.token_hex(2)}"
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
     if kind == "host":
-        lost = await launch(url, job, "hosta", 2, 0, 0, args, workdir / f"{job}-a.log")
-        keeper = await launch(url, job, "hostb", 2, 2, 2, args, workdir / f"{job}-b.log")
+        lost = await launch(nats_args, job, "hosta", 2, 0, 0, args, workdir / f"{job}-a.log")
+        keeper = await launch(nats_args, job, "hostb", 2, 2, 2, args, workdir / f"{job}-b.log")
         launchers = [lost, keeper]
     else:
-        keeper = await launch(url, job, "hosta", 4, 0, 2, args, workdir / f"{job}.log")
+        keeper = await launch(nats_args, job, "hosta", 4, 0, 2, args, workdir / f"{job}.log")
         launchers = [keeper]
     try:
         if kind == "host":
@@ -169,11 +175,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     trials = []
     async with Stack(config) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         try:
             for index in range(args.trials):
                 for kind in args.classes:
-                    trial = await run_trial(nc, stack.url, kind, index, args, workdir)
+                    trial = await run_trial(nc, stack.nats_args, kind, index, args, workdir)
                     trials.append(trial)
                     phases = " ".join(f"{p} {trial['phases'][p] * 1000:.0f}" for p in PHASES)
                     print(

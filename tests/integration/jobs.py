@@ -14,33 +14,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 
 from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.stack import Stack
 from deadpool_protocol.logs import get_logger
-from deadpool_runtime import server_urls
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 WAIT_S = 120.0
 
 
-async def watcher(url: str, job: str) -> tuple[Client, JobWatch]:
+async def watcher(stack: Stack, job: str) -> tuple[Client, JobWatch]:
     """A NATS client (reconnecting quietly, to any server of a cluster) and a watch of `job`."""
 
     async def quiet(_exc: Exception) -> None:
         return None
 
-    nc = await nats.connect(
-        servers=server_urls(url), max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet
-    )
+    nc = await stack.connect(max_reconnect_attempts=-1, reconnect_time_wait=0.2, error_cb=quiet)
     watch = JobWatch(nc, job, get_logger(test=job))
     await watch.start()
     return nc, watch
 
 
 async def launch(
-    url: str,
+    nats_args: list[str],
     job: str,
     log: Path,
     *,
@@ -52,7 +49,7 @@ async def launch(
     script: Path = SCRIPT,
     env: dict[str, str] | None = None,
 ) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", str(nproc)]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", str(nproc)]
     command += ["--spares", str(spares), "--respawns", str(respawns), "--collective-timeout-s", "20"]
     command += [str(script), "--steps", str(steps), "--model-size", "tiny"]
     if out is not None:

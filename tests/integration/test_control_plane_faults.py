@@ -42,9 +42,9 @@ async def leader_of(nc: object, job: str) -> str:
 
 async def test_a_standby_swapper_takes_over_mid_rebuild_and_the_job_heals(tmp_path: Path) -> None:
     async with Stack(config(tmp_path, swappers=2)) as stack:
-        nc, watch = await watcher(stack.url, "failover")
+        nc, watch = await watcher(stack, "failover")
         log = tmp_path / "launch.log"
-        launcher = await launch(stack.url, "failover", log, steps=200, spares=1)
+        launcher = await launch(stack.nats_args, "failover", log, steps=200, spares=1)
         try:
             await until(watch, lambda: every_rank_at(watch, 10), log, "training")
             leader = await leader_of(nc, "failover")
@@ -80,9 +80,9 @@ async def test_a_standby_swapper_takes_over_mid_rebuild_and_the_job_heals(tmp_pa
 
 async def test_a_rank_that_dies_while_the_detector_is_down_is_declared_by_the_restarted_one(tmp_path: Path) -> None:
     async with Stack(config(tmp_path)) as stack:
-        nc, watch = await watcher(stack.url, "blind")
+        nc, watch = await watcher(stack, "blind")
         log = tmp_path / "launch.log"
-        launcher = await launch(stack.url, "blind", log, steps=200, spares=1)
+        launcher = await launch(stack.nats_args, "blind", log, steps=200, spares=1)
         try:
             await until(watch, lambda: every_rank_at(watch, 10), log, "training")
             stack.kill("detector")
@@ -104,9 +104,9 @@ async def test_a_rank_that_dies_while_the_detector_is_down_is_declared_by_the_re
 async def test_the_job_heals_when_nats_dies_right_after_a_failure_is_declared(tmp_path: Path) -> None:
     async with Stack(config(tmp_path)) as stack:
         assert stack.nats is not None
-        nc, watch = await watcher(stack.url, "outage")
+        nc, watch = await watcher(stack, "outage")
         log = tmp_path / "launch.log"
-        launcher = await launch(stack.url, "outage", log, steps=200, spares=1)
+        launcher = await launch(stack.nats_args, "outage", log, steps=200, spares=1)
         try:
             await until(watch, lambda: every_rank_at(watch, 10), log, "training")
             assert watch.rebuild is not None
@@ -127,11 +127,11 @@ async def test_the_job_heals_when_nats_dies_right_after_a_failure_is_declared(tm
 async def test_a_factory_that_raises_during_a_rebuild_ends_the_job_at_once_with_its_reason(tmp_path: Path) -> None:
     flag = tmp_path / "break-the-factory"
     async with Stack(config(tmp_path, stores=1, replication=1)) as stack:
-        nc, watch = await watcher(stack.url, "broken")
+        nc, watch = await watcher(stack, "broken")
         log = tmp_path / "launch.log"
         script = SCRIPTS / "raising_factory.py"
         launcher = await launch(
-            stack.url,
+            stack.nats_args,
             "broken",
             log,
             steps=100_000,

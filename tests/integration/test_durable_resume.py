@@ -23,8 +23,8 @@ STEPS = 20
 RUN_TIMEOUT_S = 180.0
 
 
-async def launch(url: str, job: str, out: Path, log: Path, *flags: str) -> int:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+async def launch(nats_args: list[str], job: str, out: Path, log: Path, *flags: str) -> int:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--spares", "0", *flags, str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny"]
     command += ["--out", str(out)]
     with open(log, "wb") as sink:
@@ -37,7 +37,7 @@ async def test_a_job_resumed_from_the_durable_tier_ends_as_the_run_that_never_st
     async with Stack(StackConfig(workdir=tmp_path, stores=2)) as stack:
         first_log = tmp_path / "first.log"
         flags = ("--durable-dir", str(durable), "--durable-every-steps", "6", "--durable-keep", "3")
-        code = await launch(stack.url, "durable-first", tmp_path / "first", first_log, *flags)
+        code = await launch(stack.nats_args, "durable-first", tmp_path / "first", first_log, *flags)
         assert code == 0, first_log.read_text(errors="replace")[-3000:]
         assert complete_steps(durable, 2) == [18, 12, 6]
 
@@ -56,7 +56,7 @@ async def test_a_job_resumed_from_the_durable_tier_ends_as_the_run_that_never_st
 
         resumed_log = tmp_path / "resumed.log"
         code = await launch(
-            stack.url, "durable-resumed", tmp_path / "resumed", resumed_log, "--resume-from", str(durable)
+            stack.nats_args, "durable-resumed", tmp_path / "resumed", resumed_log, "--resume-from", str(durable)
         )
         text = resumed_log.read_text(errors="replace")
         assert code == 0, text[-3000:]

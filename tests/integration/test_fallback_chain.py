@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client
 
@@ -40,8 +39,8 @@ SWAP_WAIT_S = 1.0
 """How long a frozen rank 0 waits for the swap of rank 1 to be decided (its heartbeat timeout is 2 s)."""
 
 
-async def launch(url: str, job: str, out: Path, log: Path, *flags: str) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+async def launch(nats_args: list[str], job: str, out: Path, log: Path, *flags: str) -> asyncio.subprocess.Process:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--spares", "1", "--collective-timeout-s", "20", *flags, str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
@@ -59,12 +58,12 @@ async def run_with_fault(
     monkeypatch.setenv("DEADPOOL_FAULT_INJECTION", "1")
     config = StackConfig(workdir=tmp_path, stores=stores, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
     async with Stack(config) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         job = "chain"
         watch = JobWatch(nc, job, get_logger(test=job))
         await watch.start()
         log = tmp_path / "run.log"
-        launcher = await launch(stack.url, job, tmp_path / "swap", log, *flags)
+        launcher = await launch(stack.nats_args, job, tmp_path / "swap", log, *flags)
         try:
             await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 12)), 120)
             await fault(stack, nc, job, watch)
@@ -74,7 +73,7 @@ async def run_with_fault(
                 launcher.kill()
                 await launcher.wait()
         assert returncode == 0, log.read_text(errors="replace")[-4000:]
-        reference = await launch(stack.url, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
+        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
         assert await asyncio.wait_for(reference.wait(), RUN_TIMEOUT_S) == 0
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "reference")

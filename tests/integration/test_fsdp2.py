@@ -16,9 +16,9 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp_loop.py"
 RUN_TIMEOUT_S = 240.0
 
 
-async def run(url: str, job: str, workdir: Path, kill_step: int) -> tuple[Path, Path]:
+async def run(nats_args: list[str], job: str, workdir: Path, kill_step: int) -> tuple[Path, Path]:
     out, log, flag = workdir / job, workdir / f"{job}.log", workdir / f"{job}.killed"
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "4"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "4"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", "10"]
     command += ["--kill-step", str(kill_step), "--flag", str(flag), "--out", str(out)]
     assert await run_to_end(command, log, RUN_TIMEOUT_S) == 0, tail(log)
@@ -28,8 +28,8 @@ async def run(url: str, job: str, workdir: Path, kill_step: int) -> tuple[Path, 
 
 async def test_a_fully_sharded_model_survives_a_swap_bit_identical(tmp_path: Path) -> None:
     async with Stack(StackConfig(workdir=tmp_path, stores=2)) as stack:
-        reference, _ = await run(stack.url, "fsdp-ref", tmp_path, kill_step=-1)
-        swapped, log = await run(stack.url, "fsdp-swap", tmp_path, kill_step=5)
+        reference, _ = await run(stack.nats_args, "fsdp-ref", tmp_path, kill_step=-1)
+        swapped, log = await run(stack.nats_args, "fsdp-swap", tmp_path, kill_step=5)
     assert '"rebuild done"' in log.read_text(errors="replace"), tail(log)
     identical, count, differences = compare_final_states(reference, swapped)
     assert identical and count > 0, differences[:8]

@@ -14,8 +14,6 @@ import signal
 import sys
 from pathlib import Path
 
-import nats
-
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
@@ -27,9 +25,9 @@ STEPS = 30
 
 
 async def launch(
-    url: str, job: str, host: str, rank_offset: int, spares: int, out: Path, log: Path
+    nats_args: list[str], job: str, host: str, rank_offset: int, spares: int, out: Path, log: Path
 ) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--world-size", "4", "--rank-offset", str(rank_offset), "--spares", str(spares)]
     command += ["--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny"]
     command += ["--out", str(out)]
@@ -43,12 +41,12 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
     # late by a second during formation, and 1 s declared a healthy host lost.
     config = StackConfig(workdir=tmp_path, stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
     async with Stack(config) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         watch = JobWatch(nc, "lost-host", get_logger(test="lost-host"))
         await watch.start()
         out = tmp_path / "swap"
-        host_a = await launch(stack.url, "lost-host", "hosta", 0, 0, out, tmp_path / "a.log")
-        host_b = await launch(stack.url, "lost-host", "hostb", 2, 2, out, tmp_path / "b.log")
+        host_a = await launch(stack.nats_args, "lost-host", "hosta", 0, 0, out, tmp_path / "a.log")
+        host_b = await launch(stack.nats_args, "lost-host", "hostb", 2, 2, out, tmp_path / "b.log")
         try:
             await asyncio.wait_for(watch.wait_for(lambda: min_rank_step(watch) >= 8), 120)
             assert watch.failures == [], [(f.member, f.reason, f.evidence) for f in watch.failures]
@@ -65,8 +63,8 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
         assert all(i.lost_steps <= 1 for i in watch.incidents)
 
         reference = tmp_path / "reference"
-        solo = await launch(stack.url, "lost-host-ref", "hosta", 0, 0, reference, tmp_path / "ref-a.log")
-        solo_b = await launch(stack.url, "lost-host-ref", "hostb", 2, 0, reference, tmp_path / "ref-b.log")
+        solo = await launch(stack.nats_args, "lost-host-ref", "hosta", 0, 0, reference, tmp_path / "ref-a.log")
+        solo_b = await launch(stack.nats_args, "lost-host-ref", "hostb", 2, 0, reference, tmp_path / "ref-b.log")
         assert await asyncio.wait_for(solo.wait(), RUN_TIMEOUT_S) == 0
         assert await asyncio.wait_for(solo_b.wait(), RUN_TIMEOUT_S) == 0
         await nc.close()

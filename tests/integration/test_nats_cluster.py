@@ -51,9 +51,9 @@ async def test_losing_a_nats_node_then_the_kv_leader_declares_nobody_and_a_kill_
     )
     async with Stack(config) as stack:
         assert stack.cluster is not None
-        nc, watch = await watcher(stack.url, "cluster")
+        nc, watch = await watcher(stack, "cluster")
         log = tmp_path / "launch.log"
-        launcher = await launch(stack.url, "cluster", log, steps=100_000, spares=1)
+        launcher = await launch(stack.nats_args, "cluster", log, steps=100_000, spares=1)
         try:
             await until(watch, lambda: every_rank_at(watch, 10), log, "training")
             for round_ in ("any node", "the KV stream's leader"):

@@ -13,8 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import nats
-
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol.logs import get_logger
@@ -29,10 +27,10 @@ async def test_training_survives_a_nats_restart_without_any_member_declared_dead
     config = StackConfig(workdir=tmp_path, stores=1, replication=1, heartbeat_timeout_s=1.0, hang_floor_s=2.0)
     async with Stack(config) as stack:
         assert stack.nats is not None
-        nc = await nats.connect(stack.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        nc = await stack.connect(max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         watch = JobWatch(nc, "outage", get_logger(test="outage"))
         await watch.start()
-        command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", "outage"]
+        command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", "outage"]
         command += ["--nproc", "2", "--spares", "1", "--collective-timeout-s", "20", str(SCRIPT)]
         command += ["--steps", "400", "--model-size", "tiny"]
         with open(tmp_path / "launch.log", "wb") as log:

@@ -24,9 +24,11 @@ STEPS = 500
 async def test_overlapping_kills_are_swapped_and_training_ends_bit_identical(tmp_path: Path) -> None:
     config = StackConfig(workdir=tmp_path, stores=2, swappers=2, detectors=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
     async with Stack(config) as stack:
-        nc, watch = await watcher(stack.url, "overlap")
+        nc, watch = await watcher(stack, "overlap")
         log = tmp_path / "swap.log"
-        launcher = await launch(stack.url, "overlap", log, steps=STEPS, spares=3, respawns=6, out=tmp_path / "swap")
+        launcher = await launch(
+            stack.nats_args, "overlap", log, steps=STEPS, spares=3, respawns=6, out=tmp_path / "swap"
+        )
 
         def ready(need: int) -> bool:
             return len(watch.ready_spares(time.time())) >= need
@@ -63,7 +65,7 @@ async def test_overlapping_kills_are_swapped_and_training_ends_bit_identical(tmp
         assert all(i.lost_steps <= 1 for i in watch.incidents)
 
         ref_log = tmp_path / "ref.log"
-        reference = await launch(stack.url, "overlap-ref", ref_log, steps=STEPS, spares=0, out=tmp_path / "ref")
+        reference = await launch(stack.nats_args, "overlap-ref", ref_log, steps=STEPS, spares=0, out=tmp_path / "ref")
         assert await finish(reference, ref_log) == 0
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "ref")

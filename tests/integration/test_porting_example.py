@@ -16,9 +16,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "porting" / "train_d
 STEPS = 16
 
 
-async def start(url: str, job: str, workdir: Path) -> tuple[asyncio.subprocess.Process, Path, Path]:
+async def start(nats_args: list[str], job: str, workdir: Path) -> tuple[asyncio.subprocess.Process, Path, Path]:
     out, log = workdir / job, workdir / f"{job}.log"
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS), "--out", str(out)]
     with open(log, "wb") as sink:
         process = await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
@@ -27,13 +27,13 @@ async def start(url: str, job: str, workdir: Path) -> tuple[asyncio.subprocess.P
 
 async def test_the_ported_torchrun_script_survives_a_sigkill_bit_identical(tmp_path: Path) -> None:
     async with Stack(StackConfig(workdir=tmp_path, stores=2)) as stack:
-        reference, reference_out, reference_log = await start(stack.url, "port-ref", tmp_path)
+        reference, reference_out, reference_log = await start(stack.nats_args, "port-ref", tmp_path)
         try:
             assert await finish(reference, reference_log) == 0, tail(reference_log)
         finally:
             stop_all(reference)
-        nc, watch = await watcher(stack.url, "port-swap")
-        swapped, swapped_out, log = await start(stack.url, "port-swap", tmp_path)
+        nc, watch = await watcher(stack, "port-swap")
+        swapped, swapped_out, log = await start(stack.nats_args, "port-swap", tmp_path)
         try:
             await until(watch, lambda: every_rank_at(watch, 6), log, "every rank at step 6")
             victim = watch.holder_of(1)

@@ -37,10 +37,10 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
         yield running
 
 
-async def run(url: str, job: str, workdir: Path, kill_step: int, *flags: str) -> tuple[Path, Path]:
+async def run(nats_args: list[str], job: str, workdir: Path, kill_step: int, *flags: str) -> tuple[Path, Path]:
     out, log, flag = workdir / job, workdir / f"{job}.log", workdir / f"{job}.killed"
     spares = "1" if kill_step >= 0 else "0"  # the reference needs none
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--spares", spares, "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
     command += ["--kill-step", str(kill_step), "--flag", str(flag), "--out", str(out)]
     command += list(flags)
@@ -62,8 +62,8 @@ async def test_user_state_and_every_kind_of_optimizer_state_survive_a_swap_bit_i
     stack: Stack, tmp_path: Path, optimizer: str, step_context: bool
 ) -> None:
     flags = ["--optimizer", optimizer] + ([] if step_context else ["--no-step-context"])
-    reference, _ = await run(stack.url, f"{optimizer}-ref", tmp_path, -1, *flags)
-    swapped, log = await run(stack.url, f"{optimizer}-swap", tmp_path, KILL_STEP, *flags)
+    reference, _ = await run(stack.nats_args, f"{optimizer}-ref", tmp_path, -1, *flags)
+    swapped, log = await run(stack.nats_args, f"{optimizer}-swap", tmp_path, KILL_STEP, *flags)
     assert '"rebuild done"' in log.read_text(errors="replace"), tail(log)
     identical, count, differences = compare_final_states(reference, swapped)
     assert identical and count > 0, differences[:8]

@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import Straggler, Subjects, decode
@@ -22,7 +20,7 @@ RUN_TIMEOUT_S = 180.0
 
 async def test_a_slow_rank_is_reported_as_a_straggler_and_nobody_is_swapped(tmp_path: Path) -> None:
     async with Stack(StackConfig(workdir=tmp_path, stores=1, replication=1)) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         watch = JobWatch(nc, "slow", get_logger(test="straggler"))
         await watch.start()
         stragglers: asyncio.Queue[Straggler] = asyncio.Queue()
@@ -31,7 +29,7 @@ async def test_a_slow_rank_is_reported_as_a_straggler_and_nobody_is_swapped(tmp_
             await stragglers.put(decode(msg.data, Straggler))
 
         await nc.subscribe(Subjects.for_job("slow").straggler, cb=on_straggler)
-        command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", "slow"]
+        command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", "slow"]
         command += ["--nproc", "3", "--spares", "0", str(SCRIPT), "--steps", "300", "--model-size", "tiny"]
         env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1"}
         with open(tmp_path / "launch.log", "wb") as log:

@@ -25,7 +25,7 @@ async def test_a_module_launched_like_torchrun_sees_its_variables_and_ends_clean
 ) -> None:
     out, log = tmp_path / "out", tmp_path / "launch.log"
     async with Stack(StackConfig(workdir=tmp_path, stores=1, replication=1)) as stack:
-        command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", stack.url, "--job", "early"]
+        command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", "early"]
         command += [
             "--nproc-per-node",
             "2",

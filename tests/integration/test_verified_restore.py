@@ -15,7 +15,6 @@ import signal
 import sys
 from pathlib import Path
 
-import nats
 import pytest
 
 from deadpool_cli.job_watch import JobWatch
@@ -33,8 +32,8 @@ SETTLE_S = 0.3
 """After freezing the ranks, time for snapshots already on the wire to be sealed and committed."""
 
 
-async def launch(url: str, job: str, out: Path, log: Path) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", "--nats", url, "--job", job, "--nproc", "2"]
+async def launch(nats_args: list[str], job: str, out: Path, log: Path) -> asyncio.subprocess.Process:
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
     command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
@@ -46,12 +45,12 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
 ) -> None:
     monkeypatch.setenv("DEADPOOL_FAULT_INJECTION", "1")  # the stores' byte-flipping endpoint
     async with Stack(StackConfig(workdir=tmp_path, stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         job = "verified-restore"
         watch = JobWatch(nc, job, get_logger(test=job))
         await watch.start()
         log = tmp_path / "run.log"
-        launcher = await launch(stack.url, job, tmp_path / "swap", log)
+        launcher = await launch(stack.nats_args, job, tmp_path / "swap", log)
         try:
             await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 8)), 120)
             assert watch.rebuild is not None
@@ -83,7 +82,7 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
         fetched = [json.loads(line) for line in text.splitlines() if '"snapshot fetched"' in line]
         assert fetched and fetched[-1]["store"] != first_store, fetched
 
-        reference = await launch(stack.url, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
+        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
         assert await asyncio.wait_for(reference.wait(), RUN_TIMEOUT_S) == 0
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "reference")

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
-
 from deadpool_cli.job_watch import JobWatch, StepDone
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
@@ -143,13 +141,13 @@ async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: st
 
 
 async def _train(
-    nc: Any, stack_url: str, cfg: DemoConfig, job: str, spares: int, out: Path, kill: bool, log_path: Path
+    nc: Any, nats_args: list[str], cfg: DemoConfig, job: str, spares: int, out: Path, kill: bool, log_path: Path
 ) -> RunResult:
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
     stats_dir = out.with_name(f"{out.name}-stats")  # every member's step times, written as it ends
     script = cfg.script or str(default_script())
-    launch = ["launch", "--nats", stack_url, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
+    launch = ["launch", *nats_args, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     launch += ["--gpus", cfg.gpus if cfg.device == "cuda" else "none"]
     train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
@@ -340,7 +338,7 @@ async def run_demo(cfg: DemoConfig) -> int:
         hang_factor=cfg.hang_factor,
     )
     async with Stack(stack_cfg) as stack:
-        nc = await nats.connect(stack.url)
+        nc = await stack.connect()
         try:
             print(
                 f"run 1: training with a failure at step {cfg.kill_step} (rank {cfg.kill_rank}) ...",
@@ -348,7 +346,7 @@ async def run_demo(cfg: DemoConfig) -> int:
             )
             swap = await _train(
                 nc,
-                stack.url,
+                stack.nats_args,
                 cfg,
                 f"demo-swap-{token}",
                 cfg.spares,
@@ -361,7 +359,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 print("run 2: the same training without a failure, for reference ...", flush=True)
                 ref = await _train(
                     nc,
-                    stack.url,
+                    stack.nats_args,
                     cfg,
                     f"demo-ref-{token}",
                     0,

@@ -21,6 +21,24 @@ def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
         default="",
         help="NATS server URL, or a comma-separated list of a cluster's, e.g. nats://127.0.0.1:4222",
     )
+    p.add_argument(
+        "--credentials",
+        default=os.environ.get("DEADPOOL_CREDENTIALS", ""),
+        help="the deployment's credentials directory (what `deadpool up` printed; default: $DEADPOOL_CREDENTIALS); "
+        "this command reads only its own role's files there",
+    )
+
+
+def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False) -> tuple[str, bytes]:
+    """(`role`'s nkey seed file, the data-plane key if asked for) from `--credentials`; exits saying what
+    is missing."""
+    from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key
+
+    try:
+        key = read_dataplane_key(dataplane_key_file(args.credentials)) if dataplane else b""
+        return nkey_file(args.credentials, role), key
+    except (OSError, ValueError) as exc:
+        sys.exit(f"deadpool {args.command}: {exc}")
 
 
 def _add_replicas(p: argparse.ArgumentParser) -> None:
@@ -69,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nats-nodes", type=int, default=1, help="embedded NATS servers: 1, or 3 for a cluster")
     up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
     up.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no credentials: anyone who reaches NATS or a store's port may act as any part (tests only)",
+    )
 
     launch = sub.add_parser("launch", help="run a training script with ranks and warm spares, like torchrun")
     _add_nats(launch, required=False)
@@ -146,6 +169,12 @@ def _parser() -> argparse.ArgumentParser:
         "--unsealed-max-s", type=float, default=60.0, help="an upload not sealed within this long is freed"
     )
 
+    credentials = sub.add_parser(
+        "credentials",
+        help="create a deployment's credentials: an nkey per role, the data-plane key, and nats-auth.conf",
+    )
+    credentials.add_argument("directory", help="where to write them (kept if already there)")
+
     status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
     _add_nats(status)
     status.add_argument("job")
@@ -171,12 +200,16 @@ def main(argv: list[str] | None = None) -> None:
             )
         except ValueError as exc:
             sys.exit(f"deadpool detector: {exc}")
-        detector_main(DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas))
+        nkey, _ = _role_files(args, "detector")
+        detector_main(
+            DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas, nkey_file=nkey)
+        )
     elif command == "swapper":
         from deadpool_swapper import SwapperConfig, SwapperServiceConfig
         from deadpool_swapper import main as swapper_main
 
         last_call_s = SwapperConfig.last_call_s if args.last_call_s is None else args.last_call_s
+        nkey, dataplane_key = _role_files(args, "swapper", dataplane=True)
         try:
             swapper_config = SwapperServiceConfig(
                 args.nats,
@@ -184,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                 trace_file=args.trace_file,
                 js_replicas=args.js_replicas,
                 last_call_s=last_call_s,
+                nkey_file=nkey,
+                dataplane_key=dataplane_key,
             )
             SwapperConfig(replication=args.replication, last_call_s=last_call_s)  # checks the values
         except ValueError as exc:
@@ -193,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         from deadpool_store import StoreConfig
         from deadpool_store import main as store_main
 
+        nkey, dataplane_key = _role_files(args, "store", dataplane=True)
         store_main(
             StoreConfig(
                 args.nats,
@@ -204,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
                 nice=args.nice,
                 node=args.node,
                 unsealed_max_s=args.unsealed_max_s,
+                nkey_file=nkey,
+                dataplane_key=dataplane_key,
             )
         )
     elif command == "launch":
@@ -212,6 +250,11 @@ def main(argv: list[str] | None = None) -> None:
         _up(args)
     elif command == "status":
         sys.exit(asyncio.run(_status(args)))
+    elif command == "credentials":
+        from deadpool_cli.nats_auth import write_server_authorization
+
+        conf = write_server_authorization(Path(args.directory))
+        print(f"credentials in {args.directory}; the NATS servers include {conf} (see docs/operations.md)")
     elif command == "demo":
         from deadpool_cli.demo import DemoConfig, run_demo
 
@@ -248,6 +291,7 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool_cli.stack import Stack, StackConfig
     from deadpool_protocol.logs import configure_logging, get_logger
     from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
+    from deadpool_runtime.credentials import nkey_file
     from deadpool_runtime.lifecycle import run_service
 
     configure_logging("launcher")
@@ -285,8 +329,13 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"deadpool launch: {exc}", file=sys.stderr)
             return 2
 
+    launcher_nkey = member_nkey = ""
+    if args.nats:
+        launcher_nkey, _ = _role_files(args, "launcher")
+        member_nkey, _ = _role_files(args, "member")
+
     async def run(stop: asyncio.Event) -> None:
-        async def with_url(url: str) -> None:
+        async def with_url(url: str, launcher_nkey: str, member_nkey: str) -> None:
             config = LaunchConfig(
                 nats_url=url,
                 job=job,
@@ -300,18 +349,21 @@ def _launch(args: argparse.Namespace) -> int:
                 collective_timeout_s=args.collective_timeout_s,
                 extra_env=durable_env,
                 devices=devices,
+                nkey_file=launcher_nkey,
+                member_nkey_file=member_nkey,
             )
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 
         if args.nats:
-            await with_url(args.nats)
+            await with_url(args.nats, launcher_nkey, member_nkey)
         else:
             async with Stack(stack_config) as stack:
                 print(
                     f"deadpool: embedded NATS and services at {stack.url} (logs in {workdir / 'logs'})",
                     flush=True,
                 )
-                await with_url(stack.url)
+                credentials = stack.credentials or ""
+                await with_url(stack.url, nkey_file(credentials, "launcher"), nkey_file(credentials, "member"))
 
     run_service(run)
     return result["code"]
@@ -332,13 +384,22 @@ def _up(args: argparse.Namespace) -> None:
             swappers=args.swappers,
             detectors=args.detectors,
             trace_file=args.trace_file,
+            auth=not args.insecure,
+            credentials=args.credentials if args.nats else "",
         )
         async with Stack(config) as stack:
             print(
                 f"deadpool is up: NATS at {stack.url}; {args.detectors} detector(s), {args.swappers} swapper(s) "
                 f"(one leads), {args.stores} store(s); logs in {workdir / 'logs'}"
             )
-            print(f"  launch jobs with: deadpool launch --nats {stack.url} --nproc N --spares S train.py ...")
+            if stack.credentials:
+                print(
+                    f"  credentials in {stack.credentials}: give a training host launcher.nk and member.nk, "
+                    "and keep the rest to the control plane"
+                )
+            else:
+                print("  no credentials: the bus and the stores are open to anyone who reaches them")
+            print(f"  launch jobs with: deadpool launch {' '.join(stack.nats_args)} --nproc N --spares S train.py ...")
             print("  Ctrl-C stops everything.", flush=True)
             await stop.wait()
 
@@ -353,7 +414,8 @@ async def _status(args: argparse.Namespace) -> int:
     from deadpool_protocol import SWAPPER_STATUS
     from deadpool_runtime import server_urls
 
-    nc = await nats.connect(servers=server_urls(args.nats))
+    nkey, _ = _role_files(args, "admin")
+    nc = await nats.connect(servers=server_urls(args.nats), nkeys_seed=nkey or None)
     try:
         msg = await nc.request(SWAPPER_STATUS, args.job.encode(), timeout=3)
     except (NoRespondersError, NatsTimeoutError):

@@ -52,6 +52,7 @@ class NatsServer:
         cluster_port: int = 0,
         routes: list[int] | None = None,
         cluster_name: str = "deadpool",
+        authorization: str = "",
     ) -> None:
         self.workdir = workdir
         self.host = host
@@ -60,6 +61,8 @@ class NatsServer:
         self.cluster_port = cluster_port
         self.routes = routes or []
         self.cluster_name = cluster_name
+        self.authorization = authorization
+        """An `authorization { ... }` block (`nats_auth.authorization_config`); empty: no auth."""
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -82,8 +85,11 @@ class NatsServer:
                 f"  routes: [{routes}]",
                 "}",
             ]
+        if self.authorization:
+            lines.append(self.authorization)
         path = self.workdir / "nats-server.conf"
         path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o600)
         return path
 
     def start(self) -> str:
@@ -144,7 +150,7 @@ class NatsServer:
 class NatsCluster:
     """`size` servers on loopback joined into one cluster; `url` lists them all, as clients take it."""
 
-    def __init__(self, workdir: Path, size: int = 3, host: str = "127.0.0.1") -> None:
+    def __init__(self, workdir: Path, size: int = 3, host: str = "127.0.0.1", authorization: str = "") -> None:
         if size < 1:
             raise ValueError("a cluster has at least one server")
         ports = [free_port(host) for _ in range(size)]
@@ -157,6 +163,7 @@ class NatsCluster:
                 name=f"n{i}",
                 cluster_port=cluster_ports[i] if size > 1 else 0,
                 routes=[p for j, p in enumerate(cluster_ports) if j != i] if size > 1 else [],
+                authorization=authorization,
             )
             for i in range(size)
         ]

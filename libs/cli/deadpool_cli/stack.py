@@ -19,16 +19,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import nats
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from deadpool_cli.nats_auth import authorization_config, create_credentials
 from deadpool_cli.nats_server import NatsCluster, NatsServer
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import server_urls
+from deadpool_runtime.credentials import nkey_file
 
 __all__ = ["Stack", "StackConfig", "answers_ping"]
 
@@ -57,6 +60,11 @@ class StackConfig:
     trace_file: str = ""
     restart_after_s: float = 0.0
     """Start a service that died again after this long (0: never)."""
+    auth: bool = True
+    """Embedded NATS: generate credentials (`nats_auth`) into `workdir/credentials` and give every
+    component only its role's; stores then take job tokens only. False: an open bus and data plane."""
+    credentials: str = ""
+    """With `nats_url`: the credentials directory of that deployment ('' if its server has no auth)."""
 
     @property
     def js_replicas(self) -> int:
@@ -83,6 +91,8 @@ class Stack:
         self._supervisor: asyncio.Task[None] | None = None
         self.restarts: dict[str, int] = {}
         self.logdir = config.workdir / "logs"
+        self.credentials: Path | None = Path(config.credentials) if config.credentials else None
+        """The credentials directory every component of this stack reads (None: no auth)."""
 
     @property
     def nats(self) -> NatsServer | None:
@@ -93,7 +103,14 @@ class Stack:
         self.logdir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.url:
-                self.cluster = NatsCluster(self.config.workdir / "nats", self.config.nats_nodes)
+                authorization = ""
+                if self.config.auth:
+                    self.credentials = self.config.workdir / "credentials"
+                    create_credentials(self.credentials)
+                    authorization = authorization_config(self.credentials)
+                self.cluster = NatsCluster(
+                    self.config.workdir / "nats", self.config.nats_nodes, authorization=authorization
+                )
                 self.url = self.cluster.start()
             c = self.config
             replicas = ["--js-replicas", str(c.js_replicas)]
@@ -131,9 +148,19 @@ class Stack:
                 await self._supervisor
         self.stop()
 
+    @property
+    def nats_args(self) -> list[str]:
+        """`--nats URL` and, with auth, `--credentials DIR`: what a `deadpool` command needs to join."""
+        return ["--nats", self.url, *(["--credentials", str(self.credentials)] if self.credentials else [])]
+
+    async def connect(self, **options: Any) -> Client:
+        """A NATS client with the admin role (operators, tests, benches)."""
+        seed = nkey_file(self.credentials, "admin") if self.credentials else None
+        return await nats.connect(servers=server_urls(self.url), nkeys_seed=seed, **options)
+
     def _spawn(self, command: str, *args: str, name: str = "") -> None:
         name = name or command
-        self._commands[name] = [sys.executable, "-m", "deadpool_cli", command, "--nats", self.url, *args]
+        self._commands[name] = [sys.executable, "-m", "deadpool_cli", command, *self.nats_args, *args]
         self._start(name)
 
     def _start(self, name: str) -> None:
@@ -191,7 +218,7 @@ class Stack:
                 raise RuntimeError(f"{name} exited with code {process.returncode} while starting:\n{tail}")
 
     async def _wait_ready(self) -> None:
-        nc: Client = await nats.connect(servers=server_urls(self.url))
+        nc = await self.connect()
         try:
             stores_seen: set[str] = set()
 

@@ -11,11 +11,19 @@ loopback ingest to about half the raw socket rate.)
     hook -> store: PutChunk+bytes ... PutChunk+bytes, Seal        store -> hook: Reply
     hook -> store: Fetch                                          store -> hook: FetchReply, bytes...
 
+**Who may read and write.** A store given a data-plane key accepts an upload or a fetch only with the
+job's token, `job_token(key, job)`: an HMAC of the job's name under the key that only the stores and
+the swapper hold. The swapper hands a job's token to the job's members in its answer to their hello,
+over the authenticated bus; so a member can read and write its own job's snapshots and no other's, and
+a stranger none. The token is compared in constant time and never logged.
+
 This module only encodes and decodes; the I/O lives with the hooks and the store.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
@@ -45,6 +53,8 @@ __all__ = [
     "chunk_spans",
     "decode_frame_header",
     "encode_frame",
+    "job_token",
+    "token_matches",
 ]
 
 FRAME_LENGTH = struct.Struct("!I")
@@ -55,8 +65,28 @@ CHUNK_BYTES_MAX = 256 * 1024 * 1024
 """The largest chunk either end accepts."""
 SNAPSHOT_BYTES_MAX = 1 << 40
 """The largest snapshot either end accepts (1 TiB: one rank's state; a store's capacity bounds it further)."""
+TOKEN_BYTES = 32
+"""A job token: HMAC-SHA256."""
+DATAPLANE_KEY_BYTES_MIN = 32
 DATAPLANE_VERSION = 2
 """1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
+
+
+def job_token(key: bytes, job: str) -> bytes:
+    """The token that lets a holder read and write job `job`'s snapshots on stores keyed with `key`."""
+    if len(key) < DATAPLANE_KEY_BYTES_MIN:
+        raise ValueError(f"a data-plane key of {len(key)} bytes (at least {DATAPLANE_KEY_BYTES_MIN})")
+    return hmac.new(key, b"deadpool-job-token\0" + job.encode(), hashlib.sha256).digest()
+
+
+def token_matches(key: bytes, job: str, token: bytes) -> bool:
+    """Whether `token` is job `job`'s under `key` (constant time)."""
+    return hmac.compare_digest(job_token(key, job), token)
+
+
+def _check_token(token: bytes) -> None:
+    if len(token) not in (0, TOKEN_BYTES):
+        raise ProtocolError(f"a token of {len(token)} bytes (a job token has {TOKEN_BYTES})")
 
 
 def chunk_checksum(data: memoryview | bytes | bytearray) -> int:
@@ -132,10 +162,12 @@ class PutChunk(Frame):
     offset: int
     nbytes: int
     total_bytes: int
+    token: bytes = b""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_upload(self.generation, self.member)
+        _check_token(self.token)
         if not 0 < self.total_bytes <= SNAPSHOT_BYTES_MAX:
             raise ProtocolError(f"a snapshot of {self.total_bytes} bytes (allowed: 1 to {SNAPSHOT_BYTES_MAX})")
         if self.nbytes > CHUNK_BYTES_MAX:
@@ -160,10 +192,12 @@ class Seal(Frame):
     chunk_bytes: int
     checksums: list[int]
     meta: bytes
+    token: bytes = b""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_upload(self.generation, self.member)
+        _check_token(self.token)
         _check_manifest(self.total_bytes, self.chunk_bytes, self.checksums)
 
 
@@ -173,9 +207,11 @@ class Fetch(Frame):
     job: str
     rank: int
     step: int
+    token: bytes = b""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
+        _check_token(self.token)
 
 
 @dataclass(frozen=True, slots=True)

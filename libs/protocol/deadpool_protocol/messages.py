@@ -156,6 +156,13 @@ class HelloReply(JobMessage):
     """The job has already ended: a member that arrives late (a respawned spare) simply stops."""
     failed_reason: str = ""
     """Why the swapper ended the job, if it did."""
+    store_token: bytes = b""
+    """The job's data-plane token (`dataplane.job_token`), for an accepted member of a job whose stores
+    check tokens; empty where they do not."""
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(len(self.store_token) in (0, 32), f"a store token of {len(self.store_token)} bytes")
 
 
 @dataclass(frozen=True, slots=True)

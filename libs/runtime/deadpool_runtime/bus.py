@@ -30,9 +30,10 @@ def server_urls(url: str) -> list[str]:
     return servers
 
 
-async def connect(url: str, name: str, log: Any) -> Client:
+async def connect(url: str, name: str, log: Any, nkey_file: str = "") -> Client:
     """Connect to NATS (any server of a comma-separated list); keeps reconnecting for ever, to any of
-    them, if the server goes away (logged)."""
+    them, if the server goes away (logged). With `nkey_file` (a seed file), the connection authenticates
+    as that nkey's user and has the permissions the server gives it."""
 
     async def on_disconnect() -> None:
         log.warning("nats disconnected")
@@ -52,6 +53,7 @@ async def connect(url: str, name: str, log: Any) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
+        nkeys_seed=nkey_file or None,
     )
 
 

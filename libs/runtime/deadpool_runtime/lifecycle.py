@@ -56,14 +56,16 @@ async def stopped_within(stop: asyncio.Event, period_s: float) -> bool:
     return True
 
 
-def run_nats_service(component: str, nats_url: str, client_name: str, body: ServiceBody, **log_keys: Any) -> None:
-    """The whole life of a DeadPool service process: JSON logs, a NATS connection, `body(nc, log, stop)`
-    until a signal, then a drained connection."""
+def run_nats_service(
+    component: str, nats_url: str, client_name: str, body: ServiceBody, nkey_file: str = "", **log_keys: Any
+) -> None:
+    """The whole life of a DeadPool service process: JSON logs, a NATS connection (as the nkey of
+    `nkey_file`, if given), `body(nc, log, stop)` until a signal, then a drained connection."""
     configure_logging(component)
     log = get_logger(**log_keys)
 
     async def main(stop: asyncio.Event) -> None:
-        nc = await connect(nats_url, client_name, log)
+        nc = await connect(nats_url, client_name, log, nkey_file)
         try:
             await body(nc, log, stop)
         finally:

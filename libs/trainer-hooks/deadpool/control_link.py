@@ -110,6 +110,8 @@ class ControlLink:
         self._events: EventPublisher | None = None
         self._refused = ""
         self._registered = False
+        self.store_token = b""
+        """The job's data-plane token, from the swapper's answer to our hello (b'' where stores take none)."""
         self._loop = asyncio.new_event_loop()
         self._nc: Client | None = None
         self._stop: asyncio.Event | None = None
@@ -197,7 +199,9 @@ class ControlLink:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        self._nc = await connect(self.config.nats_url, f"deadpool-member-{self.config.member}", self.log)
+        self._nc = await connect(
+            self.config.nats_url, f"deadpool-member-{self.config.member}", self.log, self.config.nats_nkey
+        )
         self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
@@ -231,6 +235,7 @@ class ControlLink:
             with self._cond:
                 if reply.accepted:
                     self._registered = True
+                    self.store_token = reply.store_token
                 elif reply.finished:  # too late: not an error, the member just has nothing to do
                     self._registered = True
                     failed = bool(reply.failed_reason)

@@ -253,6 +253,7 @@ class Job:
                 t=time.time(),
             )
         )
+        self._worker.store_token = self._link.store_token
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ the public loop

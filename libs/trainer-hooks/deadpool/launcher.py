@@ -47,6 +47,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime import EventPublisher, connect, subscribe_validated
+from deadpool_runtime.credentials import CREDENTIALS_ENV
 
 __all__ = ["LaunchConfig", "Launcher"]
 
@@ -81,6 +82,10 @@ class LaunchConfig:
     """Members send heartbeats to this launcher, which forwards them in one message per period."""
     devices: DevicePlan | None = None
     """Each slot's GPU (`cuda_devices`); None for a CPU job."""
+    nkey_file: str = ""
+    """The launcher role's NATS nkey seed file ('' where the server has no auth)."""
+    member_nkey_file: str = ""
+    """The member role's, handed to this launcher's members (`DEADPOOL_NATS_NKEY`)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
@@ -140,7 +145,9 @@ class Launcher:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Run the children to the end; returns the launcher's exit code (0: the job finished)."""
-        self._nc = await connect(self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log)
+        self._nc = await connect(
+            self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log, self.config.nkey_file
+        )
         self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
@@ -195,6 +202,10 @@ class Launcher:
         member = f"{self.launcher_id}-{self._serial}"
         slot = self._free_slots.pop(0)  # the lowest free: a respawn takes the slot its dead member left
         env = dict(os.environ)
+        env.pop(CREDENTIALS_ENV, None)  # a member gets its own role's credentials, no others
+        env.pop(ENV.NATS_NKEY, None)
+        if self.config.member_nkey_file:
+            env[ENV.NATS_NKEY] = self.config.member_nkey_file
         env.setdefault("OMP_NUM_THREADS", "1")
         if self.config.rendezvous_host.startswith("127."):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from deadpool_protocol.names import host_name, require_name
 from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT
+from deadpool_runtime.credentials import NKEY_ENV
 
 __all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
 
@@ -22,6 +23,8 @@ class NotLaunchedError(RuntimeError):
 class ENV:
     JOB = "DEADPOOL_JOB"
     NATS_URL = "DEADPOOL_NATS_URL"
+    NATS_NKEY = NKEY_ENV
+    """The member role's NATS nkey seed file (where the server has auth)."""
     MEMBER = "DEADPOOL_MEMBER"
     LAUNCHER = "DEADPOOL_LAUNCHER"
     RANK_HINT = "DEADPOOL_RANK_HINT"
@@ -105,6 +108,8 @@ class MemberConfig:
     """Send heartbeats to the launcher, which batches its members' beats (set by `deadpool launch`)."""
     stats_dir: str = ""
     """If set, each member writes its per-step timings there as `<member>.json` when it closes."""
+    nats_nkey: str = ""
+    """The member role's NATS nkey seed file ('' where the server has no auth)."""
 
     def __post_init__(self) -> None:
         require_name(self.job, "job")
@@ -149,6 +154,7 @@ class MemberConfig:
         return cls(
             job=env[ENV.JOB],
             nats_url=env[ENV.NATS_URL],
+            nats_nkey=env.get(ENV.NATS_NKEY, ""),
             member=env[ENV.MEMBER],
             launcher=env.get(ENV.LAUNCHER, ""),
             rank_hint=int(env.get(ENV.RANK_HINT, "-1")),

@@ -446,7 +446,7 @@ class MemberRebuild:
                 got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)
                 return got["buffer"].bytes_view()  # type: ignore[no-any-return]
 
-            connection = StoreConnection(address)
+            connection = StoreConnection(address, token=job._link.store_token)
             try:
                 with job._waits.breakable(self.generation, connection.abort):
                     connection.fetch(command.job, rank, step, destination, command.restore_generation)

@@ -180,6 +180,8 @@ class SnapshotWorker:
         self._captured.set()
         self._cancel_below_generation = 0
         self._connections: dict[str, StoreConnection] = {}
+        self.store_token = b""
+        """The job's data-plane token (set once the swapper accepted this member, before any capture)."""
         self._requests: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
         self._uploads: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
         self._side_stream: Any = None
@@ -478,7 +480,7 @@ class SnapshotWorker:
                 if conn is None or conn.address != address:
                     if conn is not None:
                         conn.close()
-                    conn = self._connections[address.store] = StoreConnection(address)
+                    conn = self._connections[address.store] = StoreConnection(address, token=self.store_token)
             try:
                 conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
                 request.sealed_on.append(address.store)

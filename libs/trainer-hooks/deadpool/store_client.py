@@ -63,8 +63,10 @@ class FetchedSnapshot:
 class StoreConnection:
     """One persistent connection to one store; reconnects on the next call after an error."""
 
-    def __init__(self, address: StoreAddress, timeout_s: float = 30.0) -> None:
+    def __init__(self, address: StoreAddress, timeout_s: float = 30.0, token: bytes = b"") -> None:
         self.address = address
+        self.token = token
+        """The job's data-plane token, from the swapper's answer to this member's hello."""
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._aborted = False
@@ -104,11 +106,22 @@ class StoreConnection:
                 if cancelled():
                     raise SnapshotCancelledError(f"upload of step {key.step} cancelled")
                 chunk = data[offset : offset + nbytes]
-                header = PutChunk(key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, len(data))
+                header = PutChunk(
+                    key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, len(data), self.token
+                )
                 _send_all(sock, [memoryview(encode_frame(header)), chunk])
                 checksums.append(chunk_checksum(chunk))  # while the store drains the socket
             seal = Seal(
-                key.job, key.generation, key.rank, key.member, key.step, len(data), chunk_bytes, checksums, meta
+                key.job,
+                key.generation,
+                key.rank,
+                key.member,
+                key.step,
+                len(data),
+                chunk_bytes,
+                checksums,
+                meta,
+                self.token,
             )
             sock.sendall(encode_frame(seal))
             reply = self._read_frame(sock, Reply)
@@ -138,7 +151,7 @@ class StoreConnection:
         """
         try:
             sock = self._connected()
-            sock.sendall(encode_frame(Fetch(job, rank, step)))
+            sock.sendall(encode_frame(Fetch(job, rank, step, self.token)))
             reply = self._read_frame(sock, FetchReply)
             assert isinstance(reply, FetchReply)
             if not reply.ok:

@@ -75,6 +75,8 @@ class DetectorServiceConfig:
     """At start, exits and error reports this far back are read again (they may have come while the
     detector was down; ones about members already replaced are ignored)."""
     js_replicas: int = 1
+    nkey_file: str = ""
+    """The detector role's NATS nkey seed ('' where the server has no auth)."""
 
 
 class DetectorService:
@@ -268,4 +270,5 @@ def main(config: DetectorServiceConfig) -> None:
         config.nats_url,
         "deadpool-detector",
         lambda nc, log, stop: DetectorService(config, nc, log).run(stop),
+        config.nkey_file,
     )

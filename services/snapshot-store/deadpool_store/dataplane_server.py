@@ -34,6 +34,8 @@ from deadpool_protocol.dataplane import (
     Seal,
     decode_frame_header,
     encode_frame,
+    job_token,
+    token_matches,
 )
 from deadpool_store.memory import SnapshotKey, SnapshotMemory, StoredSnapshot, StoreError
 
@@ -43,6 +45,9 @@ OnSealed = Callable[[StoredSnapshot], Awaitable[None]]
 
 DISCARD_BYTES = 1024 * 1024
 """Scratch space that a refused chunk's bytes are read into and dropped, a piece at a time."""
+REFUSED_KEPT_MAX = 1024
+"""Refused uploads a connection may have open (each waits for its Seal to be answered); past that the
+connection is closed."""
 SEND_PIECE_BYTES = 1024 * 1024
 """A fetch writes at most this much before checking the transport's flow control."""
 
@@ -62,9 +67,16 @@ class ConnectionLimits:
 
 class DataPlaneServer:
     def __init__(
-        self, memory: SnapshotMemory, on_sealed: OnSealed, log: Any, limits: ConnectionLimits | None = None
+        self,
+        memory: SnapshotMemory,
+        on_sealed: OnSealed,
+        log: Any,
+        limits: ConnectionLimits | None = None,
+        key: bytes = b"",
     ) -> None:
         self.memory = memory
+        self.key = key
+        """With a key, every upload and fetch must carry its job's token (`job_token`)."""
         self.on_sealed = on_sealed
         self.log = log
         self.limits = limits or ConnectionLimits()
@@ -88,6 +100,20 @@ class DataPlaneServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    def token_for(self, job: str) -> bytes:
+        """The token this store's own uploads of `job` carry (replication); b'' without a key."""
+        return job_token(self.key, job) if self.key else b""
+
+    def refusal(self, job: str, token: bytes) -> str:
+        """Why a frame of `job` carrying `token` is refused ('' if it is allowed)."""
+        if not self.key:
+            return ""
+        if not token:
+            return "unauthenticated: the frame carries no job token"
+        if not token_matches(self.key, job, token):
+            return f"unauthorised: the token is not job {job}'s"
+        return ""
 
     def admit(self, conn: _Connection) -> str:
         """Register a new connection; returns why it is refused ('' if admitted)."""
@@ -236,9 +262,15 @@ class _Connection(asyncio.BufferedProtocol):
     def _chunk_started(self, chunk: PutChunk) -> None:
         self._chunk = chunk
         try:
+            refused = self.server.refusal(chunk.job, chunk.token)
+            if refused:
+                raise StoreError(refused)
             target = self.server.memory.chunk_target(chunk)
         except StoreError as exc:
-            self._refused.setdefault((chunk.job, chunk.rank, chunk.step), str(exc))
+            key = (chunk.job, chunk.rank, chunk.step)
+            if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
+                raise ProtocolError(f"{REFUSED_KEPT_MAX} refused uploads left unsealed on one connection") from None
+            self._refused.setdefault(key, str(exc))
             self._chunk_left = chunk.nbytes
             self._discard_next()
             return
@@ -294,7 +326,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def _seal(self, seal: Seal) -> None:
         key = (seal.job, seal.rank, seal.step)
-        error = self._refused.pop(key, "")
+        error = self._refused.pop(key, "") or self.server.refusal(seal.job, seal.token)
         snap: StoredSnapshot | None = None
         if not error:
             try:
@@ -310,6 +342,10 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def _fetch(self, fetch: Fetch) -> None:
         try:
+            refused = self.server.refusal(fetch.job, fetch.token)
+            if refused:
+                self.log.warning("fetch refused", peer=self.peer, job=fetch.job, rank=fetch.rank, reason=refused)
+                raise StoreError(refused)
             snap = self.server.memory.get(fetch.job, fetch.rank, fetch.step)
         except StoreError as exc:
             await self._write(encode_frame(FetchReply(False, str(exc), 0, "", 0, 0, [], b"")))

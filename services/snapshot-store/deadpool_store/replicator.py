@@ -33,15 +33,16 @@ class ReplicaRefusedError(RuntimeError):
     """The target store refused the copy (the text is its reason)."""
 
 
-async def push_snapshot(snap: StoredSnapshot, target: StoreAddress) -> None:
-    """Upload `snap` to `target` and wait for its seal. The caller bounds the whole call."""
+async def push_snapshot(snap: StoredSnapshot, target: StoreAddress, token: bytes) -> None:
+    """Upload `snap` to `target` with the job's `token` and wait for its seal. The caller bounds the
+    whole call."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), CONNECT_TIMEOUT_S)
     snap.readers += 1  # a commit freeing the snapshot meanwhile neither cuts this short nor reuses it
     try:
         data = memoryview(snap.data)
         for offset, nbytes in chunk_spans(snap.total_bytes, snap.chunk_bytes):
             header = PutChunk(
-                snap.job, snap.generation, snap.rank, snap.member, snap.step, offset, nbytes, snap.total_bytes
+                snap.job, snap.generation, snap.rank, snap.member, snap.step, offset, nbytes, snap.total_bytes, token
             )
             writer.write(encode_frame(header))
             writer.write(data[offset : offset + nbytes])
@@ -56,6 +57,7 @@ async def push_snapshot(snap: StoredSnapshot, target: StoreAddress) -> None:
             snap.chunk_bytes,
             list(snap.checksums),
             snap.meta,
+            token,
         )
         writer.write(encode_frame(seal))
         await writer.drain()

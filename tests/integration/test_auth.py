@@ -1,0 +1,210 @@
+"""Credentials on by default: the shipped NATS authorization refuses strangers and keeps each role to its
+own subjects; stores serve a job's snapshots only to holders of that job's token, which the swapper
+hands to the job's accepted members."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
+from deadpool_cli.nats_auth import authorization_config, create_credentials
+from deadpool_cli.nats_server import NatsServer
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_protocol import (
+    FenceRequest,
+    HelloReply,
+    MemberHello,
+    Rebuild,
+    StoreAddress,
+    StoreStatus,
+    Subjects,
+    decode,
+    encode,
+)
+from deadpool_protocol.dataplane import job_token
+from deadpool_protocol.messages import Failure, Heartbeat
+from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key
+
+JOB = "secured"
+S = Subjects.for_job(JOB)
+FORGED_REBUILD = Rebuild(
+    JOB, 1 << 40, 1, ["attacker-0"], [], "attacker-0", "127.0.0.1", 1, 0, [], [[]], "", time.time()
+)
+FORGED_FENCE = FenceRequest(JOB, 1, "victim-0", "forged")
+FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, "heartbeat", {}, time.time(), time.time())
+
+
+def heartbeat(member: str) -> Heartbeat:
+    return Heartbeat(JOB, 0, member, 0, 1, 1, False, 0.0, time.time())
+
+
+@pytest.fixture
+def secured_nats(tmp_path: Path) -> Iterator[tuple[NatsServer, Path]]:
+    credentials = tmp_path / "credentials"
+    create_credentials(credentials)
+    server = NatsServer(tmp_path / "nats", authorization=authorization_config(credentials))
+    server.start()
+    yield server, credentials
+    server.stop()
+
+
+async def connect_as(url: str, credentials: Path, role: str, violations: asyncio.Queue[str]) -> Client:
+    async def on_error(exc: Exception) -> None:
+        violations.put_nowait(str(exc))
+
+    return await nats.connect(url, nkeys_seed=nkey_file(credentials, role), error_cb=on_error)
+
+
+async def test_a_client_without_credentials_is_refused(secured_nats: tuple[NatsServer, Path]) -> None:
+    server, _ = secured_nats
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0)
+
+
+FORBIDDEN: list[tuple[str, str, bytes]] = [
+    ("member", S.rebuild, encode(FORGED_REBUILD)),
+    ("member", S.fence("launcher-a"), encode(FORGED_FENCE)),
+    ("member", S.failure, encode(FORGED_FAILURE)),
+    ("member", STORE_STATUS, b"forged"),
+    ("launcher", S.rebuild, encode(FORGED_REBUILD)),
+    ("launcher", S.fence("launcher-b"), encode(FORGED_FENCE)),
+    ("store", S.rebuild, encode(FORGED_REBUILD)),
+    ("detector", S.rebuild, encode(FORGED_REBUILD)),
+    ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
+]
+
+
+async def test_each_role_is_refused_what_is_not_its_to_say(secured_nats: tuple[NatsServer, Path]) -> None:
+    """Forged commands, fences, verdicts and store announcements are dropped by the server; a heartbeat
+    published after them by the same member arrives, so they would have arrived before it."""
+    server, credentials = secured_nats
+    admin = await connect_as(server.url, credentials, "admin", asyncio.Queue())
+    seen: list[str] = []
+    control = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        seen.append(msg.subject)
+        if msg.subject == S.heartbeat:
+            control.set()
+
+    await admin.subscribe("deadpool.>", cb=on_msg)
+    await admin.flush()
+    for role in ("member", "launcher", "store", "detector"):
+        violations: asyncio.Queue[str] = asyncio.Queue()
+        client = await connect_as(server.url, credentials, role, violations)
+        forbidden = [(subject, data) for r, subject, data in FORBIDDEN if r == role]
+        for subject, data in forbidden:
+            await client.publish(subject, data)
+        await client.flush()
+        if role == "member":  # the member's own subject still works, after the refused ones
+            await client.publish(S.heartbeat, encode(heartbeat("m-0")))
+            await client.flush()
+            await asyncio.wait_for(control.wait(), 10)
+        reported = [await asyncio.wait_for(violations.get(), 10) for _ in forbidden]  # the server's -ERR each
+        await client.close()
+        for (subject, _), report in zip(forbidden, reported, strict=True):
+            assert f'permissions violation for publish to "{subject}"' in report, (role, report)
+    await admin.flush()
+    assert seen == [S.heartbeat], seen
+    await admin.close()
+
+
+async def test_only_the_swapper_may_command(secured_nats: tuple[NatsServer, Path]) -> None:
+    server, credentials = secured_nats
+    member = await connect_as(server.url, credentials, "member", asyncio.Queue())
+    rebuilds: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_rebuild(msg: Msg) -> None:
+        await rebuilds.put(msg.data)
+
+    await member.subscribe(S.rebuild, cb=on_rebuild)
+    await member.flush()
+    swapper_violations: asyncio.Queue[str] = asyncio.Queue()
+    swapper = await connect_as(server.url, credentials, "swapper", swapper_violations)
+    await swapper.publish(S.rebuild, encode(FORGED_REBUILD))
+    assert decode(await asyncio.wait_for(rebuilds.get(), 10), Rebuild) == FORGED_REBUILD
+    assert swapper_violations.empty()
+    await swapper.close()
+    await member.close()
+
+
+async def store_address(nc: Client) -> StoreAddress:
+    statuses: asyncio.Queue[StoreStatus] = asyncio.Queue()
+
+    async def on_status(msg: Msg) -> None:
+        await statuses.put(decode(msg.data, StoreStatus))
+
+    sub = await nc.subscribe(STORE_STATUS, cb=on_status)
+    status = await asyncio.wait_for(statuses.get(), 30)
+    await sub.unsubscribe()
+    return StoreAddress(status.store, status.host, status.port)
+
+
+def never() -> bool:
+    return False
+
+
+async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> None:
+    """Through a whole stack with its default credentials: the swapper gives an accepted member its
+    job's token; with it the member stores and fetches its snapshot; without it, with another job's, or
+    with a made-up one, the store refuses both."""
+    config = StackConfig(workdir=tmp_path, stores=1, replication=1)
+    async with Stack(config) as stack:
+        assert stack.credentials is not None
+        key = read_dataplane_key(dataplane_key_file(stack.credentials))
+        admin = await stack.connect()
+        address = await store_address(admin)
+        await admin.close()
+
+        member = await nats.connect(stack.url, nkeys_seed=nkey_file(stack.credentials, "member"))
+        hello = MemberHello(JOB, 0, "m-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29500, time.time())
+        reply = decode((await member.request(S.hello, encode(hello), timeout=30)).data, HelloReply)
+        await member.close()
+        assert reply.accepted, reply.reason
+        assert reply.store_token == job_token(key, JOB)
+
+        data = os.urandom(3 * 1024 * 1024 + 17)
+
+        def upload(job: str, token: bytes) -> None:
+            conn = StoreConnection(address, token=token)
+            try:
+                conn.upload(UploadKey(job, 1, 0, "m-0", 5), memoryview(data), 1024 * 1024, b"layout", never)
+            finally:
+                conn.close()
+
+        def fetch(job: str, token: bytes) -> bytes:
+            got = bytearray()
+
+            def into(_meta: bytes, nbytes: int) -> memoryview:
+                got.extend(bytes(nbytes))
+                return memoryview(got)
+
+            conn = StoreConnection(address, token=token)
+            try:
+                conn.fetch(job, 0, 5, into)
+            finally:
+                conn.close()
+            return bytes(got)
+
+        await asyncio.to_thread(upload, JOB, reply.store_token)
+        assert await asyncio.to_thread(fetch, JOB, reply.store_token) == data
+
+        other = job_token(key, "another-job")
+        for token, why in ((b"", "unauthenticated"), (other, "unauthorised"), (os.urandom(32), "unauthorised")):
+            with pytest.raises(StoreClientError, match=why):
+                await asyncio.to_thread(fetch, JOB, token)
+            with pytest.raises(StoreClientError, match=why):
+                await asyncio.to_thread(upload, JOB, token)
+        with pytest.raises(StoreClientError, match="unauthorised"):  # a member's token opens its own job only
+            await asyncio.to_thread(upload, "another-job-2", reply.store_token)
+        assert await asyncio.to_thread(fetch, JOB, reply.store_token) == data  # untouched by the refused uploads
