@@ -36,7 +36,7 @@ else
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 endif
-	$(BIN)/python -m pip install --quiet -e ".[trainer,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[trainer,plots,dev]"
 	@touch $(STAMP)
 
 clean:

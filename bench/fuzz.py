@@ -10,8 +10,9 @@ was accepted: a non-finite number, a frame beyond the data plane's bounds, a sea
 not match the bytes, bytes served that their manifest does not describe; goal 0). The last line is
 one JSON object.
 
-Forgery here means what the protocol itself can refuse. Who may send what (credentials, per-role
-permissions, an authenticated data plane) is not fuzzed here.
+A forgery is also a data-plane frame let through by a keyed store with a token that is not its job's
+(another job's, one bit off, cut short, made under another key, random). Who may publish what on the
+bus is the NATS server's to enforce; tests/integration/test_auth.py checks each role against it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from tests.unit.fuzz_properties import (
     StoreProtocol,
     check_frame_bytes,
     check_message_bytes,
+    check_token_frame,
     frame_bodies,
     message_bodies,
+    token_frames,
 )
 
 GOALS = {"crashes_max": 0, "accepted_forgeries_max": 0, "cases_min": 100_000}
@@ -110,12 +113,13 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=100_000, help="cases in all (sequences count once)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    share = args.cases // 5
+    share = args.cases // 6
     targets: list[tuple[str, st.SearchStrategy[Any], Callable[[Any], bool]]] = [
         ("messages, random bytes", st.binary(max_size=256), check_message_bytes),
         ("messages, shaped maps", message_bodies(), check_message_bytes),
         ("frames, random bytes", st.binary(max_size=256), check_frame_bytes),
         ("frames, shaped maps", frame_bodies(), check_frame_bytes),
+        ("frames, job tokens", token_frames(), check_token_frame),
     ]
     rows: dict[str, Counter[str]] = {}
     started = time.monotonic()
@@ -125,7 +129,7 @@ def main() -> None:
         total = rows[name]["accepted"] + rows[name]["refused"] + rows[name]["forgeries"] + rows[name]["crashes"]
         print(f"{name:26s} {total:7d} cases  {dict(rows[name])}  {time.monotonic() - t0:.1f} s", flush=True)
     t0 = time.monotonic()
-    machine = stateful(max(1, (args.cases - 4 * share) // 20))
+    machine = stateful(max(1, (args.cases - len(targets) * share) // 20))
     print(f"{'store protocol':26s} {machine['steps']:7d} steps in {machine['sequences']} sequences", end="")
     print(f"  {dict(machine)}  {time.monotonic() - t0:.1f} s", flush=True)
     cases = sum(sum(c.values()) for c in rows.values()) + machine["steps"]

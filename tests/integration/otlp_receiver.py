@@ -1,7 +1,8 @@
-"""A real OTLP/HTTP trace receiver for tests: the protocol a collector speaks, on a loopback port.
+"""A real OTLP/HTTP receiver for tests: the protocol a collector speaks, on a loopback port.
 
-It accepts `POST /v1/traces` with an `ExportTraceServiceRequest` (protobuf, gzip or not), keeps every
-span it received, and answers as a collector does.
+It accepts `POST /v1/traces` with an `ExportTraceServiceRequest` and `POST /v1/metrics` with an
+`ExportMetricsServiceRequest` (protobuf, gzip or not), keeps every span and the (service, metric name)
+of every metric it received, and answers as a collector does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -43,6 +48,8 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.metrics: set[tuple[str, str]] = set()
+        """(service, metric name) of every metric received."""
         self.requests = 0
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
@@ -51,16 +58,24 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length", "0"))
-                if self.path != "/v1/traces" or not 0 < length <= BODY_BYTES_MAX:
-                    self.send_error(404 if self.path != "/v1/traces" else 413)
+                kinds: dict[str, tuple[Any, Any]] = {
+                    "/v1/traces": (ExportTraceServiceRequest, ExportTraceServiceResponse),
+                    "/v1/metrics": (ExportMetricsServiceRequest, ExportMetricsServiceResponse),
+                }
+                if self.path not in kinds or not 0 < length <= BODY_BYTES_MAX:
+                    self.send_error(404 if self.path not in kinds else 413)
                     return
                 body = self.rfile.read(length)
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
-                request = ExportTraceServiceRequest()
+                request_type, response_type = kinds[self.path]
+                request = request_type()
                 request.ParseFromString(body)
-                receiver._take(request)
-                answer = ExportTraceServiceResponse().SerializeToString()
+                if self.path == "/v1/traces":
+                    receiver._take(request)
+                else:
+                    receiver._take_metrics(request)
+                answer = response_type().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(answer)))
@@ -92,6 +107,18 @@ class OtlpReceiver:
                     )
         with self.changed:
             self.spans += spans
+            self.requests += 1
+            self.changed.notify_all()
+
+    def _take_metrics(self, request: Any) -> None:
+        names = set()
+        for resource_metrics in request.resource_metrics:
+            resource = {a.key: _value(a.value) for a in resource_metrics.resource.attributes}
+            for scope_metrics in resource_metrics.scope_metrics:
+                for metric in scope_metrics.metrics:
+                    names.add((str(resource.get("service.name", "")), metric.name))
+        with self.changed:
+            self.metrics |= names
             self.requests += 1
             self.changed.notify_all()
 

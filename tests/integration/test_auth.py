@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
+from deadpool_cli.health import answers_from_host
 from deadpool_cli.nats_auth import authorization_config, create_credentials
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
@@ -208,3 +211,29 @@ async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> 
         with pytest.raises(StoreClientError, match="unauthorised"):  # a member's token opens its own job only
             await asyncio.to_thread(upload, "another-job-2", reply.store_token)
         assert await asyncio.to_thread(fetch, JOB, reply.store_token) == data  # untouched by the refused uploads
+
+        # The services' health check: this host's instance answers its ping, with the service's own role.
+        store_role = await nats.connect(stack.url, nkeys_seed=nkey_file(stack.credentials, "store"))
+        assert await answers_from_host(store_role, "deadpool-store")
+        assert not await answers_from_host(store_role, "deadpool-store", host="another-host", wait_s=0.5)
+        await store_role.close()
+        ping = [sys.executable, "-m", "deadpool_cli", "ping", *stack.nats_args, "--role", "detector"]
+        healthy = await asyncio.create_subprocess_exec(*ping, "deadpool-detector")
+        assert await asyncio.wait_for(healthy.wait(), 60) == 0
+
+        # An operator's view, with the admin credentials `--credentials` names; live until Ctrl-C.
+        status = [sys.executable, "-m", "deadpool_cli", "status", *stack.nats_args, JOB]
+        once = await asyncio.create_subprocess_exec(*status, stdout=asyncio.subprocess.PIPE)
+        out, _ = await asyncio.wait_for(once.communicate(), 60)
+        assert once.returncode == 0 and out.decode().startswith(f"job {JOB}: generation"), out
+        watch = await asyncio.create_subprocess_exec(
+            *status, "--watch", "--interval-s", "0.2", stdout=asyncio.subprocess.PIPE
+        )
+        assert watch.stdout is not None
+        views = 0
+        while views < 2:  # redrawn: the screen is cleared before each view
+            line = await asyncio.wait_for(watch.stdout.readline(), 60)
+            assert line, "status --watch ended by itself"
+            views += line.startswith(b"\x1b[H\x1b[2Jjob " + JOB.encode())
+        watch.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(watch.wait(), 30) == 0

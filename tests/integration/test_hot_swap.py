@@ -4,7 +4,8 @@ finishes, and the final weights and optimizer shards equal an uninterrupted run'
 Runs `deadpool demo` as a real command: nats-server, detector, swapper and two stores as processes,
 `deadpool launch` with 4 ranks and 1 spare (DDP + ZeroRedundancyOptimizer on gloo), a real SIGKILL.
 The recovery's trace goes over OTLP/HTTP, configured by the standard `OTEL_*` variables, to a
-receiver in the test, and forms one trace.
+receiver in the test: one trace, begun by the detector, with spans from the swapper, every member and
+the store the spare restored from, each linked to its parent.
 """
 
 from __future__ import annotations
@@ -34,10 +35,21 @@ def processes_carrying(marker: str) -> list[int]:
     return found
 
 
+MEMBER_SPANS = {"abort", "restore", "rendezvous", "apply", "first_step"}
+
+
 def recovery_traces(spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
-    """trace id -> its spans, for the traces that hold a `recovery` root."""
-    roots = {s.trace_id for s in spans if s.name == "recovery" and not s.parent_span_id}
+    """trace id -> its spans, for the traces begun by a `detect` span."""
+    roots = {s.trace_id for s in spans if s.name == "detect" and not s.parent_span_id}
     return {t: [s for s in spans if s.trace_id == t] for t in roots}
+
+
+def complete(spans: list[ReceivedSpan]) -> bool:
+    """A recovery's trace holds every process's spans (the 4 ranks' first steps, the store's serve)."""
+    return any(
+        sum(s.name == "first_step" for s in trace) >= 4 and any(s.name == "serve_restore" for s in trace)
+        for trace in recovery_traces(spans).values()
+    )
 
 
 def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Path) -> None:
@@ -48,13 +60,15 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
             **os.environ,
             marker.split("=")[0]: marker.split("=")[1],
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
-            "OTEL_SERVICE_NAME": "swapper-under-test",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
             "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_METRIC_EXPORT_INTERVAL": "500",
         }
         run = DemoRun(tmp_path, args, env=env)
         report, context = run.report, run.context()
-        receiver.wait_for(lambda spans: recovery_traces(spans), TRACE_WAIT_S)
+        receiver.wait_for(complete, TRACE_WAIT_S)
         spans = list(receiver.spans)
+        metrics = set(receiver.metrics)  # every process exported its metrics when it stopped, at the latest
     assert run.result.returncode == 0, context
 
     assert report["recovered"] is True, context
@@ -77,11 +91,35 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
     assert report["runs"]["swap"]["finished"] and report["runs"]["reference"]["finished"], context
 
     (trace,) = recovery_traces(spans).values()  # one trace for the one recovery, over OTLP/HTTP
-    (root,) = [s for s in trace if s.name == "recovery"]
-    children = [s for s in trace if s is not root]
-    assert {s.name for s in children} >= {"detect", "decide", "abort", "restore", "rendezvous", "apply", "first_step"}
-    assert all(s.parent_span_id == root.span_id for s in children)
-    assert {s.attributes["incident"] for s in trace} == {root.attributes["incident"]} and root.attributes["incident"]
-    assert root.attributes["rank"] == 2 and root.service == "swapper-under-test"
+    (detect,) = [s for s in trace if s.name == "detect"]
+    (recovery,) = [s for s in trace if s.name == "recovery"]
+    assert detect.service == "deadpool-detector" and detect.attributes["rank"] == 2
+    assert recovery.service == "deadpool-swapper" and recovery.parent_span_id == detect.span_id
+    assert recovery.attributes["rank"] == 2 and recovery.attributes["incident"] == incident["incident_id"]
+    by_service = {
+        "deadpool-swapper": {"decide", "fence"},
+        "deadpool-member": MEMBER_SPANS,
+        "deadpool-store": {"serve_restore"},
+    }
+    for service, names in by_service.items():
+        theirs = [s for s in trace if s.service == service and s is not recovery]
+        assert {s.name for s in theirs} == names, (service, sorted(s.name for s in theirs))
+        assert all(s.parent_span_id == recovery.span_id for s in theirs), service
+    members = [s for s in trace if s.service == "deadpool-member"]
+    assert {s.attributes["rank"] for s in members if s.name == "first_step"} == {0, 1, 2, 3}
+    assert all(s.attributes["incident"] == incident["incident_id"] for s in members)
+    assert all({"job", "generation", "member", "host"} <= set(s.attributes) for s in members)
+    (fetched,) = [s for s in members if s.name == "restore" and s.attributes["source"] == "store"]
+    assert fetched.attributes["rank"] == 2 and fetched.attributes["bytes"] > 0
+
+    assert {
+        ("deadpool-member", "deadpool.step.duration"),
+        ("deadpool-member", "deadpool.hook.stall"),
+        ("deadpool-member", "deadpool.snapshot.bytes"),
+        ("deadpool-swapper", "deadpool.recoveries"),
+        ("deadpool-swapper", "deadpool.recovery.downtime"),
+        ("deadpool-swapper", "deadpool.job.committed_step"),
+        ("deadpool-store", "deadpool.store.memory.used"),
+    } <= metrics, sorted(metrics)
 
     assert processes_carrying(marker) == [], "the demo left processes behind"

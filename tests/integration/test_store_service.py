@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import urllib.request
 
+import pytest
 from nats.aio.client import Client
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
+from deadpool_cli.nats_server import free_port
 from deadpool_protocol import Commit, SnapshotComplete, StoreAddress, StoreStatus, Subjects, decode, encode
 from deadpool_protocol.dataplane import FRAME_LENGTH, PutChunk, Reply, Seal, decode_frame_header, encode_frame
 from deadpool_protocol.subjects import STORE_STATUS
@@ -168,3 +171,21 @@ def _fetch_error(address: StoreAddress, step: int) -> str:
     except StoreClientError as exc:
         return str(exc)
     return ""
+
+
+async def test_a_store_serves_its_memory_metrics_on_a_prometheus_endpoint(
+    nc: Client, spawn_service: SpawnService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+    await start_store(nc, spawn_service)  # it announced itself: its endpoint is up
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            return str(answer.read().decode())
+
+    text = await asyncio.to_thread(scrape)
+    capacity = [line for line in text.splitlines() if line.startswith("deadpool_store_memory_capacity_bytes{")]
+    assert capacity and 'store="s0"' in capacity[0] and float(capacity[0].rsplit(" ", 1)[1]) == 64 * 1024 * 1024
+    assert any(line.startswith("deadpool_store_memory_used_bytes{") for line in text.splitlines()), text[:2000]

@@ -28,6 +28,7 @@ from deadpool_protocol.dataplane import (
     CHUNK_BYTES_MAX,
     DATAPLANE_VERSION,
     SNAPSHOT_BYTES_MAX,
+    Fetch,
     FetchReply,
     PutChunk,
     Seal,
@@ -35,7 +36,9 @@ from deadpool_protocol.dataplane import (
     chunk_spans,
     decode_frame_header,
     encode_frame,
+    job_token,
 )
+from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoreError
 
 __all__ = [
@@ -43,8 +46,10 @@ __all__ = [
     "StoreProtocol",
     "check_frame_bytes",
     "check_message_bytes",
+    "check_token_frame",
     "frame_bodies",
     "message_bodies",
+    "token_frames",
 ]
 
 
@@ -216,6 +221,59 @@ def check_frame_bytes(data: bytes) -> bool:
     if decode_frame_header(encode_frame(frame)[4:]) != frame:
         raise Forgery(f"a {frame.OP} frame changed when encoded again")
     return True
+
+
+TOKEN_KEY = bytes(range(32))
+_KEYED_STORE = DataPlaneServer(SnapshotMemory(1), lambda _snap: None, None, key=TOKEN_KEY)  # type: ignore[arg-type,return-value]
+
+
+@st.composite
+def token_frames(draw: st.DrawFn) -> bytes:
+    """An upload or fetch frame header of some job carrying a token that is that job's, another job's,
+    the job's with a bit flipped or cut short, empty, or random bytes."""
+    job = draw(st.sampled_from(["j", "m0", "job-a", "job-b", "x" * 128]))
+    right = job_token(TOKEN_KEY, job)
+    kind = draw(st.sampled_from(["right", "other", "flipped", "short", "empty", "random", "other-key"]))
+    if kind == "right":
+        token = right
+    elif kind == "other":
+        token = job_token(TOKEN_KEY, draw(st.sampled_from(["j", "m0", "job-a", "job-b"]).filter(lambda o: o != job)))
+    elif kind == "flipped":
+        bit = draw(st.integers(0, 8 * len(right) - 1))
+        token = bytes(b ^ (1 << (bit % 8)) if i == bit // 8 else b for i, b in enumerate(right))
+    elif kind == "short":
+        token = right[: draw(st.integers(0, len(right) - 1))]
+    elif kind == "empty":
+        token = b""
+    elif kind == "other-key":
+        token = job_token(bytes(32), job)
+    else:
+        token = draw(st.binary(min_size=0, max_size=64))
+    op = draw(st.sampled_from(["fetch", "seal", "put_chunk"]))
+    frame: Fetch | Seal | PutChunk
+    if op == "fetch":
+        frame = Fetch(job, 0, 1, token)
+    elif op == "seal":
+        frame = Seal(job, 1, 0, "m0", 1, 8, 8, [0], b"", token)
+    else:
+        frame = PutChunk(job, 1, 0, "m0", 1, 0, 8, 8, token)
+    body = dataclasses.asdict(frame) | {"v": DATAPLANE_VERSION, "op": frame.OP}
+    return bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def check_token_frame(data: bytes) -> bool:
+    """A keyed store lets a frame through only with its job's own token."""
+    try:
+        frame = decode_frame_header(data)
+    except ProtocolError:
+        return False
+    assert isinstance(frame, Fetch | Seal | PutChunk)
+    refused = _KEYED_STORE.refusal(frame.job, frame.token)
+    if not refused and frame.token != job_token(TOKEN_KEY, frame.job):
+        raise Forgery(f"a {frame.OP} of job {frame.job} with a token not its own was let through")
+    if refused and frame.token == job_token(TOKEN_KEY, frame.job):
+        raise AssertionError(f"a {frame.OP} with its job's own token was refused: {refused}")
+    return not refused
 
 
 class StoreProtocol(RuleBasedStateMachine):

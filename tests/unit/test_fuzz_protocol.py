@@ -12,8 +12,10 @@ from tests.unit.fuzz_properties import (
     StoreProtocol,
     check_frame_bytes,
     check_message_bytes,
+    check_token_frame,
     frame_bodies,
     message_bodies,
+    token_frames,
 )
 
 CI = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,6 +43,12 @@ def test_random_bytes_are_refused_as_a_frame_header_or_decode_to_a_bounded_one(d
 @given(frame_bodies())
 def test_maps_shaped_like_frames_are_refused_or_decode_to_bounded_ones(data: bytes) -> None:
     check_frame_bytes(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(token_frames())
+def test_a_keyed_store_lets_through_only_frames_with_their_jobs_own_token(data: bytes) -> None:
+    check_token_frame(data)
 
 
 TestStoreProtocol = StoreProtocol.TestCase

@@ -141,13 +141,13 @@ async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: st
 
 
 async def _train(
-    nc: Any, nats_args: list[str], cfg: DemoConfig, job: str, spares: int, out: Path, kill: bool, log_path: Path
+    nc: Any, stack: Stack, cfg: DemoConfig, job: str, spares: int, out: Path, kill: bool, log_path: Path
 ) -> RunResult:
     watch = JobWatch(nc, job, get_logger(job=job))
     await watch.start()
     stats_dir = out.with_name(f"{out.name}-stats")  # every member's step times, written as it ends
     script = cfg.script or str(default_script())
-    launch = ["launch", *nats_args, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
+    launch = ["launch", *stack.nats_args, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     launch += ["--gpus", cfg.gpus if cfg.device == "cuda" else "none"]
     train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
@@ -157,7 +157,12 @@ async def _train(
     command = [sys.executable, "-m", "deadpool_cli", *launch, script, *train]
     started = time.time()
     with open(log_path, "wb") as log:
-        env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1" if kill else "0", "DEADPOOL_STATS_DIR": str(stats_dir)}
+        env = {
+            **os.environ,
+            **stack.trace_env,  # the members' spans go where the services' do
+            "DEADPOOL_FAULT_INJECTION": "1" if kill else "0",
+            "DEADPOOL_STATS_DIR": str(stats_dir),
+        }
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env)
     killer = (
         asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
@@ -201,6 +206,7 @@ def incident_report(incident: Incident, kill: Kill | None) -> dict[str, Any]:
     fault_t = kill.t if kill is not None and killed else incident.t_fault
     phases = {"exit": max(0.0, incident.t_fault - fault_t), **incident.phases}
     return {
+        "incident_id": incident.incident_id,
         "rank": incident.rank,
         "reason": incident.reason,
         "member": incident.member,
@@ -320,7 +326,24 @@ def _print_summary(report: dict[str, Any]) -> None:
         )
         for diff in report["differences"][:5]:
             w(f"    {diff}")
+    if report["timeline"]:
+        w(f"  timeline of the recovery: {report['timeline']}")
     w(f"  recovered: {report['recovered']}    logs and traces: {report['run_dir']}")
+
+
+def _timeline(trace_file: Path, out: Path) -> str:
+    """Draw the last recovery of the demo's trace file; its path, or '' (spans went to an OTLP endpoint
+    instead, or no recovery was traced)."""
+    from deadpool_cli.timeline import draw, pick_trace, read_spans
+
+    if not trace_file.exists():
+        return ""
+    try:
+        draw(pick_trace(read_spans(trace_file)), out)
+    except (LookupError, ValueError, OSError) as exc:
+        print(f"  no timeline: {exc}", flush=True)
+        return ""
+    return str(out)
 
 
 async def run_demo(cfg: DemoConfig) -> int:
@@ -346,7 +369,7 @@ async def run_demo(cfg: DemoConfig) -> int:
             )
             swap = await _train(
                 nc,
-                stack.nats_args,
+                stack,
                 cfg,
                 f"demo-swap-{token}",
                 cfg.spares,
@@ -359,7 +382,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 print("run 2: the same training without a failure, for reference ...", flush=True)
                 ref = await _train(
                     nc,
-                    stack.nats_args,
+                    stack,
                     cfg,
                     f"demo-ref-{token}",
                     0,
@@ -420,6 +443,7 @@ async def run_demo(cfg: DemoConfig) -> int:
             },
         },
         "run_dir": str(run_dir),
+        "timeline": _timeline(run_dir / "traces.jsonl", run_dir / "timeline.png"),
         "time_lost_s": None,  # how much longer than the reference run (None without one)
         "time_lost_span": None,
     }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import secrets
 import sys
@@ -86,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--detectors", type=int, default=2, help="detector instances (each watches everything)")
     up.add_argument("--nats-nodes", type=int, default=1, help="embedded NATS servers: 1, or 3 for a cluster")
     up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
-    up.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+    up.add_argument(
+        "--trace-file", default="", help="incident traces as JSON lines (default: WORKDIR/traces.jsonl; OTEL_* wins)"
+    )
     up.add_argument(
         "--insecure",
         action="store_true",
@@ -169,6 +170,22 @@ def _parser() -> argparse.ArgumentParser:
         "--unsealed-max-s", type=float, default=60.0, help="an upload not sealed within this long is freed"
     )
 
+    ping = sub.add_parser("ping", help="health check: exit 0 if this host's instance of SERVICE answers its ping")
+    _add_nats(ping)
+    ping.add_argument("service", choices=["deadpool-detector", "deadpool-swapper", "deadpool-store"])
+    ping.add_argument("--role", default="admin", help="whose credentials to ping with (a container has its own only)")
+
+    timeline = sub.add_parser("timeline", help="draw one recovery (processes by phases) from a trace file")
+    timeline.add_argument(
+        "--trace-file",
+        default=os.environ.get("DEADPOOL_TRACE_FILE", ""),
+        help="the JSON-lines spans (default: $DEADPOOL_TRACE_FILE; the demo's is RUN_DIR/traces.jsonl)",
+    )
+    chosen = timeline.add_mutually_exclusive_group()
+    chosen.add_argument("--incident", default="", help="the incident's id (as `deadpool status` shows it)")
+    chosen.add_argument("--last", action="store_true", help="the last recovery in the file (the default)")
+    timeline.add_argument("-o", "--output", required=True, help="FILE.png or FILE.html")
+
     credentials = sub.add_parser(
         "credentials",
         help="create a deployment's credentials: an nkey per role, the data-plane key, and nats-auth.conf",
@@ -179,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_nats(status)
     status.add_argument("job")
     status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", action="store_true", help="refresh a live view until Ctrl-C")
+    status.add_argument("--interval-s", type=float, default=1.0, help="with --watch: seconds between refreshes")
     return parser
 
 
@@ -249,7 +268,22 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "up":
         _up(args)
     elif command == "status":
-        sys.exit(asyncio.run(_status(args)))
+        try:
+            sys.exit(asyncio.run(_status(args)))
+        except KeyboardInterrupt:  # the way out of --watch
+            sys.exit(0)
+    elif command == "ping":
+        sys.exit(asyncio.run(_ping(args)))
+    elif command == "timeline":
+        from deadpool_cli.timeline import draw, pick_trace, read_spans
+
+        if not args.trace_file:
+            sys.exit("deadpool timeline: no trace file (--trace-file, or set DEADPOOL_TRACE_FILE)")
+        try:
+            draw(pick_trace(read_spans(Path(args.trace_file)), args.incident), Path(args.output))
+        except (OSError, LookupError, ValueError) as exc:
+            sys.exit(f"deadpool timeline: {exc}")
+        print(f"timeline written to {args.output}")
     elif command == "credentials":
         from deadpool_cli.nats_auth import write_server_authorization
 
@@ -297,18 +331,18 @@ def _launch(args: argparse.Namespace) -> int:
     configure_logging("launcher")
     name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
     job = args.job or f"{name.replace('.', '_')}-{secrets.token_hex(3)}"
-    durable_env: dict[str, str] = {}
+    member_env: dict[str, str] = {}
     if args.durable_dir:
-        durable_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
-        durable_env[ENV.DURABLE_EVERY_STEPS] = str(args.durable_every_steps)
-        durable_env[ENV.DURABLE_KEEP] = str(args.durable_keep)
-        durable_env[ENV.DURABLE_EVERY_S] = str(args.durable_every_s)
-        durable_env[ENV.DURABLE_GRID_STEPS] = str(args.durable_grid_steps)
+        member_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
+        member_env[ENV.DURABLE_EVERY_STEPS] = str(args.durable_every_steps)
+        member_env[ENV.DURABLE_KEEP] = str(args.durable_keep)
+        member_env[ENV.DURABLE_EVERY_S] = str(args.durable_every_s)
+        member_env[ENV.DURABLE_GRID_STEPS] = str(args.durable_grid_steps)
     if args.resume_from:
         if not Path(args.resume_from).is_dir():
             print(f"deadpool launch: --resume-from {args.resume_from}: no such directory", file=sys.stderr)
             return 2
-        durable_env[ENV.RESUME_FROM] = str(Path(args.resume_from).resolve())
+        member_env[ENV.RESUME_FROM] = str(Path(args.resume_from).resolve())
     try:
         devices = plan_devices(args.gpus, args.nproc, args.spares, detect_devices())
     except ValueError as exc:
@@ -316,7 +350,7 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     result = {"code": 1}
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-")) if not args.nats else Path()
-    stack_config = StackConfig(workdir=workdir)
+    stack_config = StackConfig(workdir=workdir, trace_file=str(workdir / "traces.jsonl") if not args.nats else "")
     if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
         try:
             TimeoutHierarchy(
@@ -347,7 +381,7 @@ def _launch(args: argparse.Namespace) -> int:
                 rendezvous_host=args.rendezvous_host,
                 respawns=args.respawns,
                 collective_timeout_s=args.collective_timeout_s,
-                extra_env=durable_env,
+                extra_env=member_env,
                 devices=devices,
                 nkey_file=launcher_nkey,
                 member_nkey_file=member_nkey,
@@ -363,6 +397,7 @@ def _launch(args: argparse.Namespace) -> int:
                     flush=True,
                 )
                 credentials = stack.credentials or ""
+                member_env.update(stack.trace_env)  # the members' spans go where the services' do
                 await with_url(stack.url, nkey_file(credentials, "launcher"), nkey_file(credentials, "member"))
 
     run_service(run)
@@ -383,7 +418,7 @@ def _up(args: argparse.Namespace) -> None:
             stores=args.stores,
             swappers=args.swappers,
             detectors=args.detectors,
-            trace_file=args.trace_file,
+            trace_file=args.trace_file or str(workdir / "traces.jsonl"),
             auth=not args.insecure,
             credentials=args.credentials if args.nats else "",
         )
@@ -406,56 +441,38 @@ def _up(args: argparse.Namespace) -> None:
     run_service(run)
 
 
+async def _ping(args: argparse.Namespace) -> int:
+    import nats
+
+    from deadpool_cli.health import answers_from_host
+    from deadpool_runtime import server_urls
+
+    nkey, _ = _role_files(args, args.role)
+    try:
+        nc = await nats.connect(
+            servers=server_urls(args.nats), nkeys_seed=nkey or None, allow_reconnect=False, connect_timeout=2
+        )
+    except Exception as exc:  # no server, refused credentials: unhealthy, and why
+        print(f"deadpool ping: cannot connect to {args.nats}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if await answers_from_host(nc, args.service):
+            return 0
+        print(f"deadpool ping: no {args.service} on this host answered", file=sys.stderr)
+        return 1
+    finally:
+        await nc.close()
+
+
 async def _status(args: argparse.Namespace) -> int:
     import nats
-    from nats.errors import NoRespondersError
-    from nats.errors import TimeoutError as NatsTimeoutError
 
-    from deadpool_protocol import SWAPPER_STATUS
+    from deadpool_cli.status_view import show_status
     from deadpool_runtime import server_urls
 
     nkey, _ = _role_files(args, "admin")
     nc = await nats.connect(servers=server_urls(args.nats), nkeys_seed=nkey or None)
     try:
-        msg = await nc.request(SWAPPER_STATUS, args.job.encode(), timeout=3)
-    except (NoRespondersError, NatsTimeoutError):
-        print("no swapper answered on", args.nats, file=sys.stderr)
-        return 2
+        return await show_status(nc, args.job, as_json=args.json, watch_s=args.interval_s if args.watch else 0.0)
     finally:
         await nc.close()
-    if msg.headers and msg.headers.get("Nats-Service-Error"):
-        print(msg.headers["Nats-Service-Error"], file=sys.stderr)
-        return 1
-    state = json.loads(msg.data)
-    if args.json:
-        print(json.dumps(state, indent=2))
-        return 0
-    ended = f", ended: {state['failed_reason']}" if state.get("failed_reason") else ""
-    print(
-        f"job {state['job']}: generation {state['generation']}, world size {state['world_size']}, "
-        f"committed step {state['committed_step']}{', finished' if state['finished'] and not ended else ''}{ended}"
-    )
-    print(f"  swapper leader: {state.get('leader', '?')}")
-    for rank, member in enumerate(state["ranks"]):
-        info = state["members"].get(member, {})
-        print(f"  rank {rank}: {member} (host {info.get('host', '?')}, pid {info.get('pid', '?')})")
-    print(f"  spares: {', '.join(state['spares']) or 'none'}")
-    lag, short = state.get("commit_lag_steps", 0), state.get("replicas_short", 0)
-    print(f"  commit lag: {lag} step(s) stored past the committed one; ranks short of replicas: {short}")
-    placement = state.get("placement", [])
-    for store in state["stores"]:
-        ranks = [r for r, names in enumerate(placement) if store["store"] in names]
-        used, capacity = store.get("used_bytes", 0), store.get("capacity_bytes", 0)
-        print(
-            f"  store {store['store']} ({store.get('node') or store['host']}:{store['port']}): "
-            f"{used / 2**20:.1f} of {capacity / 2**20:.0f} MiB, {store.get('snapshots', 0)} snapshot(s), "
-            f"{store.get('unsealed', 0)} upload(s) open, ranks {ranks}"
-        )
-    if not state["stores"]:
-        print("  stores: none alive")
-    for inc in state["incidents"]:
-        print(
-            f"  incident {inc['incident_id']}: rank {inc['rank']} {inc['reason']}, downtime {inc['downtime_s']:.3f} s, "
-            f"lost {inc['lost_steps']} step(s)"
-        )
-    return 0

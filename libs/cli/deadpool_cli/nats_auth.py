@@ -34,6 +34,8 @@ _ANY = Subjects.any_job()
 _REPLIES = "_INBOX.>"
 _JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
 _SERVICE = "$SRV.>"
+_PING = "$SRV.PING.>"
+"""A service's own health check (`deadpool ping`) pings it with the service's credentials."""
 _FENCE = f"{PREFIX}.*.launcher.*.fence"
 _TO_LAUNCHER = f"{PREFIX}.*.launcher.*.heartbeat"
 _REPLICATE = f"{PREFIX}.store.*.replicate"
@@ -54,15 +56,16 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             _REPLICATE,
             *_JETSTREAM,
             "$KV.>",
+            _PING,
         ],
         "subscribe": [">"],
     },
     "detector": {
-        "publish": [_ANY.failure, _ANY.straggler, _ANY.group_broken, *_JETSTREAM],
+        "publish": [_ANY.failure, _ANY.straggler, _ANY.group_broken, *_JETSTREAM, _PING],
         "subscribe": [">"],
     },
     "store": {
-        "publish": [STORE_STATUS, _ANY.snapshot_complete],
+        "publish": [STORE_STATUS, _ANY.snapshot_complete, _PING],
         "subscribe": [_ANY.commit, _STORE_OWN, _SERVICE, _REPLIES],
     },
     "launcher": {

@@ -32,6 +32,7 @@ from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import server_urls
 from deadpool_runtime.credentials import nkey_file
+from deadpool_runtime.tracing import TRACE_FILE_ENV
 
 __all__ = ["Stack", "StackConfig", "answers_ping"]
 
@@ -149,6 +150,11 @@ class Stack:
         self.stop()
 
     @property
+    def trace_env(self) -> dict[str, str]:
+        """The environment that sends a process's spans to this stack's trace file (if it has one)."""
+        return {TRACE_FILE_ENV: self.config.trace_file} if self.config.trace_file else {}
+
+    @property
     def nats_args(self) -> list[str]:
         """`--nats URL` and, with auth, `--credentials DIR`: what a `deadpool` command needs to join."""
         return ["--nats", self.url, *(["--credentials", str(self.credentials)] if self.credentials else [])]
@@ -170,7 +176,7 @@ class Stack:
                 self._commands[name],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.trace_env},
             )
 
     def names(self, kind: str) -> list[str]:

@@ -208,10 +208,14 @@ class Fetch(Frame):
     rank: int
     step: int
     token: bytes = b""
+    traceparent: str = ""
+    """The restoring member's trace context: the store's `serve_restore` span goes under it."""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_token(self.token)
+        if len(self.traceparent) > 128:
+            raise ProtocolError(f"a traceparent of {len(self.traceparent)} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,6 +112,15 @@ class JobMessage(Message):
         _need(self.generation >= 0, f"generation {self.generation} is negative")
 
 
+TRACEPARENT_CHARS_MAX = 128
+
+
+def _check_traceparent(traceparent: str) -> None:
+    """A trace context is short (a W3C traceparent has 55 characters); its content is the tracer's to
+    parse, which starts a new trace for a malformed one."""
+    _need(len(traceparent) <= TRACEPARENT_CHARS_MAX, f"a traceparent of {len(traceparent)} characters")
+
+
 def _check_rank(rank: int) -> None:
     _need(rank >= NO_RANK, f"rank {rank} is below {NO_RANK}")
 
@@ -345,12 +354,15 @@ class Failure(JobMessage):
     t_fault: float
     """Best estimate of when the fault happened (exit time, last heartbeat, error time)."""
     t_detected: float
+    traceparent: str = ""
+    """The W3C trace context of the detector's `detect` span: the incident's trace starts there."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
+        _check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,11 +423,15 @@ class Rebuild(JobMessage):
     durable: bool = False
     """No RAM copy is left: restore from the durable tier, the newest step every rank has intact
     (the ranks agree on it; `restore_step` is NO_STEP)."""
+    traceparent: str = ""
+    """The trace context of the swapper's `recovery` span of the (first) incident this rebuild answers:
+    members and stores put their spans under it."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(self.generation >= 1, "a rebuild names generation 1 or later")
         _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
+        _check_traceparent(self.traceparent)
         _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
         _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
         _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
@@ -615,6 +631,8 @@ class Incident(JobMessage):
     evidence: dict[str, str] = field(default_factory=dict)
     t_first_step: float = 0.0
     """Every rank completed its first step after the fault (0: not known, see `downtime_s`)."""
+    traceparent: str = ""
+    """The trace context of the failure that opened the incident (the detector's `detect` span)."""
 
     @property
     def detect_s(self) -> float:
@@ -625,6 +643,10 @@ class Incident(JobMessage):
         """The recovery as a user feels it: from the fault to the first step completed by every rank
         after it (to every rank's ack where that step was not heard of in time)."""
         return (self.t_first_step or self.t_resumed) - self.t_fault
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.member_config import MemberConfig
 from deadpool.thread_probe import probe_thread
 from deadpool_protocol import (
@@ -194,6 +195,7 @@ class ControlLink:
     # ------------------------------------------------------------ the control thread
 
     def _run(self) -> None:
+        pin_this_thread(cpus_from_env(BACKGROUND_CPUS_ENV))
         asyncio.set_event_loop(self._loop)
         self._loop.run_until_complete(self._main())
 

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from deadpool.control_link import Command, ControlLink
+from deadpool.cpu_placement import TRAIN_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.ddp_check import BucketRebuildError, check_wrapped, find_ddp
 from deadpool.durable_tier import DurableWriter
 from deadpool.failure_origin import is_collective_error
@@ -86,6 +87,8 @@ from deadpool_protocol import (
     StepResumed,
     StoreAddress,
 )
+from deadpool_runtime.metrics import Metrics
+from deadpool_runtime.tracing import Tracing
 
 __all__ = [
     "BucketRebuildError",
@@ -153,6 +156,7 @@ class Job:
         log: Any,
         state: dict[str, Any] | None = None,
     ) -> None:
+        pin_this_thread(cpus_from_env(TRAIN_CPUS_ENV))  # the training thread (the threads it starts follow)
         self._own_optimizer = _own_optimizer(module, optimizer)
         """The user's optimizer, kept for the whole run, when one was given rather than a factory."""
         self.module = module
@@ -186,6 +190,12 @@ class Job:
         """A step began (at the top of the loop) and has not ended yet."""
         self._first_step_pending = False
         """The next step is this member's first of its generation (set by each rebuild)."""
+        self._tracing = Tracing("deadpool-member")
+        """Off unless an exporter or `DEADPOOL_TRACE_FILE` is configured (`deadpool_runtime.tracing`)."""
+        self._metrics = Metrics("deadpool-member")
+        """Off unless an exporter is configured (`deadpool_runtime.metrics`)."""
+        self._first_step_trace: tuple[str, float, dict[str, Any]] | None = None
+        """(parent context, ready time, attributes) of the `first_step` span a recovery still owes."""
         self._restores = 0
         """Rebuilds that restored state (`iterate` starts its loader over after each)."""
         self._hooked_optimizer: torch.optim.Optimizer | None = None
@@ -210,6 +220,8 @@ class Job:
         self._group = GenerationGroup(retire_s=config.pg_timeout_s + GROUP_RETIRE_MARGIN_S)
         self.stats = StepStats()
         """Per-step wall time and time spent in the hooks (written to `DEADPOOL_STATS_DIR` at close)."""
+        if self._metrics.on:
+            self.stats.listener = self._step_metrics()
         durable = (
             DurableWriter(
                 config.durable_dir,
@@ -356,6 +368,23 @@ class Job:
         finally:
             self._link.progress = replace(self._link.progress, section="")
 
+    def _step_metrics(self) -> Callable[[dict[str, Any]], None]:
+        meter = self._metrics.meter
+        duration = meter.create_histogram("deadpool.step.duration", unit="s", description="one training step")
+        stall = meter.create_histogram(
+            "deadpool.hook.stall", unit="s", description="the training thread's time inside DeadPool, per step"
+        )
+        captured = meter.create_counter("deadpool.snapshot.bytes", unit="By", description="snapshot bytes captured")
+
+        def record(step: dict[str, Any]) -> None:
+            attrs: dict[str, str | int] = {"job": self.config.job, "rank": -1 if self.rank is None else self.rank}
+            duration.record(step["step_s"], attrs)
+            stall.record(step["stall_s"], attrs)
+            if step["captured"]:
+                captured.add(self.stats.snapshot_bytes, attrs)
+
+        return record
+
     def close(self) -> None:
         """Release wrappers, the process group and the background threads (also runs at exit)."""
         if self._closed:
@@ -385,6 +414,8 @@ class Job:
             }
             self.stats.write(self.config.stats_dir, self.config.member, extra)
         self._link.close()
+        self._tracing.shutdown()
+        self._metrics.shutdown()
 
     # ------------------------------------------------------------------ joining and finishing
 
@@ -525,6 +556,10 @@ class Job:
             raise
         if self._first_step_pending and self.rank is not None:  # a recovery ends here, as a user feels it
             resumed = StepResumed(self.config.job, self.generation, self.config.member, self.rank, step, time.time())
+            if self._first_step_trace is not None:
+                parent, ready_t, attrs = self._first_step_trace
+                self._tracing.record("first_step", parent, ready_t, resumed.t_completed, attrs | {"step": step})
+                self._first_step_trace = None
             self._link.publish_event(self._link.subjects.step_resumed, resumed)
         self._first_step_pending = False
         section = self._link.progress.section

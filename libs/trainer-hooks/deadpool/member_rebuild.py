@@ -383,6 +383,29 @@ class MemberRebuild:
             took_s=round(self.marks["ready"] - self.marks["begin"], 4),
             marks={k: round(v - command.t_decided, 4) for k, v in self.marks.items()},
         )
+        self._trace()
+
+    def _trace(self) -> None:
+        """This member's spans of the incident the rebuild answers, under the swapper's `recovery`."""
+        job, command, marks = self.job, self.command, self.marks
+        if not command.traceparent or not job._tracing.on:
+            return
+        attrs: dict[str, Any] = {
+            "job": command.job,
+            "generation": self.generation,
+            "rank": self.rank,
+            "member": job.config.member,
+            "host": job.config.host,
+            "incident": command.incident,
+        }
+        parent = command.traceparent
+        if "out" in marks:
+            job._tracing.record("abort", parent, marks.get("received", marks["out"]), marks["out"], attrs)
+        restored = {"source": self.source, "bytes": self.snapshot.layout.total_bytes if self.snapshot else 0}
+        job._tracing.record("restore", parent, marks["begin"], marks["restored"], attrs | restored)
+        job._tracing.record("rendezvous", parent, marks["restored"], marks.get("rendezvous", marks["restored"]), attrs)
+        job._tracing.record("apply", parent, marks.get("rendezvous", marks["restored"]), marks["ready"], attrs)
+        job._first_step_trace = (parent, marks["ready"], attrs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -449,7 +472,9 @@ class MemberRebuild:
             connection = StoreConnection(address, token=job._link.store_token)
             try:
                 with job._waits.breakable(self.generation, connection.abort):
-                    connection.fetch(command.job, rank, step, destination, command.restore_generation)
+                    connection.fetch(
+                        command.job, rank, step, destination, command.restore_generation, command.traceparent
+                    )
                 self.log.info("snapshot fetched", store=address.store, step=step, skipped=errors)
                 return got["buffer"], got["meta"], "store"
             except (StoreClientError, ValueError) as exc:

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.durable_tier import DurableWriter
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
@@ -384,6 +385,7 @@ class SnapshotWorker:
     # ------------------------------------------------------------ snapshot thread
 
     def _copy_loop(self) -> None:
+        pin_this_thread(cpus_from_env(BACKGROUND_CPUS_ENV))
         while True:
             request = self._requests.get()
             if request is None:
@@ -406,6 +408,7 @@ class SnapshotWorker:
             self._uploads.put(request)
 
     def _stream_loop(self) -> None:
+        pin_this_thread(cpus_from_env(BACKGROUND_CPUS_ENV))
         if self.stream_nice > 0:
             try:
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.stream_nice)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,22 +26,26 @@ class StepStats:
     steps: list[dict[str, Any]] = field(default_factory=list)
     snapshot_bytes: int = 0
     snapshot_bytes_whole: int = 0
+    listener: Callable[[dict[str, Any]], None] | None = None
+    """Told of every step's record as it is made (the member's metrics)."""
     _current: dict[str, Any] | None = None
 
     def started(self, step: int, generation: int) -> None:
         now = time.perf_counter()
-        if self._current is not None and self._current.get("done") and len(self.steps) < STEPS_KEPT_MAX:
+        if self._current is not None and self._current.get("done"):
             current = self._current
-            self.steps.append(
-                {
-                    "step": current["step"],
-                    "generation": current["generation"],
-                    "step_s": now - current["t"],
-                    "t_completed": current["t_completed"],
-                    "stall_s": current["stall_s"],
-                    "captured": current["captured"],
-                }
-            )
+            record = {
+                "step": current["step"],
+                "generation": current["generation"],
+                "step_s": now - current["t"],
+                "t_completed": current["t_completed"],
+                "stall_s": current["stall_s"],
+                "captured": current["captured"],
+            }
+            if len(self.steps) < STEPS_KEPT_MAX:
+                self.steps.append(record)
+            if self.listener is not None:
+                self.listener(record)
         self._current = {"step": step, "generation": generation, "t": now, "stall_s": 0.0, "captured": False}
 
     def stalled(self, seconds: float) -> None:

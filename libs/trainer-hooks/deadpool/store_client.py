@@ -141,6 +141,7 @@ class StoreConnection:
         step: int,
         destination: Callable[[bytes, int], memoryview],
         generation: int = 0,
+        traceparent: str = "",
     ) -> FetchedSnapshot:
         """Fetch (job, rank, step). `destination(meta, total_bytes)` returns the buffer to fill (and
         may raise StoreClientError to refuse the snapshot before any byte of it is received).
@@ -151,7 +152,7 @@ class StoreConnection:
         """
         try:
             sock = self._connected()
-            sock.sendall(encode_frame(Fetch(job, rank, step, self.token)))
+            sock.sendall(encode_frame(Fetch(job, rank, step, self.token, traceparent)))
             reply = self._read_frame(sock, FetchReply)
             assert isinstance(reply, FetchReply)
             if not reply.ok:

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import statistics
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import nats.errors
@@ -53,6 +56,7 @@ from deadpool_runtime import (
     stopped_within,
     subscribe_validated,
 )
+from deadpool_runtime.tracing import Tracing
 
 __all__ = ["DetectorServiceConfig", "main"]
 
@@ -62,6 +66,8 @@ REVIEW_PERIOD_S = 1.0
 START_RETRY_S = 0.5
 REFUSALS_LOGGED_MAX = 10_000
 """Distinct refused heartbeats logged (then refusals go unlogged, not the detector's memory)."""
+TRACES_KEPT = 10_000
+"""Failures whose trace context is remembered, for when they are published again."""
 KV_KEYS_TIMEOUT_S = 5.0
 KV_GET_TIMEOUT_S = 2.0
 
@@ -77,6 +83,8 @@ class DetectorServiceConfig:
     js_replicas: int = 1
     nkey_file: str = ""
     """The detector role's NATS nkey seed ('' where the server has no auth)."""
+    trace_file: str = ""
+    """JSON-lines spans when no OTLP endpoint is configured (default: `DEADPOOL_TRACE_FILE`)."""
 
 
 class DetectorService:
@@ -91,6 +99,9 @@ class DetectorService:
         self._stalls_logged: dict[str, list[str]] = {}
         self._last_review = 0.0
         self._refusals_logged: set[tuple[str, str, str]] = set()
+        self.tracing = Tracing("deadpool-detector", config.trace_file)
+        self._traces: OrderedDict[tuple[str, str, int], str] = OrderedDict()
+        """(job, member, generation) -> the trace its failure started (a failure published again joins it)."""
 
     async def _check(self) -> None:
         """One pass: verdicts, unless the detector itself just missed time (its outage, its pause)."""
@@ -144,7 +155,27 @@ class DetectorService:
                 evidence=failure.evidence,
                 detect_s=round(failure.t_detected - failure.t_fault, 4),
             )
-            self.events.publish_soon(Subjects.for_job(failure.job).failure, failure)
+            self.events.publish_soon(Subjects.for_job(failure.job).failure, self._traced(failure))
+
+    def _traced(self, failure: Failure) -> Failure:
+        """The failure with its trace context: a new `detect` span, or the one it was first sent with."""
+        if not self.tracing.on:
+            return failure
+        key = (failure.job, failure.member, failure.generation)
+        context = self._traces.get(key)
+        if context is None:
+            attrs = {
+                "job": failure.job,
+                "generation": failure.generation,
+                "rank": failure.rank,
+                "member": failure.member,
+                "reason": failure.reason,
+            }
+            context = self.tracing.record("detect", "", failure.t_fault, failure.t_detected, attrs)
+            self._traces[key] = context
+            while len(self._traces) > TRACES_KEPT:
+                self._traces.popitem(last=False)
+        return replace(failure, traceparent=context)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         self._refused(hb, self.core.on_heartbeat(hb, time.time()))
@@ -219,12 +250,23 @@ class DetectorService:
         self.core.on_finished(finished, time.time())
 
     async def _status_endpoint(self, req: Request) -> None:
+        now = time.time()
         body = {
             job: {
                 "generation": view.generation,
                 "finished": view.finished,
-                "watched": {m: {"rank": w.rank, "step": w.last_step, "done": w.done} for m, w in view.members.items()},
+                "watched": {
+                    m: {
+                        "rank": w.rank,
+                        "step": w.last_step,
+                        "done": w.done,
+                        "host": w.host,
+                        "heartbeat_age_s": round(now - w.last_seen, 3),
+                    }
+                    for m, w in view.members.items()
+                },
                 "declared": sorted(view.declared),
+                "median_step_s": round(statistics.median(view.step_times), 4) if view.step_times else None,
             }
             for job, view in self.core.jobs.items()
         }
@@ -243,7 +285,11 @@ class DetectorService:
             await subscribe_validated(self.nc, subject, kind, handler, self.log)  # type: ignore[arg-type]
         reader = await self._start_events(stop)
         service = await add_service(
-            self.nc, name="deadpool-detector", version=VERSION, description="DeadPool failure detector"
+            self.nc,
+            name="deadpool-detector",
+            version=VERSION,
+            description="DeadPool failure detector",
+            metadata={"host": socket.gethostname()},
         )
         await service.add_endpoint(name="status", subject="deadpool.detector.status", handler=self._status_endpoint)
         c = self.config.detector
@@ -262,6 +308,7 @@ class DetectorService:
             await reader.stop()
         await self.events.drain(2.0)
         await service.stop()
+        self.tracing.shutdown()
 
 
 def main(config: DetectorServiceConfig) -> None:

@@ -37,6 +37,7 @@ from deadpool_protocol.dataplane import (
     job_token,
     token_matches,
 )
+from deadpool_runtime.tracing import Tracing
 from deadpool_store.memory import SnapshotKey, SnapshotMemory, StoredSnapshot, StoreError
 
 __all__ = ["DataPlaneServer"]
@@ -73,8 +74,10 @@ class DataPlaneServer:
         log: Any,
         limits: ConnectionLimits | None = None,
         key: bytes = b"",
+        tracing: Tracing | None = None,
     ) -> None:
         self.memory = memory
+        self.tracing = tracing or Tracing("deadpool-store", env={})
         self.key = key
         """With a key, every upload and fetch must carry its job's token (`job_token`)."""
         self.on_sealed = on_sealed
@@ -341,6 +344,7 @@ class _Connection(asyncio.BufferedProtocol):
         await self.server.on_sealed(snap)
 
     async def _fetch(self, fetch: Fetch) -> None:
+        started = time.time()
         try:
             refused = self.server.refusal(fetch.job, fetch.token)
             if refused:
@@ -362,3 +366,5 @@ class _Connection(asyncio.BufferedProtocol):
             snap.readers -= 1
         if sent:
             self.log.info("snapshot served", job=fetch.job, rank=fetch.rank, step=fetch.step, nbytes=snap.total_bytes)
+            attrs = {"job": fetch.job, "rank": fetch.rank, "step": fetch.step, "bytes": snap.total_bytes}
+            self.server.tracing.record("serve_restore", fetch.traceparent, started, time.time(), attrs)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from deadpool_protocol.codec import to_fields
 from deadpool_protocol.names import host_name
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime.metrics import Metrics
+from deadpool_runtime.tracing import Tracing
 from deadpool_store import fault_injection
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot, StoreError
@@ -72,7 +75,20 @@ class StoreService:
         self.nc = nc
         self.log = log
         self.memory = SnapshotMemory(config.capacity_bytes)
-        self.server = DataPlaneServer(self.memory, self._on_sealed, log, key=config.dataplane_key)
+        self.metrics = Metrics("deadpool-store")
+        store = {"store": config.store_id}
+        self.metrics.gauge(
+            "deadpool.store.memory.used", "By", "snapshot bytes held", lambda: [(self.memory.used_bytes, store)]
+        )
+        self.metrics.gauge(
+            "deadpool.store.memory.capacity",
+            "By",
+            "snapshot bytes allowed",
+            lambda: [(self.memory.capacity_bytes, store)],
+        )
+        self.server = DataPlaneServer(
+            self.memory, self._on_sealed, log, key=config.dataplane_key, tracing=Tracing("deadpool-store")
+        )
         self.events = EventPublisher(nc, log)
         self.port = 0
         self.node = config.node or os.environ.get("DEADPOOL_HOST", "") or host_name()
@@ -159,7 +175,7 @@ class StoreService:
             name="deadpool-store",
             version=VERSION,
             description="DeadPool RAM snapshot store",
-            metadata={"store": self.config.store_id},
+            metadata={"store": self.config.store_id, "host": socket.gethostname()},
         )
         await service.add_endpoint(
             name="status",
@@ -189,6 +205,8 @@ class StoreService:
             task.cancel()
         await self.server.stop()
         await self.events.drain(2.0)
+        self.server.tracing.shutdown()
+        self.metrics.shutdown()
 
 
 def main(config: StoreConfig) -> None:

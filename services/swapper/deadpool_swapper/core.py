@@ -167,6 +167,8 @@ class OpenIncident:
     t_decided: float = 0.0
     replacement: str = ""
     fence_s: float = 0.0
+    traceparent: str = ""
+    """The failure's trace context (the detector's `detect` span)."""
 
 
 @dataclass
@@ -407,6 +409,7 @@ class SwapperCore:
                 evidence=dict(failure.evidence),
                 t_fault=failure.t_fault,
                 t_detected=failure.t_detected,
+                traceparent=failure.traceparent,
             )
         )
         actions += self._void(state, now, f"rank {rank} ({failure.member}) failed: {failure.reason}")
@@ -564,6 +567,7 @@ class SwapperCore:
             t_decided=now,
             restore_generation=choice.generation,
             durable=choice.durable,
+            traceparent=next((i.traceparent for i in state.open_incidents if i.traceparent), ""),
         )
         command.check()
         state.pending = PendingRebuild(command, t_sent=now)
@@ -702,6 +706,7 @@ class SwapperCore:
             lost_steps=max(0, last_completed - restored),
             phases=phases,
             evidence=incident.evidence,
+            traceparent=incident.traceparent,
         )
 
     def tick(self, now: float) -> Decision:

@@ -20,6 +20,8 @@ import os
 import secrets
 import socket
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +37,7 @@ from deadpool_protocol import (
     Incident,
     MemberHello,
     ProtocolError,
+    Rebuild,
     Replicate,
     StoreStatus,
     Subjects,
@@ -46,7 +49,8 @@ from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
-from deadpool_swapper.core import Fence, Publish, SwapperConfig, SwapperCore
+from deadpool_runtime.metrics import Metrics
+from deadpool_swapper.core import Fence, JobState, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import KV_TIMEOUT_S, JobRecords, UnreadableRecordError
 from deadpool_swapper.job_worker import Hello, JobWorker
 from deadpool_swapper.leader_lease import LeaderLease, LeaseConfig
@@ -55,6 +59,7 @@ from deadpool_swapper.tracing import IncidentTracer
 __all__ = ["SwapperServiceConfig", "main"]
 
 VERSION = "0.2.0"
+INCIDENTS_MEASURED_KEPT = 10_000
 HELLO_ANSWER_S = 10.0
 """How long a hello may wait for its job's worker (the member retries after its own timeout anyway)."""
 START_RETRY_S = 0.5
@@ -87,6 +92,14 @@ class SwapperService:
         self.instance = config.instance or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         self.core = SwapperCore(SwapperConfig(replication=config.replication, last_call_s=config.last_call_s))
         self.tracer = IncidentTracer(config.trace_file)
+        self.metrics = Metrics("deadpool-swapper")
+        self._recoveries = self.metrics.meter.create_counter("deadpool.recoveries", description="closed incidents")
+        self._downtime = self.metrics.meter.create_histogram(
+            "deadpool.recovery.downtime", unit="s", description="fault to every rank's first step after it"
+        )
+        self._measured: OrderedDict[str, None] = OrderedDict()
+        """Incidents already counted (an incident published again counts once)."""
+        self._job_gauges()
         self.workers: dict[str, JobWorker] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self.records: JobRecords | None = None
@@ -198,12 +211,48 @@ class SwapperService:
             subject = store_replicate(message.source)
         else:
             subject = getattr(Subjects.for_job(message.job), action.subject_kind)
+        if isinstance(message, Rebuild) and message.incident:
+            message = self._traced(message)
         try:
             await publish(self.nc, subject, message)
         except nats.errors.Error as exc:  # retransmission covers commands; an incident is also in KV
             self.log.warning("publish failed", job=message.job, kind=message.KIND, error=repr(exc))
         if isinstance(message, Incident):
             self._log_incident(message)
+
+    def _traced(self, rebuild: Rebuild) -> Rebuild:
+        """The rebuild with its first incident's `recovery` span as its trace context."""
+        first = rebuild.incident.split(",")[0]
+        state = self.core.jobs.get(rebuild.job)
+        opened = next((i for i in state.open_incidents if i.incident_id == first), None) if state else None
+        t_fault = opened.t_fault if opened is not None else rebuild.t_decided
+        context = self.tracer.recovery_context(first, rebuild.traceparent, t_fault, rebuild.job)
+        return replace(rebuild, traceparent=context) if context else rebuild
+
+    def _job_gauges(self) -> None:
+        def per_job(value: Callable[[JobState], float]) -> Callable[[], list[tuple[float, dict[str, Any]]]]:
+            def observe() -> list[tuple[float, dict[str, Any]]]:
+                """Read from the metric reader's thread while the loop changes the jobs: a read that
+                races a change gives nothing this time (the next collection reads again)."""
+                if not self._leading:
+                    return []  # a standby's copy of the jobs is not the truth
+                try:
+                    return [(value(s), {"job": job}) for job, s in list(self.core.jobs.items()) if not s.finished]
+                except RuntimeError:  # a dict changed size while read
+                    return []
+
+            return observe
+
+        self.metrics.gauge(
+            "deadpool.job.committed_step", "{step}", "the job's committed step", per_job(lambda s: s.committed_step)
+        )
+        self.metrics.gauge(
+            "deadpool.job.commit_lag",
+            "{step}",
+            "steps stored past the committed one",
+            per_job(lambda s: max(s.completes, default=s.committed_step) - s.committed_step),
+        )
+        self.metrics.gauge("deadpool.job.spares_free", "{member}", "warm spares", per_job(lambda s: len(s.spares)))
 
     def _log_incident(self, incident: Incident) -> None:
         self.log.info(
@@ -220,6 +269,13 @@ class SwapperService:
             phases={k: round(v, 4) for k, v in incident.phases.items()},
         )
         self.tracer.record(incident)
+        if incident.incident_id not in self._measured:
+            self._measured[incident.incident_id] = None
+            while len(self._measured) > INCIDENTS_MEASURED_KEPT:
+                self._measured.popitem(last=False)
+            attrs = {"job": incident.job, "reason": incident.reason}
+            self._recoveries.add(1, attrs)
+            self._downtime.record(incident.downtime_s, attrs)
 
     async def _fence(self, fence: Fence) -> None:
         """Ask the member's launcher to SIGKILL it and wait for the answer (bounded)."""
@@ -329,12 +385,13 @@ class SwapperService:
             name="deadpool-swapper",
             version=VERSION,
             description="DeadPool swap scheduler",
-            metadata={"instance": self.instance},
+            metadata={"instance": self.instance, "host": socket.gethostname()},
         )
         self.log.info("swapper ready", instance=self.instance, replication=self.config.replication)
         await self.lease.run(stop, self._on_lead_change, lambda: self._leading)
         await service.stop()
         self.tracer.shutdown()
+        self.metrics.shutdown()
 
 
 async def _respond_error(nc: Client, msg: Msg, code: str, text: str) -> None:

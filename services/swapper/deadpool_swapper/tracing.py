@@ -1,86 +1,60 @@
-"""One OpenTelemetry trace per incident: root span `recovery`, children for each phase.
+"""The swapper's part of each incident's trace (`deadpool_runtime.tracing`): `recovery`, from the fault
+to every rank's first step after it, with `decide` and `fence` under it.
 
-Spans are built after the fact from the incident's time marks (explicit start and end times), so the
-trace shows what happened even though the phases ran in several processes. Every span carries the
-incident id. They leave through a batch processor, never on the swapper's own path.
-
-Configuration is OpenTelemetry's own (`OTEL_*`): `OTEL_TRACES_EXPORTER` (`otlp`, `console` or
-`none`); OTLP over HTTP to `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`;
-`OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`; `OTEL_BSP_*` for the batch processor. Without an
-exporter named or an endpoint set, JSON lines go to the file given with `--trace-file` (the local
-default), else nowhere.
+`recovery` is begun when the incident's rebuild is first published, as a child of the detector's
+`detect` span (the failure's traceparent), so the rebuild carries its context to the members and
+stores; it ends when the incident closes. A swapper that takes over a rebuild in flight begins its own
+`recovery` under the same `detect`: the trace stays one. Several failures swapped in one rebuild keep
+a trace each; the rebuild carries the first one's.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Sequence
-from typing import IO, Any
-
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
-from opentelemetry.trace import Tracer, set_span_in_context
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 from deadpool_protocol import Incident
+from deadpool_runtime.tracing import Tracing, seconds_to_ns, traceparent_of
 
-__all__ = ["IncidentTracer", "JsonLinesExporter", "exporter_for"]
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
-PHASE_ORDER = ("detect", "decide", "fence", "notify", "restore", "rendezvous", "apply", "first_step")
+__all__ = ["IncidentTracer"]
 
-
-class JsonLinesExporter(SpanExporter):
-    """Writes each finished span as one JSON line (the OTel SDK's own JSON form, compacted)."""
-
-    def __init__(self, path: str) -> None:
-        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open for the process)
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        for span in spans:
-            self._file.write(json.dumps(json.loads(span.to_json())) + "\n")
-        self._file.flush()
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        self._file.close()
-
-
-def exporter_for(trace_file: str, env: dict[str, str] | None = None) -> SpanExporter | None:
-    """The exporter the standard variables name (see the module docstring); None for no traces."""
-    env = dict(os.environ) if env is None else env
-    named = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if named == "none":
-        return None
-    if named == "console":
-        return ConsoleSpanExporter()
-    if named not in ("", "otlp"):
-        raise ValueError(f"OTEL_TRACES_EXPORTER={named!r}: use otlp, console or none")
-    if named == "otlp" or endpoint:
-        return OTLPSpanExporter()  # reads the OTEL_EXPORTER_OTLP_* variables itself
-    return JsonLinesExporter(trace_file) if trace_file else None
-
-
-def _ns(t: float) -> int:
-    return int(t * 1e9)
+OPEN_SPANS_MAX = 10_000
+"""Recovery spans begun and not yet ended (an incident that never closes is dropped, oldest first)."""
 
 
 class IncidentTracer:
     def __init__(self, trace_file: str = "") -> None:
-        exporter = exporter_for(trace_file)
-        self._provider: TracerProvider | None = None
-        self._tracer: Tracer | None = None
-        if exporter is not None:
-            named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": "deadpool-swapper"}
-            self._provider = TracerProvider(resource=Resource.create(named))
-            self._provider.add_span_processor(BatchSpanProcessor(exporter))
-            self._tracer = self._provider.get_tracer("deadpool.swapper")
+        self.tracing = Tracing("deadpool-swapper", trace_file)
+        self._open: OrderedDict[str, Span] = OrderedDict()
+        self._recorded: OrderedDict[str, None] = OrderedDict()
+        """Incidents already traced (an incident published again is traced once)."""
+
+    def recovery_context(self, incident_id: str, failure_traceparent: str, t_fault: float, job: str) -> str:
+        """The traceparent a rebuild answering `incident_id` carries: its `recovery` span, begun at the
+        fault the first time it is asked for ('' with tracing off)."""
+        if not self.tracing.on or not incident_id:
+            return ""
+        span = self._open.get(incident_id)
+        if span is None:
+            span = self.tracing.start("recovery", failure_traceparent, t_fault, {"incident": incident_id, "job": job})
+            if span is None:
+                return ""
+            self._open[incident_id] = span
+            while len(self._open) > OPEN_SPANS_MAX:
+                self._open.popitem(last=False)[1].end()
+        return traceparent_of(span)
 
     def record(self, incident: Incident) -> None:
-        if self._tracer is None:
+        """The incident closed: end its `recovery` span (begin one if this swapper never published its
+        rebuild) and add `decide` and `fence` under it."""
+        if not self.tracing.on or incident.incident_id in self._recorded:
             return
+        self._recorded[incident.incident_id] = None
+        while len(self._recorded) > OPEN_SPANS_MAX:
+            self._recorded.popitem(last=False)
         attrs: dict[str, Any] = {
             "incident": incident.incident_id,
             "job": incident.job,
@@ -91,21 +65,19 @@ class IncidentTracer:
             "reason": incident.reason,
             "restore_step": incident.restore_step,
             "lost_steps": incident.lost_steps,
+            "downtime_s": incident.downtime_s,
         }
-        root = self._tracer.start_span("recovery", start_time=_ns(incident.t_fault), attributes=attrs)
-        ctx = set_span_in_context(root)
-        start = incident.t_fault
-        for name in PHASE_ORDER:
-            duration = incident.phases.get(name, 0.0)
-            if name == "notify":
-                start = incident.t_decided + incident.phases.get("fence", 0.0)
-            span = self._tracer.start_span(name, context=ctx, start_time=_ns(start), attributes=attrs)
-            span.end(end_time=_ns(start + duration))
-            start += duration
-        abort = self._tracer.start_span("abort", context=ctx, start_time=_ns(incident.t_fault), attributes=attrs)
-        abort.end(end_time=_ns(incident.t_fault + incident.phases.get("abort", 0.0)))
-        root.end(end_time=_ns(incident.t_first_step or incident.t_resumed))  # to the first step, if known
+        self.recovery_context(incident.incident_id, incident.traceparent, incident.t_fault, incident.job)
+        recovery = self._open.pop(incident.incident_id)
+        recovery.set_attributes(attrs)
+        parent = traceparent_of(recovery)
+        fence_s = incident.phases.get("fence", 0.0)
+        self.tracing.record("decide", parent, incident.t_detected, incident.t_decided, attrs)
+        self.tracing.record("fence", parent, incident.t_decided, incident.t_decided + fence_s, attrs)
+        recovery.end(end_time=seconds_to_ns(max(incident.t_fault, incident.t_first_step or incident.t_resumed)))
 
     def shutdown(self) -> None:
-        if self._provider is not None:
-            self._provider.shutdown()
+        for span in self._open.values():
+            span.end()
+        self._open.clear()
+        self.tracing.shutdown()

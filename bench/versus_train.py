@@ -1,0 +1,183 @@
+"""The training job of bench/versus.py, the same under every system it compares.
+
+    --mode deadpool   started by `deadpool launch`: hot swap from the snapshot stores
+    --mode torchrun   started by torchrun (--max-restarts): every rank restarts from the newest
+                      `torch.save` checkpoint, written every --checkpoint-every steps
+
+A small language model (DDP, AdamW, a warm-up and cosine schedule) on gloo, each step's batch a
+function of the step, so a restarted run recomputes exactly the steps it lost. Every process appends
+`{"step", "t", "rank"}` to --stats-dir/<pid>.jsonl as each step completes. With --die-at-step S, rank
+--die-rank SIGKILLs itself in the middle of step S (after backward, before the optimizer step), once:
+the marker file records when.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, CONTEXT = 256, 32
+
+
+class LM(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.mix = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        loss: torch.Tensor = F.cross_entropy(self.head(h + self.mix(h)).flatten(0, 1), y.flatten())
+        return loss
+
+
+def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch for `rank`: the same wherever and however often it is computed."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    tokens = torch.randint(VOCAB, (size, CONTEXT + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def warmup_cosine(total: int, warmup: int = 5) -> Callable[[int], float]:
+    return lambda step: (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * step / total))
+
+
+class Stats:
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self._f = open(directory / f"{os.getpid()}.jsonl", "a")  # noqa: SIM115 (the process's life)
+
+    def completed(self, step: int, rank: int) -> None:
+        self._f.write(json.dumps({"step": step, "t": time.time(), "rank": rank}) + "\n")
+        self._f.flush()
+
+
+def maybe_die(args: argparse.Namespace, step: int, rank: int) -> None:
+    if step != args.die_at_step or rank != args.die_rank or args.die_marker is None:
+        return
+    try:
+        fd = os.open(args.die_marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return  # died here once already: this is the rerun
+    os.write(fd, json.dumps({"t": time.time(), "step": step, "rank": rank}).encode())
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def one_step(
+    ddp: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, args: argparse.Namespace, step: int, rank: int
+) -> None:
+    x, y = batch(step, rank, args.batch)
+    ddp(x, y).backward()
+    maybe_die(args, step, rank)
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+
+
+def save_final(args: argparse.Namespace, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, args.out / f"rank{rank}.pt")
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(1234)
+    model = LM(args.width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps))
+    return model, optimizer, scheduler
+
+
+def run_deadpool(args: argparse.Namespace) -> None:
+    import deadpool
+
+    model, optimizer, scheduler = build(args)
+    job = deadpool.attach(model, optimizer, wrap=deadpool.ddp, state={"scheduler": scheduler})
+    stats = Stats(args.stats_dir)
+    for step in job.steps(args.steps):
+        assert job.rank is not None
+        one_step(job.model, optimizer, scheduler, args, step, job.rank)
+        stats.completed(step, job.rank)
+    if job.rank is not None:
+        save_final(args, job.rank, model, optimizer)
+
+
+def _checkpoint_dir(args: argparse.Namespace, step: int) -> Path:
+    root: Path = args.checkpoint_dir
+    return root / f"step-{step:08d}"
+
+
+def run_torchrun(args: argparse.Namespace) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, optimizer, scheduler = build(args)
+    start = 0
+    complete = sorted(args.checkpoint_dir.glob("step-*/complete")) if args.checkpoint_every else []
+    if complete:  # the newest checkpoint every rank finished writing
+        saved = torch.load(complete[-1].parent / f"rank{rank}.pt", weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        torch.set_rng_state(saved["rng"])
+        start = saved["step"]
+    ddp = DDP(model)
+    stats = Stats(args.stats_dir)
+    for step in range(start, args.steps):
+        one_step(ddp, optimizer, scheduler, args, step, rank)
+        stats.completed(step, rank)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            where = _checkpoint_dir(args, step + 1)
+            where.mkdir(parents=True, exist_ok=True)
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": step + 1,
+            }
+            torch.save(state, where / f"rank{rank}.pt.tmp")
+            os.replace(where / f"rank{rank}.pt.tmp", where / f"rank{rank}.pt")
+            dist.barrier()
+            if rank == 0:
+                (where / "complete").touch()
+    save_final(args, rank, model, optimizer)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["deadpool", "torchrun"], required=True)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--stats-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--die-at-step", type=int, default=-1)
+    parser.add_argument("--die-rank", type=int, default=-1)
+    parser.add_argument("--die-marker", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    (run_deadpool if args.mode == "deadpool" else run_torchrun)(args)
+
+
+if __name__ == "__main__":
+    main()
