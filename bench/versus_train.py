@@ -122,10 +122,31 @@ def _checkpoint_dir(args: argparse.Namespace, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def init_restartable_group() -> None:
+    """The process group of this restart of the workers. Under torchrun (torch 2.13, --standalone),
+    a restarted worker's gloo read the previous attempt's addresses from the agent's store, which it
+    keeps across restarts, and every restart failed with "connection refused": the keys are put under
+    the restart count here."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        use_libuv=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"versus/attempt-{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
 def run_torchrun(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo")
+    init_restartable_group()
     rank = dist.get_rank()
     model, optimizer, scheduler = build(args)
     start = 0
