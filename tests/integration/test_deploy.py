@@ -8,52 +8,48 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import nats
 import pytest
 
 from deadpool_cli.nats_auth import write_server_authorization
-from deadpool_cli.nats_server import free_port, nats_server_binary
+from deadpool_cli.nats_server import NatsServer, free_port
 from deadpool_runtime.credentials import nkey_file
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 UNITS = sorted(p.name for p in (DEPLOY / "systemd").glob("*.service"))
-START_S = 20.0
+
+
+class ShippedNatsServer(NatsServer):
+    """A nats-server run from a configuration file as shipped (its ports and store moved under the test's
+    directory), started and stopped as every other one in the tests."""
+
+    def __init__(self, workdir: Path, shipped: Path) -> None:
+        super().__init__(workdir)
+        config = shipped.read_text().replace("port: 4222", f"port: {self.port}")
+        config = config.replace('"/var/lib/nats/jetstream"', f'"{workdir}/js"')
+        self._shipped = workdir / shipped.name
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._shipped.write_text(re.sub(r"http_port: \d+", f"http_port: {free_port()}", config))
+
+    def _config(self) -> Path:
+        return self._shipped
 
 
 async def test_the_shipped_nats_config_refuses_strangers_and_admits_roles(tmp_path: Path) -> None:
     credentials = tmp_path / "credentials"
     auth = write_server_authorization(credentials)
-    port = free_port()
-    config = (DEPLOY / "nats" / "nats.conf").read_text()
-    config = config.replace("port: 4222", f"port: {port}").replace('"/var/lib/nats/jetstream"', f'"{tmp_path}/js"')
-    config = re.sub(r"http_port: \d+", f"http_port: {free_port()}", config)
-    (tmp_path / "nats.conf").write_text(config)
-    shutil.copy(auth, tmp_path / "nats-auth.conf")
-    server = subprocess.Popen([nats_server_binary(), "-c", str(tmp_path / "nats.conf")], stderr=subprocess.PIPE)
-    ready = threading.Event()
-    said: list[bytes] = []
-
-    def read_log() -> None:
-        assert server.stderr is not None
-        for line in server.stderr:
-            said.append(line)
-            if b"Server is ready" in line:
-                ready.set()
-
-    threading.Thread(target=read_log, daemon=True).start()
-    url = f"nats://127.0.0.1:{port}"
+    server = ShippedNatsServer(tmp_path / "nats", DEPLOY / "nats" / "nats.conf")
+    shutil.copy(auth, tmp_path / "nats" / "nats-auth.conf")  # beside the configuration that includes it
+    await asyncio.to_thread(server.start)
     try:
-        assert await asyncio.to_thread(ready.wait, START_S), b"".join(said).decode()
-        admin = await nats.connect(url, nkeys_seed=nkey_file(credentials, "admin"), allow_reconnect=False)
+        admin = await nats.connect(server.url, nkeys_seed=nkey_file(credentials, "admin"), allow_reconnect=False)
         await admin.close()
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+            await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0)
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")

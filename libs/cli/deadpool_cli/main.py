@@ -10,6 +10,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deadpool_runtime.credentials import CREDENTIALS_ENV
+from deadpool_runtime.tracing import TRACE_FILE_ENV
+
 __all__ = ["main"]
 
 
@@ -22,7 +25,7 @@ def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
     p.add_argument(
         "--credentials",
-        default=os.environ.get("DEADPOOL_CREDENTIALS", ""),
+        default=os.environ.get(CREDENTIALS_ENV, ""),
         help="the deployment's credentials directory (what `deadpool up` printed; default: $DEADPOOL_CREDENTIALS); "
         "this command reads only its own role's files there",
     )
@@ -178,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     timeline = sub.add_parser("timeline", help="draw one recovery (processes by phases) from a trace file")
     timeline.add_argument(
         "--trace-file",
-        default=os.environ.get("DEADPOOL_TRACE_FILE", ""),
+        default=os.environ.get(TRACE_FILE_ENV, ""),
         help="the JSON-lines spans (default: $DEADPOOL_TRACE_FILE; the demo's is RUN_DIR/traces.jsonl)",
     )
     chosen = timeline.add_mutually_exclusive_group()

@@ -32,7 +32,7 @@ import msgpack
 import xxhash
 
 from deadpool_protocol.codec import from_fields, to_fields
-from deadpool_protocol.messages import ProtocolError
+from deadpool_protocol.messages import TOKEN_BYTES, ProtocolError, check_traceparent
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
@@ -65,8 +65,6 @@ CHUNK_BYTES_MAX = 256 * 1024 * 1024
 """The largest chunk either end accepts."""
 SNAPSHOT_BYTES_MAX = 1 << 40
 """The largest snapshot either end accepts (1 TiB: one rank's state; a store's capacity bounds it further)."""
-TOKEN_BYTES = 32
-"""A job token: HMAC-SHA256."""
 DATAPLANE_KEY_BYTES_MIN = 32
 DATAPLANE_VERSION = 2
 """1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
@@ -214,8 +212,7 @@ class Fetch(Frame):
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_token(self.token)
-        if len(self.traceparent) > 128:
-            raise ProtocolError(f"a traceparent of {len(self.traceparent)} characters")
+        check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,9 +113,12 @@ class JobMessage(Message):
 
 
 TRACEPARENT_CHARS_MAX = 128
+"""The longest trace context accepted in a message or a frame."""
+TOKEN_BYTES = 32
+"""A job's data-plane token: HMAC-SHA256 (`dataplane.job_token`)."""
 
 
-def _check_traceparent(traceparent: str) -> None:
+def check_traceparent(traceparent: str) -> None:
     """A trace context is short (a W3C traceparent has 55 characters); its content is the tracer's to
     parse, which starts a new trace for a malformed one."""
     _need(len(traceparent) <= TRACEPARENT_CHARS_MAX, f"a traceparent of {len(traceparent)} characters")
@@ -171,7 +174,7 @@ class HelloReply(JobMessage):
 
     def check(self) -> None:
         JobMessage.check(self)
-        _need(len(self.store_token) in (0, 32), f"a store token of {len(self.store_token)} bytes")
+        _need(len(self.store_token) in (0, TOKEN_BYTES), f"a store token of {len(self.store_token)} bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,7 +365,7 @@ class Failure(JobMessage):
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
-        _check_traceparent(self.traceparent)
+        check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,7 +434,7 @@ class Rebuild(JobMessage):
         JobMessage.check(self)
         _need(self.generation >= 1, "a rebuild names generation 1 or later")
         _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
-        _check_traceparent(self.traceparent)
+        check_traceparent(self.traceparent)
         _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
         _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
         _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
@@ -646,7 +649,7 @@ class Incident(JobMessage):
 
     def check(self) -> None:
         JobMessage.check(self)
-        _check_traceparent(self.traceparent)
+        check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from deadpool_runtime.tracing import service_resource
+
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, Meter, Observation
     from opentelemetry.sdk.metrics import MeterProvider
@@ -71,10 +73,8 @@ class Metrics:
         if not readers:
             return
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.resources import Resource
 
-        named = {} if (env or os.environ).get("OTEL_SERVICE_NAME") else {"service.name": service_name}
-        self._provider = MeterProvider(metric_readers=readers, resource=Resource.create(named))
+        self._provider = MeterProvider(metric_readers=readers, resource=service_resource(service_name, env))
         self.meter = self._provider.get_meter(f"deadpool.{service_name}")
 
     @property

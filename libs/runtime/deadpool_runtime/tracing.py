@@ -21,16 +21,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from deadpool_protocol.messages import TRACEPARENT_CHARS_MAX
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
     from opentelemetry.trace import Span, Tracer
 
-__all__ = ["TRACE_FILE_ENV", "Tracing", "exporter_for", "seconds_to_ns"]
+__all__ = ["TRACE_FILE_ENV", "Tracing", "exporter_for", "seconds_to_ns", "service_resource"]
 
 TRACE_FILE_ENV = "DEADPOOL_TRACE_FILE"
-TRACEPARENT_CHARS_MAX = 128
-"""A W3C traceparent is 55 characters; anything much longer is not one."""
 
 
 def seconds_to_ns(t: float) -> int:
@@ -88,12 +88,10 @@ class Tracing:
         exporter = exporter_for(trace_file, env)
         if exporter is None:
             return
-        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        named = {} if (env or os.environ).get("OTEL_SERVICE_NAME") else {"service.name": service_name}
-        self._provider = TracerProvider(resource=Resource.create(named))
+        self._provider = TracerProvider(resource=service_resource(service_name, env))
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer(f"deadpool.{service_name}")
 
@@ -121,6 +119,15 @@ class Tracing:
     def shutdown(self) -> None:
         if self._provider is not None:
             self._provider.shutdown()
+
+
+def service_resource(service_name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The OTel resource of this process: `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` where set
+    (the SDK reads them), else `service_name`."""
+    from opentelemetry.sdk.resources import Resource
+
+    named = {} if (env or os.environ).get("OTEL_SERVICE_NAME") else {"service.name": service_name}
+    return Resource.create(named)
 
 
 def traceparent_of(span: Span | None) -> str:

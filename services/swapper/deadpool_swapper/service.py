@@ -98,7 +98,7 @@ class SwapperService:
             "deadpool.recovery.downtime", unit="s", description="fault to every rank's first step after it"
         )
         self._measured: OrderedDict[str, None] = OrderedDict()
-        """Incidents already counted (an incident published again counts once)."""
+        """Incidents already traced and counted (an incident published again is measured once)."""
         self._job_gauges()
         self.workers: dict[str, JobWorker] = {}
         self._stopping: set[asyncio.Task[None]] = set()
@@ -268,14 +268,15 @@ class SwapperService:
             lost_steps=incident.lost_steps,
             phases={k: round(v, 4) for k, v in incident.phases.items()},
         )
+        if incident.incident_id in self._measured:
+            return
+        self._measured[incident.incident_id] = None
+        while len(self._measured) > INCIDENTS_MEASURED_KEPT:
+            self._measured.popitem(last=False)
         self.tracer.record(incident)
-        if incident.incident_id not in self._measured:
-            self._measured[incident.incident_id] = None
-            while len(self._measured) > INCIDENTS_MEASURED_KEPT:
-                self._measured.popitem(last=False)
-            attrs = {"job": incident.job, "reason": incident.reason}
-            self._recoveries.add(1, attrs)
-            self._downtime.record(incident.downtime_s, attrs)
+        attrs = {"job": incident.job, "reason": incident.reason}
+        self._recoveries.add(1, attrs)
+        self._downtime.record(incident.downtime_s, attrs)
 
     async def _fence(self, fence: Fence) -> None:
         """Ask the member's launcher to SIGKILL it and wait for the answer (bounded)."""

@@ -29,8 +29,6 @@ class IncidentTracer:
     def __init__(self, trace_file: str = "") -> None:
         self.tracing = Tracing("deadpool-swapper", trace_file)
         self._open: OrderedDict[str, Span] = OrderedDict()
-        self._recorded: OrderedDict[str, None] = OrderedDict()
-        """Incidents already traced (an incident published again is traced once)."""
 
     def recovery_context(self, incident_id: str, failure_traceparent: str, t_fault: float, job: str) -> str:
         """The traceparent a rebuild answering `incident_id` carries: its `recovery` span, begun at the
@@ -49,12 +47,9 @@ class IncidentTracer:
 
     def record(self, incident: Incident) -> None:
         """The incident closed: end its `recovery` span (begin one if this swapper never published its
-        rebuild) and add `decide` and `fence` under it."""
-        if not self.tracing.on or incident.incident_id in self._recorded:
+        rebuild) and add `decide` and `fence` under it. Once per incident (the caller sees to it)."""
+        if not self.tracing.on:
             return
-        self._recorded[incident.incident_id] = None
-        while len(self._recorded) > OPEN_SPANS_MAX:
-            self._recorded.popitem(last=False)
         attrs: dict[str, Any] = {
             "incident": incident.incident_id,
             "job": incident.job,
