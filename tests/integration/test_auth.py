@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
 from deadpool_cli.health import answers_from_host
-from deadpool_cli.nats_auth import authorization_config, create_credentials
+from deadpool_cli.nats_auth import authorization_config, create_credentials, create_job_credentials
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -36,7 +36,7 @@ from deadpool_protocol import (
 from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.messages import Failure, Heartbeat
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key
+from deadpool_runtime.credentials import dataplane_key_file, job_nkey_path, nkey_file, read_dataplane_key
 
 JOB = "secured"
 S = Subjects.for_job(JOB)
@@ -141,6 +141,50 @@ async def test_only_the_swapper_may_command(secured_nats: tuple[NatsServer, Path
     await member.close()
 
 
+async def test_a_job_of_its_own_speaks_and_hears_for_that_job_alone(secured_nats: tuple[NatsServer, Path]) -> None:
+    """A job's own member key, admitted by reloading the running server: the server refuses it another
+    job's commands and replies (and every reply subject but its job's), and any subject it may not
+    publish; what another job is sent never reaches it, what its job is sent does."""
+    server, credentials = secured_nats
+    create_job_credentials(credentials, JOB)
+    await asyncio.to_thread(server.reload, authorization_config(credentials))
+    other = Subjects.for_job("another-job")
+    violations: asyncio.Queue[str] = asyncio.Queue()
+    received: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_error(exc: Exception) -> None:
+        violations.put_nowait(str(exc))
+
+    async def on_msg(msg: Msg) -> None:
+        received.put_nowait(msg.subject)
+
+    member = await nats.connect(
+        server.url, nkeys_seed=str(job_nkey_path(credentials, JOB)), error_cb=on_error, inbox_prefix=S.inbox
+    )
+    refused_reads = [other.rebuild, f"{other.inbox}.>", "_INBOX.>", "deadpool.>"]
+    for subject in [*refused_reads, S.rebuild, f"{S.inbox}.>"]:
+        await member.subscribe(subject, cb=on_msg)
+    refused_writes = [other.heartbeat, other.hello, other.launcher_heartbeat("host-a"), S.rebuild]
+    for subject in refused_writes:
+        await member.publish(subject, b"forged")
+    await member.flush()
+    reports = [await asyncio.wait_for(violations.get(), 10) for _ in refused_reads + refused_writes]
+    for subject in refused_reads:  # (the client library reports the server's text in lower case)
+        assert f'permissions violation for subscription to "{subject.lower()}"' in str(reports), subject
+    for subject in refused_writes:
+        assert f'permissions violation for publish to "{subject.lower()}"' in str(reports), subject
+
+    admin = await connect_as(server.url, credentials, "admin", asyncio.Queue())
+    for subject in (other.rebuild, f"{other.inbox}.x", S.rebuild, f"{S.inbox}.x"):  # in this order
+        await admin.publish(subject, b"")
+    await admin.flush()
+    assert await asyncio.wait_for(received.get(), 10) == S.rebuild
+    assert await asyncio.wait_for(received.get(), 10) == f"{S.inbox}.x"
+    assert received.empty()  # what went to the other job, published first, never came
+    await admin.close()
+    await member.close()
+
+
 async def store_address(nc: Client) -> StoreAddress:
     statuses: asyncio.Queue[StoreStatus] = asyncio.Queue()
 
@@ -158,10 +202,10 @@ def never() -> bool:
 
 
 async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> None:
-    """Through a whole stack with its default credentials: the swapper gives an accepted member its
-    job's token; with it the member stores and fetches its snapshot; without it, with another job's, or
-    with a made-up one, the store refuses both."""
-    config = StackConfig(workdir=tmp_path, stores=1, replication=1)
+    """Through a whole stack with its default credentials and the job's own member key: the swapper
+    gives an accepted member its job's token; with it the member stores and fetches its snapshot;
+    without it, with another job's, or with a made-up one, the store refuses both."""
+    config = StackConfig(workdir=tmp_path, stores=1, replication=1, jobs=(JOB,))
     async with Stack(config) as stack:
         assert stack.credentials is not None
         key = read_dataplane_key(dataplane_key_file(stack.credentials))
@@ -169,7 +213,10 @@ async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> 
         address = await store_address(admin)
         await admin.close()
 
-        member = await nats.connect(stack.url, nkeys_seed=nkey_file(stack.credentials, "member"))
+        # The job's own member key: its hello's reply comes to the job's inbox, the one place it may read.
+        member = await nats.connect(
+            stack.url, nkeys_seed=str(job_nkey_path(stack.credentials, JOB)), inbox_prefix=S.inbox
+        )
         hello = MemberHello(JOB, 0, "m-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29500, time.time())
         reply = decode((await member.request(S.hello, encode(hello), timeout=30)).data, HelloReply)
         await member.close()

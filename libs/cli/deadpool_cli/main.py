@@ -194,6 +194,13 @@ def _parser() -> argparse.ArgumentParser:
         help="create a deployment's credentials: an nkey per role, the data-plane key, and nats-auth.conf",
     )
     credentials.add_argument("directory", help="where to write them (kept if already there)")
+    credentials.add_argument(
+        "--job",
+        action="append",
+        default=[],
+        help="also member credentials of this job's own, which read and write its subjects only (repeatable); "
+        "reload the NATS servers after adding one",
+    )
 
     status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
     _add_nats(status)
@@ -288,10 +295,17 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool timeline: {exc}")
         print(f"timeline written to {args.output}")
     elif command == "credentials":
-        from deadpool_cli.nats_auth import write_server_authorization
+        from deadpool_cli.nats_auth import create_job_credentials, write_server_authorization
 
+        try:
+            for job in args.job:
+                print(f"job {job}'s members: {create_job_credentials(Path(args.directory), job)}")
+        except ValueError as exc:
+            sys.exit(f"deadpool credentials: {exc}")
         conf = write_server_authorization(Path(args.directory))
         print(f"credentials in {args.directory}; the NATS servers include {conf} (see docs/operations.md)")
+        if args.job:
+            print("reload the NATS servers to admit the new keys (nats-server --signal reload, or SIGHUP)")
     elif command == "demo":
         from deadpool_cli.demo import DemoConfig, run_demo
 
@@ -328,7 +342,7 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool_cli.stack import Stack, StackConfig
     from deadpool_protocol.logs import configure_logging, get_logger
     from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
-    from deadpool_runtime.credentials import nkey_file
+    from deadpool_runtime.credentials import member_nkey_file, nkey_file
     from deadpool_runtime.lifecycle import run_service
 
     configure_logging("launcher")
@@ -353,7 +367,9 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
     result = {"code": 1}
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-launch-")) if not args.nats else Path()
-    stack_config = StackConfig(workdir=workdir, trace_file=str(workdir / "traces.jsonl") if not args.nats else "")
+    stack_config = StackConfig(
+        workdir=workdir, trace_file=str(workdir / "traces.jsonl") if not args.nats else "", jobs=(job,)
+    )
     if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
         try:
             TimeoutHierarchy(
@@ -369,7 +385,10 @@ def _launch(args: argparse.Namespace) -> int:
     launcher_nkey = member_nkey = ""
     if args.nats:
         launcher_nkey, _ = _role_files(args, "launcher")
-        member_nkey, _ = _role_files(args, "member")
+        try:
+            member_nkey = member_nkey_file(args.credentials, job)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"deadpool launch: {exc}")
 
     async def run(stop: asyncio.Event) -> None:
         async def with_url(url: str, launcher_nkey: str, member_nkey: str) -> None:
@@ -401,7 +420,7 @@ def _launch(args: argparse.Namespace) -> int:
                 )
                 credentials = stack.credentials or ""
                 member_env.update(stack.trace_env)  # the members' spans go where the services' do
-                await with_url(stack.url, nkey_file(credentials, "launcher"), nkey_file(credentials, "member"))
+                await with_url(stack.url, nkey_file(credentials, "launcher"), member_nkey_file(credentials, job))
 
     run_service(run)
     return result["code"]

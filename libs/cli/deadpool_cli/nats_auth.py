@@ -12,9 +12,11 @@ The permissions are the protocol's trust boundaries:
 Everything that answers a request (a hello, a fence, a micro-service ping) does so with
 `allow_responses`, which lets it publish to the requester's reply subject only.
 
-Subjects have `*` in the job's place: a role is trusted for every job of the deployment. Isolating one
-job's members from another's on the bus needs a NATS account per tenant (see docs/operations.md); on
-the data plane, job tokens already do it.
+Subjects have `*` in the job's place: a role is trusted for every job of the deployment. A job can
+also have member credentials of its own (`create_job_credentials`): that user may publish only the
+job's member subjects and heartbeats to its launchers, and read only the job's commands and the replies
+to its own requests (the job's inbox, `Subjects.inbox`); so one job's processes can neither act for nor
+listen to another's. On the data plane, job tokens do the same.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ from pathlib import Path
 
 from deadpool_protocol.events import event_subjects
 from deadpool_protocol.subjects import PREFIX, STORE_STATUS, Subjects
-from deadpool_runtime.credentials import ROLES
+from deadpool_runtime.credentials import ROLES, job_nkey_path
 
-__all__ = ["PERMISSIONS", "authorization_config", "create_credentials", "public_key", "write_server_authorization"]
+__all__ = [
+    "PERMISSIONS",
+    "authorization_config",
+    "create_credentials",
+    "create_job_credentials",
+    "job_member_permissions",
+    "public_key",
+    "write_server_authorization",
+]
 
 _ANY = Subjects.any_job()
 _REPLIES = "_INBOX.>"
@@ -80,28 +90,52 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "member": {
         "publish": [f"{PREFIX}.*.member.>", _TO_LAUNCHER],
-        "subscribe": [_ANY.rebuild, _ANY.void, _ANY.placement, _ANY.finished, _REPLIES],
+        "subscribe": [_ANY.rebuild, _ANY.void, _ANY.placement, _ANY.finished, f"{_ANY.inbox}.>"],
     },
 }
 _ANSWERS_REQUESTS = {"swapper", "detector", "store", "launcher"}
 """Roles that answer requests (hellos, status, fences, micro-service pings): `allow_responses`."""
 
 
+def job_member_permissions(job: str) -> dict[str, list[str]]:
+    """What job `job`'s own member credentials may do: the member role's, for that job only."""
+    s = Subjects.for_job(job)
+    return {
+        "publish": [f"{PREFIX}.{job}.member.>", f"{PREFIX}.{job}.launcher.*.heartbeat"],
+        "subscribe": [s.rebuild, s.void, s.placement, s.finished, f"{s.inbox}.>"],
+    }
+
+
+def create_job_credentials(directory: Path, job: str) -> Path:
+    """Write job `job`'s member nkey into `directory` (kept if there) and return its path. The servers
+    admit it once their `authorization` block lists it (`write_server_authorization`, then a reload)."""
+    path = job_nkey_path(directory, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if not path.exists():
+        _write_private(path, _new_seed() + "\n")
+    return path
+
+
 def create_credentials(directory: Path) -> None:
     """Write one nkey seed per role and a data-plane key into `directory` (mode 0600), keeping those
     already there: restarting `deadpool up` on the same work directory keeps every credential."""
-    import nkeys  # nats-py's own nkeys library
-
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     for role in ROLES:
         path = directory / f"{role}.nk"
         if not path.exists():
-            seed = nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
-            _write_private(path, seed.decode() + "\n")
+            _write_private(path, _new_seed() + "\n")
     key = directory / "dataplane.key"
     if not key.exists():
         _write_private(key, secrets.token_hex(32) + "\n")
+
+
+def _new_seed() -> str:
+    import nkeys  # nats-py's own nkeys library
+
+    seed: bytes = nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode()
 
 
 def public_key(seed_file: Path) -> str:
@@ -114,17 +148,21 @@ def public_key(seed_file: Path) -> str:
 
 def authorization_config(directory: Path) -> str:
     """The nats-server `authorization` block for the nkeys in `directory`: every role's public key with
-    its permissions. Clients without one of these keys are refused."""
-    users = []
-    for role in ROLES:
-        permissions = PERMISSIONS[role]
-        publish, subscribe = json.dumps(permissions["publish"]), json.dumps(permissions["subscribe"])
-        responses = ", allow_responses: true" if role in _ANSWERS_REQUESTS else ""
-        users.append(
-            f"    {{ nkey: {public_key(directory / f'{role}.nk')}, permissions: {{ publish: {{ allow: {publish} }}, "
-            f"subscribe: {{ allow: {subscribe} }}{responses} }} }}  # {role}"
-        )
+    its permissions, and every job's own member key (`jobs/<job>.nk`) with that job's. Clients without
+    one of these keys are refused."""
+    users = [_user(directory / f"{role}.nk", PERMISSIONS[role], role in _ANSWERS_REQUESTS, role) for role in ROLES]
+    for path in sorted((directory / "jobs").glob("*.nk")):
+        users.append(_user(path, job_member_permissions(path.stem), False, f"job {path.stem}'s members"))
     return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def _user(seed_file: Path, permissions: dict[str, list[str]], answers_requests: bool, comment: str) -> str:
+    publish, subscribe = json.dumps(permissions["publish"]), json.dumps(permissions["subscribe"])
+    responses = ", allow_responses: true" if answers_requests else ""
+    return (
+        f"    {{ nkey: {public_key(seed_file)}, permissions: {{ publish: {{ allow: {publish} }}, "
+        f"subscribe: {{ allow: {subscribe} }}{responses} }} }}  # {comment}"
+    )
 
 
 def write_server_authorization(directory: Path) -> Path:

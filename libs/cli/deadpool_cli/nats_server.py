@@ -65,6 +65,7 @@ class NatsServer:
         """An `authorization { ... }` block (`nats_auth.authorization_config`); empty: no auth."""
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self._reloaded = threading.Event()
 
     @property
     def url(self) -> str:
@@ -111,6 +112,8 @@ class NatsServer:
                     log.flush()
                 if b"Server is ready" in line:
                     ready.set()
+                if b"Reloaded server configuration" in line:
+                    self._reloaded.set()
 
         threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -120,6 +123,17 @@ class NatsServer:
                 tail = (self.workdir / "nats-server.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"nats-server did not start on {self.url}:\n{tail}")
         return self.url
+
+    def reload(self, authorization: str) -> None:
+        """Rewrite the configuration with a new `authorization` block and have the running server load
+        it (SIGHUP, as `nats-server --signal reload` does); returns once the server says it has."""
+        assert self.process is not None and self.process.poll() is None, "the server is not running"
+        self.authorization = authorization
+        self._reloaded.clear()
+        self._config()
+        self.process.send_signal(signal.SIGHUP)
+        if not self._reloaded.wait(READY_TIMEOUT_S):
+            raise RuntimeError(f"nats-server on {self.url} did not reload within {READY_TIMEOUT_S} s")
 
     def kill(self) -> None:
         """SIGKILL, as a host that dies would: no goodbye to clients or to the cluster."""

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from deadpool_cli.nats_auth import authorization_config, create_credentials
+from deadpool_cli.nats_auth import authorization_config, create_credentials, create_job_credentials
 from deadpool_cli.nats_server import NatsCluster, NatsServer
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
@@ -66,6 +66,9 @@ class StackConfig:
     component only its role's; stores then take job tokens only. False: an open bus and data plane."""
     credentials: str = ""
     """With `nats_url`: the credentials directory of that deployment ('' if its server has no auth)."""
+    jobs: tuple[str, ...] = ()
+    """Embedded NATS with auth: jobs given member credentials of their own before the server starts
+    (`nats_auth.create_job_credentials`; `add_job` adds one later)."""
 
     @property
     def js_replicas(self) -> int:
@@ -108,6 +111,8 @@ class Stack:
                 if self.config.auth:
                     self.credentials = self.config.workdir / "credentials"
                     create_credentials(self.credentials)
+                    for job in self.config.jobs:
+                        create_job_credentials(self.credentials, job)
                     authorization = authorization_config(self.credentials)
                 self.cluster = NatsCluster(
                     self.config.workdir / "nats", self.config.nats_nodes, authorization=authorization
@@ -158,6 +163,17 @@ class Stack:
     def nats_args(self) -> list[str]:
         """`--nats URL` and, with auth, `--credentials DIR`: what a `deadpool` command needs to join."""
         return ["--nats", self.url, *(["--credentials", str(self.credentials)] if self.credentials else [])]
+
+    async def add_job(self, job: str) -> Path:
+        """Give job `job` member credentials of its own, and have the embedded servers admit them (a
+        configuration reload, as an operator does after `deadpool credentials DIR --job JOB`)."""
+        if self.credentials is None or self.cluster is None:
+            raise RuntimeError("add_job needs the stack's own NATS servers, with auth")
+        path = create_job_credentials(self.credentials, job)
+        authorization = authorization_config(self.credentials)
+        for server in self.cluster.servers:
+            await asyncio.to_thread(server.reload, authorization)
+        return path
 
     async def connect(self, **options: Any) -> Client:
         """A NATS client with the admin role (operators, tests, benches)."""

@@ -40,6 +40,12 @@ class Subjects:
     def _s(self, topic: str) -> str:
         return f"{PREFIX}.{self.job}.{topic}"
 
+    @property
+    def inbox(self) -> str:
+        """The prefix of the reply subjects of the job's members' requests (their NATS `inbox_prefix`):
+        per job, so that a job's member credentials can be let read its own replies and no other's."""
+        return f"_INBOX.{PREFIX}.{self.job}"
+
     # members -> services
     @property
     def hello(self) -> str:

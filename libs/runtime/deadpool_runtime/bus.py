@@ -30,10 +30,11 @@ def server_urls(url: str) -> list[str]:
     return servers
 
 
-async def connect(url: str, name: str, log: Any, nkey_file: str = "") -> Client:
+async def connect(url: str, name: str, log: Any, nkey_file: str = "", inbox_prefix: str = "_INBOX") -> Client:
     """Connect to NATS (any server of a comma-separated list); keeps reconnecting for ever, to any of
     them, if the server goes away (logged). With `nkey_file` (a seed file), the connection authenticates
-    as that nkey's user and has the permissions the server gives it."""
+    as that nkey's user and has the permissions the server gives it. Replies to its requests come to
+    subjects under `inbox_prefix` (a member's: its job's, `Subjects.inbox`)."""
 
     async def on_disconnect() -> None:
         log.warning("nats disconnected")
@@ -54,6 +55,7 @@ async def connect(url: str, name: str, log: Any, nkey_file: str = "") -> Client:
         reconnected_cb=on_reconnect,
         error_cb=on_error,
         nkeys_seed=nkey_file or None,
+        inbox_prefix=inbox_prefix,
     )
 
 

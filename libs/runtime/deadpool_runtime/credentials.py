@@ -5,6 +5,10 @@ and every NATS client library read), and `dataplane.key`, the key that job token
 are derived from (`deadpool_protocol.dataplane.job_token`); only stores and swappers read it. The
 NATS server holds the public half of each nkey, with the role's permissions (`deadpool_cli.nats_auth`).
 A host is given only the files of the roles it runs: a training host `launcher.nk` and `member.nk`.
+
+`member.nk` is trusted for every job of the deployment. A job can have member credentials of its own,
+`jobs/<job>.nk` (`deadpool credentials DIR --job JOB`), which the server lets publish and read that
+job's subjects only; a launcher hands its members their job's file where there is one.
 """
 
 from __future__ import annotations
@@ -12,8 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from deadpool_protocol.dataplane import DATAPLANE_KEY_BYTES_MIN
+from deadpool_protocol.names import require_name
 
-__all__ = ["CREDENTIALS_ENV", "NKEY_ENV", "ROLES", "dataplane_key_file", "nkey_file", "read_dataplane_key"]
+__all__ = [
+    "CREDENTIALS_ENV",
+    "NKEY_ENV",
+    "ROLES",
+    "dataplane_key_file",
+    "job_nkey_path",
+    "member_nkey_file",
+    "nkey_file",
+    "read_dataplane_key",
+]
 
 CREDENTIALS_ENV = "DEADPOOL_CREDENTIALS"
 """The default of every command's `--credentials DIR`."""
@@ -32,6 +46,19 @@ def nkey_file(directory: str | Path, role: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"no {role} credentials: {path} does not exist")
     return str(path)
+
+
+def job_nkey_path(directory: str | Path, job: str) -> Path:
+    """Where job `job`'s own member nkey lives in a credentials directory."""
+    return Path(directory) / "jobs" / f"{require_name(job, 'job')}.nk"
+
+
+def member_nkey_file(directory: str | Path, job: str) -> str:
+    """The nkey a launcher hands to job `job`'s members: the job's own where it has one, else the member
+    role's ('' without a directory: no auth)."""
+    if directory and job_nkey_path(directory, job).is_file():
+        return str(job_nkey_path(directory, job))
+    return nkey_file(directory, "member")
 
 
 def dataplane_key_file(directory: str | Path) -> str:

@@ -202,7 +202,11 @@ class ControlLink:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._nc = await connect(
-            self.config.nats_url, f"deadpool-member-{self.config.member}", self.log, self.config.nats_nkey
+            self.config.nats_url,
+            f"deadpool-member-{self.config.member}",
+            self.log,
+            self.config.nats_nkey,
+            inbox_prefix=self.subjects.inbox,
         )
         self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
