@@ -1,6 +1,6 @@
 """DeadPool side by side with torchrun (and torchft, when installed): the same job, the same SIGKILL.
 
-    .venv/bin/python bench/versus.py [--steps 80 --kill-step 50] [--goodput-s 300 --kill-every-s 30]
+    .venv/bin/python bench/versus.py [--steps 160 --kill-step 56] [--goodput-s 300 --kill-every-s 30]
 
 The job (`versus_train.py`): a language model under DDP on gloo, 2 ranks, each step's batch a function
 of the step. Rank 1 SIGKILLs itself in the middle of step --kill-step, once. Per system:
@@ -10,7 +10,12 @@ of the step. Rank 1 SIGKILLs itself in the middle of step --kill-step, once. Per
 - torchrun: `torch.distributed.run --max-restarts`, every rank saving a `torch.save` checkpoint every K
   steps (K in --checkpoint-every, default 1 and 10); on the failure every rank restarts and resumes
   from the newest complete checkpoint.
-- torchft: skipped, with the reason, where `torchft` is not installed (`pip install torchft==0.2.0`).
+- torchft (0.2.0, where installed: `pip install torchft==0.2.0`, else skipped with the reason): one
+  replica group per rank, each under its own torchrun (--max-restarts), against a lighthouse
+  (min_replicas 1, quorum tick 100 ms, join timeout 10 s, the heartbeat timeout DeadPool's detector
+  has here). The survivor goes on alone; the dead replica restarts and heals from it over HTTP. The
+  steps a replica sat out are reported as steps_degraded: their batches were never trained on, so
+  the weights cannot equal the reference's.
 
 Each system runs --repeats times without the fault (its reference: the same checkpointing) and with
 it, interleaved; the figures are medians over the repeats. Reported per system, from the per-step
@@ -21,6 +26,9 @@ completion times every process writes:
   machine before any fault; this leaves the drift out);
 - downtime_s: the kill -> the first step every rank completed after it;
 - steps_recomputed: steps completed before the kill that were computed again;
+- steps_degraded: steps some rank did not complete (trained without its batch);
+- fault_cost_with_untrained_s: fault_cost_s plus the time the run would need to train the batches it
+  skipped (untrained batches / ranks x step_s): the same as fault_cost_s where no step was degraded;
 - step_s: the reference's median step time;
 - bit_identical: the final weights and optimizer state equal the reference's (torch.equal).
 Goal: DeadPool's time lost at least 20x below torchrun's best K (and 5x below torchft's), judged on
@@ -46,11 +54,13 @@ import random
 import secrets
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +72,8 @@ TRAIN = Path(__file__).resolve().parent / "versus_train.py"
 RUN_TIMEOUT_S = 900.0
 GOALS = {"vs_torchrun_best_k_min": 20.0, "vs_torchft_min": 5.0}
 FAULT_WINDOW_STEPS = 10
+HEARTBEAT_TIMEOUT_S = 2.0  # the detector's here, and torchft's lighthouse's
+RANKS = 2
 
 
 @dataclass
@@ -113,7 +125,10 @@ def behind(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]], step: int
     return done(rows, step, min if first else max) - done(ref_rows, step, max)
 
 
-def fault_figures(rows: list[dict[str, Any]], t_kill: float, ranks: int) -> dict[str, Any]:
+def fault_figures(rows: list[dict[str, Any]], t_kill: float, ranks: int, steps: int) -> dict[str, Any]:
+    by_step: dict[int, set[int]] = {}
+    for r in rows:
+        by_step.setdefault(r["step"], set()).add(r["rank"])
     before = [r["step"] for r in rows if r["t"] < t_kill]
     after = [r for r in rows if r["t"] > t_kill]
     firsts = [min((r["t"] for r in after if r["rank"] == rank), default=float("nan")) for rank in range(ranks)]
@@ -122,6 +137,7 @@ def fault_figures(rows: list[dict[str, Any]], t_kill: float, ranks: int) -> dict
     return {
         "downtime_s": round(max(firsts) - t_kill, 4),
         "steps_recomputed": max(0, last_done + 1 - restart),
+        "steps_degraded": sum(1 for s in range(steps) if len(by_step.get(s, ())) < ranks),
         "restart_step": restart,
     }
 
@@ -157,13 +173,39 @@ def job_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
+Runner = Callable[[Path, bool, int, bool], Awaitable[Run]]
+"""(run directory, whether rank 1 kills itself, steps, whether dead ranks are replaced for ever: the
+goodput run's) -> the finished run."""
+
+
+def deadpool_runner(stack: Stack, args: argparse.Namespace) -> Runner:
+    async def run(run_dir: Path, kill: bool, steps: int, endless: bool) -> Run:
+        return await deadpool_run(stack, args, run_dir, kill, steps, respawns=1000 if endless else 0)
+
+    return run
+
+
+def torchrun_runner(args: argparse.Namespace, every: int) -> Runner:
+    async def run(run_dir: Path, kill: bool, steps: int, endless: bool) -> Run:
+        return await torchrun_run(args, run_dir, every, kill, steps)
+
+    return run
+
+
+def torchft_runner(args: argparse.Namespace) -> Runner:
+    async def run(run_dir: Path, kill: bool, steps: int, endless: bool) -> Run:
+        return await torchft_run(args, run_dir, kill, steps)
+
+    return run
+
+
 async def deadpool_run(
     stack: Stack, args: argparse.Namespace, run_dir: Path, kill: bool, steps: int, respawns: int = 0
 ) -> Run:
     """One run with one warm spare; `respawns` fresh spares replace dead members (the goodput run's)."""
     run_dir.mkdir(parents=True)
     job = f"versus-{run_dir.parent.name}-{run_dir.name}-{secrets.token_hex(2)}"  # a job name is used once
-    command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job, "--nproc", "2"]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job, "--nproc", str(RANKS)]
     command += ["--spares", "1", "--respawns", str(respawns), "--collective-timeout-s", "20"]
     command += [str(TRAIN), "--mode", "deadpool", *train_args(args, run_dir, steps, kill)]
     code, wall = await run_job(command, run_dir / "run.log", job_env())
@@ -172,13 +214,49 @@ async def deadpool_run(
 
 async def torchrun_run(args: argparse.Namespace, run_dir: Path, every: int, kill: bool, steps: int) -> Run:
     run_dir.mkdir(parents=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["--max-restarts", "1000", "--monitor-interval", "0.1"]
+    command = [*TORCHRUN, "--nproc-per-node", str(RANKS)]
     command += [str(TRAIN), "--mode", "torchrun", *train_args(args, run_dir, steps, kill)]
     command += ["--checkpoint-every", str(every), "--checkpoint-dir", str(run_dir / "checkpoints")]
     code, wall = await run_job(command, run_dir / "run.log", job_env())
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     return Run(f"torchrun K={every}", run_dir / "stats", run_dir / "final", run_dir / "killed.json", code, wall)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts", "1000"]
+TORCHRUN += ["--monitor-interval", "0.1"]
+
+
+async def torchft_run(args: argparse.Namespace, run_dir: Path, kill: bool, steps: int) -> Run:
+    """A lighthouse, and one torchrun per replica group (one process each), which restarts it."""
+    run_dir.mkdir(parents=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lighthouse_bin = Path(sys.executable).parent / "torchft_lighthouse"
+    lighthouse_command = [str(lighthouse_bin), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1"]
+    lighthouse_command += ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
+    lighthouse_command += ["--heartbeat_timeout_ms", str(int(HEARTBEAT_TIMEOUT_S * 1000))]
+    with open(run_dir / "lighthouse.log", "wb") as sink:
+        lighthouse = await asyncio.create_subprocess_exec(*lighthouse_command, stdout=sink, stderr=subprocess.STDOUT)
+    command = [*TORCHRUN, "--nproc-per-node", "1", str(TRAIN), "--mode", "torchft"]
+    command += [*train_args(args, run_dir, steps, kill), "--replicas", str(RANKS)]
+    lighthouse_env = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    try:
+        replicas = await asyncio.gather(
+            *(
+                run_job(
+                    command, run_dir / f"replica{i}.log", {**job_env(), **lighthouse_env, "REPLICA_GROUP_ID": str(i)}
+                )
+                for i in range(RANKS)
+            )
+        )
+    finally:
+        lighthouse.terminate()
+        await lighthouse.wait()
+    code = next((c for c, _ in replicas if c != 0), 0)
+    return Run(
+        "torchft", run_dir / "stats", run_dir / "final", run_dir / "killed.json", code, max(w for _, w in replicas)
+    )
 
 
 def compare(system: str, faulted: Run, reference: Run, steps: int) -> dict[str, Any]:
@@ -199,16 +277,16 @@ def compare(system: str, faulted: Run, reference: Run, steps: int) -> dict[str, 
     after = min(steps - 1, kill_step + FAULT_WINDOW_STEPS)
     before = behind(rows, ref_rows, kill_step - 1, first=True)  # as it stood when the fault came
     result["fault_cost_s"] = round(behind(rows, ref_rows, after) - before, 4)
-    result.update(fault_figures(rows, t_kill, 2))
+    result.update(fault_figures(rows, t_kill, RANKS, steps))
     result["step_s"] = round(median_step_s(ref_rows), 4)
+    untrained = steps * RANKS - len({(r["step"], r["rank"]) for r in rows})
+    result["fault_cost_with_untrained_s"] = round(result["fault_cost_s"] + untrained / RANKS * result["step_s"], 4)
     identical, tensors, _ = compare_final_states(faulted.out, reference.out)
     result["bit_identical"] = identical and tensors > 0
     return result
 
 
-async def goodput(
-    stack: Stack | None, args: argparse.Namespace, run_dir: Path, step_s: float, every: int
-) -> dict[str, Any]:
+async def goodput(runner: Runner, args: argparse.Namespace, run_dir: Path, step_s: float) -> dict[str, Any]:
     """Train for --goodput-s with a SIGKILL of a training rank every --kill-every-s."""
     steps = max(10, int(args.goodput_s / step_s))
     stats = run_dir / "stats"
@@ -239,25 +317,35 @@ async def goodput(
                     pass
 
     task = asyncio.create_task(killer())
-    if stack is not None:
-        run = await deadpool_run(stack, args, run_dir, False, steps, respawns=1000)
-    else:
-        run = await torchrun_run(args, run_dir, every, False, steps)
+    run = await runner(run_dir, False, steps, True)
     killer_stop.set()
     await task
-    rows = completions(run.stats_dir)
+    return goodput_figures(run, completions(run.stats_dir), steps, kills, step_s)
+
+
+def goodput_figures(run: Run, rows: list[dict[str, Any]], steps: int, kills: int, step_s: float) -> dict[str, Any]:
+    """The effective training fraction: steps x a step time / the training phase; and the same counting
+    only the batches trained (a step some rank sat out, as torchft's survivors train without the dead
+    replica, trained part of its batch)."""
     done = len({r["step"] for r in rows})
     phase = training_s(rows, steps) if done == steps else float("nan")
     own = own_step_s(rows)
+    trained = len({(r["step"], r["rank"]) for r in rows}) / (steps * RANKS)
+
+    def fraction(step_time: float, share: float = 1.0) -> float | None:
+        return round(share * steps * step_time / phase, 4) if phase == phase else None
+
     return {
         "system": run.system,
         "finished": run.returncode == 0,
         "steps": steps,
         "kills": kills,
         "training_s": round(phase, 2),
-        "effective_fraction": round(steps * step_s / phase, 4) if phase == phase else None,
+        "effective_fraction": fraction(step_s),
         "own_median_step_s": round(own, 4),
-        "effective_fraction_own_pace": round(steps * own / phase, 4) if phase == phase else None,
+        "effective_fraction_own_pace": fraction(own),
+        "batches_trained": round(trained, 4),
+        "effective_fraction_own_pace_batches": fraction(own, trained),
     }
 
 
@@ -288,67 +376,93 @@ def summarise(system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "fault_cost_s": median("fault_cost_s"),
         "downtime_s": median("downtime_s"),
         "steps_recomputed": max(r["steps_recomputed"] for r in done),
+        "steps_degraded": max(r["steps_degraded"] for r in done),
+        "fault_cost_with_untrained_s": median("fault_cost_with_untrained_s"),
         "step_s": median("step_s"),
         "bit_identical": all(r["bit_identical"] for r in done),
     }
 
 
-def torchft_skip_reason() -> str:
+def torchft_skip_reason() -> str | None:
     if importlib.util.find_spec("torchft") is None:
         return "torchft is not installed (pip install torchft==0.2.0 to compare with it)"
-    return "torchft is installed, but this benchmark has no torchft runner yet"
+    if not socket.gethostbyname(socket.gethostname()).startswith("127."):
+        return "torchft's checkpoint server advertises this host's name, which is not a loopback address here"
+    return None
+
+
+def ratio(theirs: float | None, ours: float | None) -> float | None:
+    return round(theirs / ours, 1) if theirs is not None and ours is not None and ours > 0 else None
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deadpool-versus-"))
     trials: dict[str, list[dict[str, Any]]] = {}
-    config = StackConfig(workdir=workdir / "stack", stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
+    skip = torchft_skip_reason()
+    if skip:
+        print(f"torchft: skipped: {skip}", flush=True)
+    config = StackConfig(workdir=workdir / "stack", stores=2, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, hang_floor_s=3.0)
     async with Stack(config) as stack:
+        runners: dict[str, Runner] = {"deadpool": deadpool_runner(stack, args)}
+        for every in args.checkpoint_every:
+            runners[f"torchrun K={every}"] = torchrun_runner(args, every)
+        if skip is None:
+            runners["torchft"] = torchft_runner(args)
         for repeat in range(args.repeats):
-            here = workdir / f"repeat-{repeat}"
-            reference = await deadpool_run(stack, args, here / "deadpool-ref", False, args.steps)
-            faulted = await deadpool_run(stack, args, here / "deadpool-kill", True, args.steps)
-            trials.setdefault("deadpool", []).append(compare("deadpool", faulted, reference, args.steps))
-            print(json.dumps(trials["deadpool"][-1]), flush=True)
-            for every in args.checkpoint_every:
-                system = f"torchrun K={every}"
-                reference = await torchrun_run(args, here / f"torchrun-{every}-ref", every, False, args.steps)
-                faulted = await torchrun_run(args, here / f"torchrun-{every}-kill", every, True, args.steps)
+            for system, runner in runners.items():
+                here = workdir / f"repeat-{repeat}" / system.replace(" K=", "-")
+                reference = await runner(here / "ref", False, args.steps, False)
+                faulted = await runner(here / "kill", True, args.steps, False)
                 trials.setdefault(system, []).append(compare(system, faulted, reference, args.steps))
                 print(json.dumps(trials[system][-1]), flush=True)
-        rows = [summarise(system, runs) for system, runs in trials.items()]
-        skip = torchft_skip_reason()
-        print(f"torchft: skipped: {skip}", flush=True)
+        rows = {system: summarise(system, runs) for system, runs in trials.items()}
         goodputs = []
         if args.goodput_s > 0:
-            step_s = rows[0].get("step_s") or 0.1
-            goodputs.append(await goodput(stack, args, workdir / "deadpool-goodput", step_s, 0))
-            print(json.dumps(goodputs[-1]), flush=True)
-            best = min(args.checkpoint_every)
-            goodputs.append(await goodput(None, args, workdir / f"torchrun-{best}-goodput", step_s, best))
-            print(json.dumps(goodputs[-1]), flush=True)
+            step_s = rows["deadpool"].get("step_s") or 0.1
+            best_k = f"torchrun K={min(args.checkpoint_every)}"
+            for system in ["deadpool", best_k, "torchft"]:
+                if system in runners:
+                    here = workdir / "goodput" / system.replace(" K=", "-")
+                    goodputs.append(await goodput(runners[system], args, here, step_s))
+                    print(json.dumps(goodputs[-1]), flush=True)
 
-    _print_table(rows)
-    dp = rows[0]
-    torchruns = [r for r in rows[1:] if "time_lost_s" in r]
+    _print_table(list(rows.values()))
+    dp = rows["deadpool"]
+    torchruns = [r for system, r in rows.items() if system.startswith("torchrun") and "time_lost_s" in r]
     best_torchrun = min((r["time_lost_s"] for r in torchruns), default=None)
-    ratio = best_torchrun / dp["time_lost_s"] if best_torchrun and dp.get("time_lost_s", 0) > 0 else None
     best_cost = min((r["fault_cost_s"] for r in torchruns), default=None)
-    cost_ratio = best_cost / dp["fault_cost_s"] if best_cost and dp.get("fault_cost_s", 0) > 0 else None
+    torchft = rows.get("torchft", {})
+    at_fault = {
+        "torchrun": ratio(best_cost, dp.get("fault_cost_s")),
+        "torchft": ratio(torchft.get("fault_cost_s"), dp.get("fault_cost_s")),
+    }
+    goals_met = (
+        dp.get("bit_identical", False)
+        and (at_fault["torchrun"] or 0) >= GOALS["vs_torchrun_best_k_min"]
+        and (skip is not None or (at_fault["torchft"] or 0) >= GOALS["vs_torchft_min"])
+    )
     return {
         "deadpool_time_lost_s": dp.get("time_lost_s"),
         "torchrun_time_lost_s": best_torchrun,
-        "torchft_time_lost_s": None,
+        "torchft_time_lost_s": torchft.get("time_lost_s"),
         "torchft_skipped": skip,
         "deadpool_bit_identical": dp.get("bit_identical", False),
-        "torchrun_over_deadpool": round(ratio, 1) if ratio else None,
+        "torchft_bit_identical": torchft.get("bit_identical"),
+        "torchrun_over_deadpool": ratio(best_torchrun, dp.get("time_lost_s")),
+        "torchft_over_deadpool": ratio(torchft.get("time_lost_s"), dp.get("time_lost_s")),
         "deadpool_fault_cost_s": dp.get("fault_cost_s"),
         "torchrun_fault_cost_s": best_cost,
-        "torchrun_over_deadpool_at_fault": round(cost_ratio, 1) if cost_ratio else None,
-        "systems": rows,
+        "torchft_fault_cost_s": torchft.get("fault_cost_s"),
+        "torchrun_over_deadpool_at_fault": at_fault["torchrun"],
+        "torchft_over_deadpool_at_fault": at_fault["torchft"],
+        "torchft_fault_cost_with_untrained_s": torchft.get("fault_cost_with_untrained_s"),
+        "torchft_over_deadpool_with_untrained": ratio(
+            torchft.get("fault_cost_with_untrained_s"), dp.get("fault_cost_s")
+        ),
+        "systems": list(rows.values()),
         "goodput": goodputs,
         "goals": GOALS,
-        "goals_met": bool(cost_ratio and cost_ratio >= GOALS["vs_torchrun_best_k_min"] and dp.get("bit_identical")),
+        "goals_met": goals_met,
         "config": {k: v for k, v in vars(args).items() if k != "workdir"},
         "workdir": str(workdir),
     }
@@ -356,8 +470,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def _print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"{'system':16s} {'time lost':>10s} {'at fault':>9s} {'downtime':>9s} {'recomputed':>10s} {'step':>8s}"
-        "  bit-identical"
+        f"{'system':16s} {'time lost':>10s} {'at fault':>9s} {'downtime':>9s} {'recomputed':>10s} {'degraded':>8s}"
+        f" {'step':>8s}  bit-identical"
     )
     for r in rows:
         if "time_lost_s" not in r:
@@ -365,14 +479,14 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             continue
         print(
             f"{r['system']:16s} {r['time_lost_s']:9.3f}s {r['fault_cost_s']:8.3f}s {r['downtime_s']:8.3f}s "
-            f"{r['steps_recomputed']:10d} "
+            f"{r['steps_recomputed']:10d} {r['steps_degraded']:8d} "
             f"{r['step_s']:7.3f}s  {r['bit_identical']}"
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--steps", type=int, default=160, help="long enough for a restarted torchft replica to rejoin")
     parser.add_argument("--kill-step", type=int, default=56, help="mid-way between checkpoints of K=10")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each system, with and without the fault")
     parser.add_argument("--width", type=int, default=256)

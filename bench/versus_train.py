@@ -3,6 +3,9 @@
     --mode deadpool   started by `deadpool launch`: hot swap from the snapshot stores
     --mode torchrun   started by torchrun (--max-restarts): every rank restarts from the newest
                       `torch.save` checkpoint, written every --checkpoint-every steps
+    --mode torchft    one replica group per rank, each under its own torchrun (--max-restarts),
+                      against a torchft lighthouse: the survivors go on without the dead replica,
+                      which restarts and heals from a live peer's state
 
 A small language model (DDP, AdamW, a warm-up and cosine schedule) on gloo, each step's batch a
 function of the step, so a restarted run recomputes exactly the steps it lost. Every process appends
@@ -182,14 +185,93 @@ def run_torchrun(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def run_torchft(args: argparse.Namespace) -> None:
+    """torchft 0.2.0: a Manager per replica group (here one process each) with its ProcessGroupGloo,
+    each step's gradients averaged over the quorum with `manager.allreduce`, and the optimizer stepped
+    only where `manager.should_commit()`. The quorum is taken synchronously, so each step's batch is
+    known (and the same) after a heal.
+
+    Not torchft's DistributedDataParallel: in 0.2.0 its comm hook raises (`assert fut._fut`) when a peer
+    dies during the allreduce, and the survivor dies with it; torchrun then restarts every replica, and
+    with no live replica to heal from they start again from step 0. Manager.allreduce itself turns the
+    error into a step that is not committed, which is the recovery torchft is designed for.
+
+    A replica restarted after another trained the last step leaves at once: with nothing to heal from
+    it would train from step 0 alone, and the job (whose weights the finished replica holds) is done."""
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+
+    replica = int(os.environ["REPLICA_GROUP_ID"])
+    model, optimizer, scheduler = build(args)
+
+    def load_state_dict(state: dict[str, Any]) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        use_async_quorum=False,
+        replica_id=f"versus_{replica}",
+        hostname="localhost",
+        timeout=timedelta(seconds=10),
+        init_sync=False,  # every replica builds the same model from the same seed
+    )
+    stats = Stats(args.stats_dir)
+    _replicas_ready(args, replica)
+    finished = args.stats_dir / "finished"  # a replica trained the last step: the job is done
+    while manager.current_step() < args.steps:
+        if finished.exists():  # restarted after the others ended: no live replica to heal from
+            manager.shutdown(wait=False)
+            return
+        optimizer.zero_grad(set_to_none=True)
+        manager.start_quorum()  # a replica that was away heals here
+        step = manager.current_step()
+        x, y = batch(step, replica, args.batch)
+        model(x, y).backward()
+        maybe_die(args, step, replica)
+        for work in [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]:
+            work.wait()  # an error is recorded, and the step is not committed
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if manager.should_commit():
+            optimizer.step()
+            scheduler.step()
+            stats.completed(step, replica)
+    finished.touch()
+    save_final(args, replica, model, optimizer)
+    manager.shutdown(wait=False)
+
+
+def _replicas_ready(args: argparse.Namespace, replica: int, wait_s: float = 120.0) -> None:
+    """At the start, every replica waits until all have a heartbeating manager: else the first to
+    ask for a quorum gets one of its own, and the reference run would not train with every replica.
+    A replica that restarts finds the files there and goes on."""
+    ready = args.stats_dir / "ready"
+    ready.mkdir(parents=True, exist_ok=True)
+    (ready / str(replica)).touch()
+    deadline = time.monotonic() + wait_s
+    while len(list(ready.iterdir())) < args.replicas:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other replicas did not start within {wait_s} s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["deadpool", "torchrun"], required=True)
+    parser.add_argument("--mode", choices=["deadpool", "torchrun", "torchft"], required=True)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--stats-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replicas", type=int, default=2, help="torchft: replica groups in the job")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
     parser.add_argument("--die-at-step", type=int, default=-1)
@@ -197,7 +279,7 @@ def main() -> None:
     parser.add_argument("--die-marker", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    (run_deadpool if args.mode == "deadpool" else run_torchrun)(args)
+    {"deadpool": run_deadpool, "torchrun": run_torchrun, "torchft": run_torchft}[args.mode](args)
 
 
 if __name__ == "__main__":
