@@ -68,7 +68,7 @@ class StackConfig:
     """With `nats_url`: the credentials directory of that deployment ('' if its server has no auth)."""
     jobs: tuple[str, ...] = ()
     """Embedded NATS with auth: jobs given member credentials of their own before the server starts
-    (`nats_auth.create_job_credentials`; `add_job` adds one later)."""
+    (`nats_auth.create_job_credentials`; a running server admits a later one on `NatsServer.reload`)."""
 
     @property
     def js_replicas(self) -> int:
@@ -163,17 +163,6 @@ class Stack:
     def nats_args(self) -> list[str]:
         """`--nats URL` and, with auth, `--credentials DIR`: what a `deadpool` command needs to join."""
         return ["--nats", self.url, *(["--credentials", str(self.credentials)] if self.credentials else [])]
-
-    async def add_job(self, job: str) -> Path:
-        """Give job `job` member credentials of its own, and have the embedded servers admit them (a
-        configuration reload, as an operator does after `deadpool credentials DIR --job JOB`)."""
-        if self.credentials is None or self.cluster is None:
-            raise RuntimeError("add_job needs the stack's own NATS servers, with auth")
-        path = create_job_credentials(self.credentials, job)
-        authorization = authorization_config(self.credentials)
-        for server in self.cluster.servers:
-            await asyncio.to_thread(server.reload, authorization)
-        return path
 
     async def connect(self, **options: Any) -> Client:
         """A NATS client with the admin role (operators, tests, benches)."""
