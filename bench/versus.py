@@ -26,7 +26,8 @@ completion times every process writes:
   machine before any fault; this leaves the drift out);
 - downtime_s: the kill -> the first step every rank completed after it;
 - steps_recomputed: steps completed before the kill that were computed again;
-- steps_degraded: steps some rank did not complete (trained without its batch);
+- steps_degraded: steps some rank did not complete (trained without its batch); batches_untrained:
+  the (step, rank) batches no process completed;
 - fault_cost_with_untrained_s: fault_cost_s plus the time the run would need to train the batches it
   skipped (untrained batches / ranks x step_s): the same as fault_cost_s where no step was degraded;
 - step_s: the reference's median step time;
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import importlib.util
 import itertools
 import json
@@ -65,6 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deadpool_cli.nats_server import free_port
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 
@@ -125,10 +128,13 @@ def behind(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]], step: int
     return done(rows, step, min if first else max) - done(ref_rows, step, max)
 
 
+def trained_batches(rows: list[dict[str, Any]]) -> set[tuple[int, int]]:
+    """The (step, rank) batches some process completed (a step computed again counts once)."""
+    return {(r["step"], r["rank"]) for r in rows}
+
+
 def fault_figures(rows: list[dict[str, Any]], t_kill: float, ranks: int, steps: int) -> dict[str, Any]:
-    by_step: dict[int, set[int]] = {}
-    for r in rows:
-        by_step.setdefault(r["step"], set()).add(r["rank"])
+    ranks_done = collections.Counter(step for step, _ in trained_batches(rows))
     before = [r["step"] for r in rows if r["t"] < t_kill]
     after = [r for r in rows if r["t"] > t_kill]
     firsts = [min((r["t"] for r in after if r["rank"] == rank), default=float("nan")) for rank in range(ranks)]
@@ -137,7 +143,8 @@ def fault_figures(rows: list[dict[str, Any]], t_kill: float, ranks: int, steps: 
     return {
         "downtime_s": round(max(firsts) - t_kill, 4),
         "steps_recomputed": max(0, last_done + 1 - restart),
-        "steps_degraded": sum(1 for s in range(steps) if len(by_step.get(s, ())) < ranks),
+        "steps_degraded": sum(1 for s in range(steps) if ranks_done[s] < ranks),
+        "batches_untrained": sum(ranks - ranks_done[s] for s in range(steps)),
         "restart_step": restart,
     }
 
@@ -229,9 +236,7 @@ TORCHRUN += ["--monitor-interval", "0.1"]
 async def torchft_run(args: argparse.Namespace, run_dir: Path, kill: bool, steps: int) -> Run:
     """A lighthouse, and one torchrun per replica group (one process each), which restarts it."""
     run_dir.mkdir(parents=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     lighthouse_bin = Path(sys.executable).parent / "torchft_lighthouse"
     lighthouse_command = [str(lighthouse_bin), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1"]
     lighthouse_command += ["--quorum_tick_ms", "100", "--join_timeout_ms", "10000"]
@@ -240,23 +245,17 @@ async def torchft_run(args: argparse.Namespace, run_dir: Path, kill: bool, steps
         lighthouse = await asyncio.create_subprocess_exec(*lighthouse_command, stdout=sink, stderr=subprocess.STDOUT)
     command = [*TORCHRUN, "--nproc-per-node", "1", str(TRAIN), "--mode", "torchft"]
     command += [*train_args(args, run_dir, steps, kill), "--replicas", str(RANKS)]
-    lighthouse_env = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+    env = {**job_env(), "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
     try:
         replicas = await asyncio.gather(
-            *(
-                run_job(
-                    command, run_dir / f"replica{i}.log", {**job_env(), **lighthouse_env, "REPLICA_GROUP_ID": str(i)}
-                )
-                for i in range(RANKS)
-            )
+            *(run_job(command, run_dir / f"replica{i}.log", {**env, "REPLICA_GROUP_ID": str(i)}) for i in range(RANKS))
         )
     finally:
         lighthouse.terminate()
         await lighthouse.wait()
     code = next((c for c, _ in replicas if c != 0), 0)
-    return Run(
-        "torchft", run_dir / "stats", run_dir / "final", run_dir / "killed.json", code, max(w for _, w in replicas)
-    )
+    wall = max(w for _, w in replicas)
+    return Run("torchft", run_dir / "stats", run_dir / "final", run_dir / "killed.json", code, wall)
 
 
 def compare(system: str, faulted: Run, reference: Run, steps: int) -> dict[str, Any]:
@@ -271,16 +270,16 @@ def compare(system: str, faulted: Run, reference: Run, steps: int) -> dict[str, 
     if not result["finished"] or not faulted.marker.exists():
         result["error"] = "a run failed, or the fault did not happen: see its run.log"
         return result
-    t_kill = json.loads(faulted.marker.read_text())["t"]
+    killed = json.loads(faulted.marker.read_text())
+    t_kill, kill_step = killed["t"], killed["step"]
     result["time_lost_s"] = round(training_s(rows, steps) - training_s(ref_rows, steps), 4)
-    kill_step = json.loads(faulted.marker.read_text())["step"]
     after = min(steps - 1, kill_step + FAULT_WINDOW_STEPS)
     before = behind(rows, ref_rows, kill_step - 1, first=True)  # as it stood when the fault came
     result["fault_cost_s"] = round(behind(rows, ref_rows, after) - before, 4)
     result.update(fault_figures(rows, t_kill, RANKS, steps))
     result["step_s"] = round(median_step_s(ref_rows), 4)
-    untrained = steps * RANKS - len({(r["step"], r["rank"]) for r in rows})
-    result["fault_cost_with_untrained_s"] = round(result["fault_cost_s"] + untrained / RANKS * result["step_s"], 4)
+    untrained_s = result["batches_untrained"] / RANKS * result["step_s"]
+    result["fault_cost_with_untrained_s"] = round(result["fault_cost_s"] + untrained_s, 4)
     identical, tensors, _ = compare_final_states(faulted.out, reference.out)
     result["bit_identical"] = identical and tensors > 0
     return result
@@ -330,7 +329,7 @@ def goodput_figures(run: Run, rows: list[dict[str, Any]], steps: int, kills: int
     done = len({r["step"] for r in rows})
     phase = training_s(rows, steps) if done == steps else float("nan")
     own = own_step_s(rows)
-    trained = len({(r["step"], r["rank"]) for r in rows}) / (steps * RANKS)
+    trained = len(trained_batches(rows)) / (steps * RANKS)
 
     def fraction(step_time: float, share: float = 1.0) -> float | None:
         return round(share * steps * step_time / phase, 4) if phase == phase else None
