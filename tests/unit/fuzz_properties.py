@@ -15,6 +15,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -22,7 +23,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from deadpool_protocol import ProtocolError, decode_any, encode
-from deadpool_protocol.codec import _KINDS, PROTOCOL_VERSION
+from deadpool_protocol.bounds import Bound, bound_of
+from deadpool_protocol.codec import _KINDS, PROTOCOL_VERSION, shown
 from deadpool_protocol.dataplane import (
     _OPS,
     CHUNK_BYTES_MAX,
@@ -44,11 +46,15 @@ from deadpool_store.memory import SnapshotMemory, StoreError
 __all__ = [
     "Forgery",
     "StoreProtocol",
+    "bounds_broken",
     "check_frame_bytes",
     "check_message_bytes",
+    "check_oversized_message",
     "check_token_frame",
     "frame_bodies",
     "message_bodies",
+    "oversized",
+    "oversized_messages",
     "token_frames",
 ]
 
@@ -191,15 +197,103 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def _too_big(base: Any, bound: Bound) -> Any:
+    """A value of type `base` one unit over `bound` (a list's or map's items need not be valid: the
+    count is checked first)."""
+    origin = typing.get_origin(base) or base
+    if origin is str:
+        return "x" * (bound.most + 1)
+    if origin is bytes:
+        return b"x" * (bound.most + 1)
+    if origin is list:
+        return [None] * (bound.most + 1)
+    return {f"k{i}": None for i in range(bound.most + 1)}
+
+
+def oversized(hint: Any, value: Any, where: str) -> Iterator[tuple[str, Bound, Any]]:
+    """Every way to put one value over its bound in `value` (the wire form of type `hint`): the place
+    a refusal names, the bound broken, and the whole of `value` with that one change. Nested values
+    are reached through the first item of a list and the first entry of a map."""
+    base, bound = bound_of(hint)
+    if bound is not None:
+        yield where, bound, _too_big(base, bound)
+    origin = typing.get_origin(base)
+    if origin is list and value:
+        (item,) = typing.get_args(base)
+        for at, broken, bad in oversized(item, value[0], f"{where}[0]"):
+            yield at, broken, [bad, *value[1:]]
+    elif origin is dict and value:
+        key_t, value_t = typing.get_args(base)
+        first = next(iter(value))
+        rest = {k: v for k, v in value.items() if k != first}
+        for at, broken, bad in oversized(key_t, first, f"{where}.<key>"):
+            yield at, broken, {bad: value[first], **rest}
+        for at, broken, bad in oversized(value_t, value[first], f"{where}[{shown(first)}]"):
+            yield at, broken, {**value, first: bad}
+    elif dataclasses.is_dataclass(base) and isinstance(value, dict):
+        hints = typing.get_type_hints(base, include_extras=True)
+        for f in dataclasses.fields(base):
+            if f.name in value:
+                for at, broken, bad in oversized(hints[f.name], value[f.name], f"{where}.{f.name}"):
+                    yield at, broken, {**value, f.name: bad}
+
+
+def bounds_broken(value: Any, hint: Any, where: str) -> list[str]:
+    """Where an accepted `value` (of type `hint`) holds more than its bound allows."""
+    base, bound = bound_of(hint)
+    if bound is not None and isinstance(value, str | bytes | list | dict) and bound.excess(value):
+        return [f"{where}: {bound.excess(value)}"]
+    origin = typing.get_origin(base)
+    if origin is list:
+        (item,) = typing.get_args(base)
+        return [b for i, v in enumerate(value) for b in bounds_broken(v, item, f"{where}[{i}]")]
+    if origin is dict:
+        key_t, value_t = typing.get_args(base)
+        return [b for k, v in value.items() for b in bounds_broken(k, key_t, where) + bounds_broken(v, value_t, where)]
+    if dataclasses.is_dataclass(base):
+        hints = typing.get_type_hints(base, include_extras=True)
+        return [
+            b for f in dataclasses.fields(base) for b in bounds_broken(getattr(value, f.name), hints[f.name], where)
+        ]
+    return []
+
+
+@st.composite
+def oversized_messages(draw: st.DrawFn) -> tuple[bytes, str, str]:
+    """A control message shaped like a real one, with one value somewhere over its bound: (its bytes,
+    the place the refusal must name, the bound's name)."""
+    kind = draw(st.sampled_from(sorted(_KINDS)))
+    cls = typing.cast(type, _KINDS[kind])
+    fields = draw(_plausible_fields(cls))
+    variants = list(oversized(cls, fields, kind))
+    where, bound, body = draw(st.sampled_from(variants))
+    data = bytes(msgpack.packb({**body, "v": PROTOCOL_VERSION, "kind": kind}, use_bin_type=True))
+    return data, where, bound.name
+
+
+def check_oversized_message(data: bytes, where: str, bound: str) -> None:
+    """An oversized value is refused, and the reason names where it is and the bound it broke."""
+    try:
+        message = decode_any(data)
+    except ProtocolError as exc:
+        if f"{where}: " not in str(exc) or bound not in str(exc):
+            raise AssertionError(f"refused, but not for {where} over {bound}: {exc}") from None
+        return
+    raise Forgery(f"a {message.KIND} with {where} over {bound} was accepted")
+
+
 def check_message_bytes(data: bytes) -> bool:
-    """Decode a control message: refused with ProtocolError (False), or accepted (True), finite and
-    stable under a second encoding."""
+    """Decode a control message: refused with ProtocolError (False), or accepted (True), finite,
+    within every bound, and stable under a second encoding."""
     try:
         message = decode_any(data)
     except ProtocolError:
         return False
     if not _finite(message):
         raise Forgery(f"a {message.KIND} with a number that is not finite was accepted")
+    broken = bounds_broken(message, type(message), message.KIND)
+    if broken:
+        raise Forgery(f"a {message.KIND} over its bounds was accepted: {broken}")
     if decode_any(encode(message)) != message:
         raise Forgery(f"a {message.KIND} changed when encoded again")
     return True
@@ -211,6 +305,9 @@ def check_frame_bytes(data: bytes) -> bool:
         frame = decode_frame_header(data)
     except ProtocolError:
         return False
+    broken = bounds_broken(frame, type(frame), frame.OP)
+    if broken:
+        raise Forgery(f"a {frame.OP} frame over its bounds was accepted: {broken}")
     if isinstance(frame, Seal) or (isinstance(frame, FetchReply) and frame.ok):
         if not (0 <= frame.total_bytes <= SNAPSHOT_BYTES_MAX and 0 < frame.chunk_bytes <= CHUNK_BYTES_MAX):
             raise Forgery(f"a {frame.OP} of {frame.total_bytes} bytes in chunks of {frame.chunk_bytes} was accepted")

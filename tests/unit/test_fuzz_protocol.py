@@ -12,9 +12,11 @@ from tests.unit.fuzz_properties import (
     StoreProtocol,
     check_frame_bytes,
     check_message_bytes,
+    check_oversized_message,
     check_token_frame,
     frame_bodies,
     message_bodies,
+    oversized_messages,
     token_frames,
 )
 
@@ -31,6 +33,14 @@ def test_random_bytes_are_refused_as_a_message_or_decode_to_a_sound_one(data: by
 @given(message_bodies())
 def test_maps_shaped_like_messages_are_refused_or_decode_to_sound_ones(data: bytes) -> None:
     check_message_bytes(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(oversized_messages())
+def test_a_message_with_any_value_over_its_bound_is_refused_naming_the_field_and_the_bound(
+    case: tuple[bytes, str, str],
+) -> None:
+    check_oversized_message(*case)
 
 
 @CI

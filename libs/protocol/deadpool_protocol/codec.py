@@ -2,8 +2,10 @@
 
 `decode` never trusts its input: it checks the protocol version, the kind, every field's type (from
 the dataclass annotations, recursively; a number must be finite: a NaN time or step size poisons every
-computation it enters) and the message's own `check()`. Anything wrong raises
-`ProtocolError` with a reason fit for a log line; callers log it and carry on.
+computation it enters), every field's size against its bound (`bounds`: a string, bytes, a list or a
+map, each checked before anything is built from it) and the message's own `check()`. Anything wrong
+raises `ProtocolError` with a reason fit for a log line, which names the field (and the bound it
+broke) but never quotes more than a few characters of what was sent; callers log it and carry on.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Sized
 from typing import Any, TypeVar
 
 import msgpack
 
+from deadpool_protocol.bounds import Bound, bound_of
 from deadpool_protocol.messages import (
     ChildExit,
     Commit,
@@ -39,6 +43,8 @@ from deadpool_protocol.messages import (
     Rebuild,
     RebuildAck,
     Replicate,
+    RunReply,
+    RunStart,
     SnapshotComplete,
     StepResumed,
     StoreStatus,
@@ -52,6 +58,7 @@ __all__ = [
     "decode_any",
     "encode",
     "from_fields",
+    "shown",
     "to_fields",
 ]
 
@@ -79,6 +86,8 @@ _KINDS: dict[str, type[Message]] = {
         RebuildAck,
         Placement,
         Replicate,
+        RunStart,
+        RunReply,
         FenceRequest,
         FenceReply,
         GenerationVoid,
@@ -129,21 +138,31 @@ def decode_any(data: bytes) -> Message:
         raise ProtocolError(f"message is a {type(body).__name__}, not a map")
     version = body.pop("v", None)
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(f"unsupported protocol version {shown(version)} (this side speaks {PROTOCOL_VERSION})")
     kind = body.pop("kind", None)
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
+        raise ProtocolError(f"unknown message kind {shown(kind)}")
     message = from_fields(cls, body, kind)
     message.check()
     return message
+
+
+SHOWN_CHARS_MAX = 64
+"""How much of a value that was refused a reason quotes."""
+
+
+def shown(value: Any) -> str:
+    """`value` as a refusal quotes it: its repr, cut short (a hostile peer chooses its size)."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS_MAX else f"{text[:SHOWN_CHARS_MAX]}..."
 
 
 D = TypeVar("D")
 
 
 def from_fields(cls: type[D], body: Any, where: str) -> D:
-    """Build dataclass `cls` from a decoded map, checking every field's type.
+    """Build dataclass `cls` from a decoded map, checking every field's type and bound.
 
     Scalar fields are checked inline, against a per-class plan built once: the detector decodes
     every heartbeat of every member, and the generic path cost most of its CPU.
@@ -152,24 +171,30 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
     plan, names = _plan(cls)  # type: ignore[arg-type]  # classes are hashable
     values: dict[str, Any] = {}
-    for name, hint, scalar, required in plan:
+    for name, hint, scalar, most, counted, required in plan:
         if name in body:
             value = body[name]
             kind = type(value)
             if scalar is None:
                 values[name] = _check_type(value, hint, f"{where}.{name}")
-            elif kind is scalar and (kind is not float or math.isfinite(value)):
+            elif kind is scalar and (
+                # a str or bytes within its bound for sure (a str bounded in UTF-8 bytes that is not
+                # ASCII is measured by the slow path), or a finite number
+                len(value) <= most and (counted or value.isascii())
+                if most >= 0
+                else kind is not float or math.isfinite(value)
+            ):
                 values[name] = value
             elif scalar is float and kind is int:
                 values[name] = float(value)
-            else:
-                values[name] = _check_type(value, hint, f"{where}.{name}")  # raises with the precise reason
+            else:  # refused with the precise reason (or measured, and accepted)
+                values[name] = _check_type(value, hint, f"{where}.{name}")
         elif required:
             raise ProtocolError(f"{where}: missing field {name!r}")
     if len(body) > len(values):
         unknown = set(body) - names
         if unknown:
-            raise ProtocolError(f"{where}: unknown fields {sorted(unknown)}")
+            raise ProtocolError(f"{where}: unknown fields {shown(sorted(unknown, key=str)[:8])}")
     return cls(**values)
 
 
@@ -177,19 +202,43 @@ _SCALARS: tuple[type, ...] = (int, str, float, bool, bytes)
 
 
 @functools.cache
-def _plan(cls: type) -> tuple[list[tuple[str, Any, type | None, bool]], frozenset[str]]:
-    """(name, hint, the exact scalar type or None, required) per field, and the field names."""
-    hints = typing.get_type_hints(cls)
+def _plan(cls: type) -> tuple[list[tuple[str, Any, type | None, int, bool, bool]], frozenset[str]]:
+    """Per field: its name, its type hint, the exact scalar type or None, the most a str or bytes of
+    it may hold (-1 for other scalars), whether `len()` measures that (not for a str bounded in UTF-8
+    bytes), whether it is required; and the field names."""
+    hints = typing.get_type_hints(cls, include_extras=True)
     plan = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
-        scalar = hint if hint in _SCALARS else None
+        base, bound = bound_of(hint)
+        scalar = base if base in _SCALARS else None
+        most = bound.most if bound is not None and scalar in (str, bytes) else -1
+        counted = scalar is bytes or (bound is not None and bound.unit != "bytes")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        plan.append((f.name, hint, scalar, required))
+        plan.append((f.name, hint, scalar, most, counted, required))
     return plan, frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """`value` checked against type `hint` and its bound, recursively; raises ProtocolError. A value's
+    size is checked before anything is built from it (a list's length before its items)."""
+    base, bound, kind = _resolved(hint)
+    if bound is not None and type(value) is kind:  # a str, bytes, list or dict
+        excess = bound.excess(typing.cast(Sized, value))
+        if excess:
+            raise ProtocolError(f"{where}: {excess}")
+    return _check_base(value, base, where)
+
+
+@functools.cache
+def _resolved(hint: Any) -> tuple[Any, Bound | None, type]:
+    """The type under `hint`'s annotations, its bound (see `bounds.bound_of`) and the Python type a
+    value of it has (`list` for `list[str]`)."""
+    base, bound = bound_of(hint)
+    return base, bound, typing.get_origin(base) or base
+
+
+def _check_base(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -213,7 +262,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             raise ProtocolError(f"{where}: expected a map, got {type(value).__name__}")
         key_t, val_t = typing.get_args(hint)
         return {
-            _check_type(k, key_t, f"{where}.<key>"): _check_type(v, val_t, f"{where}[{k!r}]") for k, v in value.items()
+            _check_type(k, key_t, f"{where}.<key>"): _check_type(v, val_t, f"{where}[{shown(k)}]")
+            for k, v in value.items()
         }
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(hint):

@@ -26,16 +26,18 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
-from typing import ClassVar, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 import msgpack
 import xxhash
 
-from deadpool_protocol.codec import from_fields, to_fields
-from deadpool_protocol.messages import TOKEN_BYTES, ProtocolError, check_traceparent
+from deadpool_protocol.bounds import TOKEN_BYTES, Bound, Name, Text, Token, Traceparent
+from deadpool_protocol.codec import from_fields, shown, to_fields
+from deadpool_protocol.messages import ProtocolError
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
+    "CHECKSUMS_MAX",
     "CHUNK_BYTES_DEFAULT",
     "CHUNK_BYTES_MAX",
     "DATAPLANE_VERSION",
@@ -65,6 +67,12 @@ CHUNK_BYTES_MAX = 256 * 1024 * 1024
 """The largest chunk either end accepts."""
 SNAPSHOT_BYTES_MAX = 1 << 40
 """The largest snapshot either end accepts (1 TiB: one rank's state; a store's capacity bounds it further)."""
+CHECKSUMS_MAX = HEADER_BYTES_MAX // 8
+"""A manifest's checksums: about as many as a frame header holds (a 1 TiB snapshot in the default
+chunks has 2**18)."""
+Checksums = Annotated[list[int], Bound(CHECKSUMS_MAX, "CHECKSUMS_MAX", "items")]
+Layout = Annotated[bytes, Bound(HEADER_BYTES_MAX, "HEADER_BYTES_MAX", "bytes")]
+"""A snapshot's layout (`meta`), carried in a frame header."""
 DATAPLANE_KEY_BYTES_MIN = 32
 DATAPLANE_VERSION = 2
 """1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
@@ -152,15 +160,15 @@ class PutChunk(Frame):
     """One chunk of snapshot (job, rank, step); `nbytes` raw bytes follow the header (its checksum is in the Seal)."""
 
     OP: ClassVar[str] = "put_chunk"
-    job: str
+    job: Name
     generation: int
     rank: int
-    member: str
+    member: Name
     step: int
     offset: int
     nbytes: int
     total_bytes: int
-    token: bytes = b""
+    token: Token = b""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
@@ -181,16 +189,16 @@ class Seal(Frame):
     """The manifest: every chunk was sent; `checksums[i]` is chunk i's, `meta` the snapshot's layout."""
 
     OP: ClassVar[str] = "seal"
-    job: str
+    job: Name
     generation: int
     rank: int
-    member: str
+    member: Name
     step: int
     total_bytes: int
     chunk_bytes: int
-    checksums: list[int]
-    meta: bytes
-    token: bytes = b""
+    checksums: Checksums
+    meta: Layout
+    token: Token = b""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
@@ -202,24 +210,23 @@ class Seal(Frame):
 @dataclass(frozen=True, slots=True)
 class Fetch(Frame):
     OP: ClassVar[str] = "fetch"
-    job: str
+    job: Name
     rank: int
     step: int
-    token: bytes = b""
-    traceparent: str = ""
+    token: Token = b""
+    traceparent: Traceparent = ""
     """The restoring member's trace context: the store's `serve_restore` span goes under it."""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_token(self.token)
-        check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
 class Reply(Frame):
     OP: ClassVar[str] = "reply"
     ok: bool
-    error: str
+    error: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,13 +235,13 @@ class FetchReply(Frame):
 
     OP: ClassVar[str] = "fetch_reply"
     ok: bool
-    error: str
+    error: Text
     generation: int
-    member: str
+    member: Name
     total_bytes: int
     chunk_bytes: int
-    checksums: list[int]
-    meta: bytes
+    checksums: Checksums
+    meta: Layout
 
     def check(self) -> None:
         if self.ok:  # the member allocates total_bytes and reads chunk by chunk: bound both first
@@ -265,11 +272,11 @@ def decode_frame_header(header: bytes, expected: type[F] | None = None) -> Frame
         raise ProtocolError("frame header is not a map")
     version = body.pop("v", None)
     if version != DATAPLANE_VERSION:
-        raise ProtocolError(f"data-plane protocol version {version!r} is not the supported {DATAPLANE_VERSION}")
+        raise ProtocolError(f"data-plane protocol version {shown(version)} is not the supported {DATAPLANE_VERSION}")
     op = body.pop("op", None)
     cls = _OPS.get(op) if isinstance(op, str) else None
     if cls is None:
-        raise ProtocolError(f"unknown frame op {op!r}")
+        raise ProtocolError(f"unknown frame op {shown(op)}")
     if expected is not None and cls is not expected:
         raise ProtocolError(f"expected a {expected.OP} frame, got {op}")
     frame = from_fields(cls, body, op)

@@ -6,20 +6,47 @@ view of the `generation`; receivers drop ones from an older generation where tha
 every decode, so a service never acts on a message that breaks them.
 
 Time stamps (`t_*`) are wall-clock seconds (`time.time()`), so they can be compared across processes;
-durations are seconds as floats.
+durations are seconds as floats. Every string, bytes, list and map field has a bound, declared by its
+type (`Name`, `Host`, `Text`, `Members`...: see `bounds`), which the codec checks before a message is
+built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
+from deadpool_protocol.bounds import (
+    BEATS,
+    HEARTBEATS_PER_BATCH_MAX,
+    MEMBERS_PER_JOB_MAX,
+    STORES,
+    TOKEN_BYTES,
+    TRACEPARENT_CHARS_MAX,
+    Evidence,
+    Host,
+    IncidentId,
+    IncidentIds,
+    Marks,
+    Members,
+    Name,
+    Placements,
+    Section,
+    Tag,
+    Text,
+    Token,
+    Traceparent,
+    Where,
+)
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
     "FIRST_STEP_SECTION",
+    "HEARTBEATS_PER_BATCH_MAX",
     "NO_RANK",
     "NO_STEP",
+    "TOKEN_BYTES",
+    "TRACEPARENT_CHARS_MAX",
     "ChildExit",
     "Commit",
     "Failure",
@@ -44,6 +71,8 @@ __all__ = [
     "Rebuild",
     "RebuildAck",
     "Replicate",
+    "RunReply",
+    "RunStart",
     "SnapshotComplete",
     "StepResumed",
     "StoreAddress",
@@ -104,24 +133,12 @@ class Message:
 
 @dataclass(frozen=True, slots=True)
 class JobMessage(Message):
-    job: str
+    job: Name
     generation: int
 
     def check(self) -> None:
         _need_name(self.job, "job")
         _need(self.generation >= 0, f"generation {self.generation} is negative")
-
-
-TRACEPARENT_CHARS_MAX = 128
-"""The longest trace context accepted in a message or a frame."""
-TOKEN_BYTES = 32
-"""A job's data-plane token: HMAC-SHA256 (`dataplane.job_token`)."""
-
-
-def check_traceparent(traceparent: str) -> None:
-    """A trace context is short (a W3C traceparent has 55 characters); its content is the tracer's to
-    parse, which starts a new trace for a malformed one."""
-    _need(len(traceparent) <= TRACEPARENT_CHARS_MAX, f"a traceparent of {len(traceparent)} characters")
 
 
 def _check_rank(rank: int) -> None:
@@ -137,19 +154,22 @@ class MemberHello(JobMessage):
     """A member registers with the swapper (request/reply; the reply is `HelloReply`)."""
 
     KIND: ClassVar[str] = "member_hello"
-    member: str
-    host: str
+    member: Name
+    host: Host
     pid: int
-    launcher: str
+    launcher: Name
     rank_hint: int
     world_size: int
-    rendezvous_host: str
+    rendezvous_host: Host
     rendezvous_port: int
     t: float
+    run: Name = ""
+    """The run the member was started in (`RunStart`; '' where nothing started one)."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
+        _need_name(self.run, "run", allow_empty=True)
         _need_name(self.launcher, "launcher", allow_empty=True)
         _need(self.pid > 0, f"pid {self.pid} is not positive")
         _check_rank(self.rank_hint)
@@ -158,17 +178,54 @@ class MemberHello(JobMessage):
         _need(self.rendezvous_host != "", "rendezvous_host is empty")
 
 
+HOLD_WITHOUT_STORES_S_MAX = 24 * 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RunStart(JobMessage):
+    """A launcher starts a run of the job before its members say hello (request/reply; the reply is
+    `RunReply`). A job name holds one run at a time: a run of a name that runs is refused, saying which
+    run holds it; a finished run's record is archived and the name starts afresh (its generations go
+    on from the last run's, so every wait and fence of the old run stays superseded). Only launchers may
+    start runs, so a name cannot be squatted by a member's key."""
+
+    KIND: ClassVar[str] = "run_start"
+    run: Name
+    world_size: int
+    launcher: Name
+    t: float
+    hold_without_stores_s: float = 0.0
+    """When every snapshot store is lost: 0 goes on training unprotected (a lost rank restores from the
+    durable tier, if any); above 0 holds training until a store returns, for at most this long, then
+    ends the job saying why."""
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.run, "run")
+        _need_name(self.launcher, "launcher")
+        _need(1 <= self.world_size <= MEMBERS_PER_JOB_MAX, f"world_size {self.world_size} out of range")
+        _need(0.0 <= self.hold_without_stores_s <= HOLD_WITHOUT_STORES_S_MAX, "hold_without_stores_s out of range")
+
+
+@dataclass(frozen=True, slots=True)
+class RunReply(JobMessage):
+    KIND: ClassVar[str] = "run_reply"
+    run: Name
+    accepted: bool
+    reason: Text
+
+
 @dataclass(frozen=True, slots=True)
 class HelloReply(JobMessage):
     KIND: ClassVar[str] = "hello_reply"
-    member: str
+    member: Name
     accepted: bool
-    reason: str
+    reason: Text
     finished: bool = False
     """The job has already ended: a member that arrives late (a respawned spare) simply stops."""
-    failed_reason: str = ""
+    failed_reason: Text = ""
     """Why the swapper ended the job, if it did."""
-    store_token: bytes = b""
+    store_token: Token = b""
     """The job's data-plane token (`dataplane.job_token`), for an accepted member of a job whose stores
     check tokens; empty where they do not."""
 
@@ -182,7 +239,7 @@ class Heartbeat(JobMessage):
     """Sent by every member from its own thread, every heartbeat period."""
 
     KIND: ClassVar[str] = "heartbeat"
-    member: str
+    member: Name
     rank: int
     pid: int
     step: int
@@ -193,12 +250,12 @@ class Heartbeat(JobMessage):
     snapshots_skipped: int = 0
     waiting: bool = False
     """The training thread is inside torch's distributed or autograd code (waiting on peers, probably)."""
-    where: str = ""
+    where: Where = ""
     """The training thread's innermost frame in user code ('file:line function'), for evidence."""
-    section: str = ""
+    section: Section = ""
     """A named stretch of work between steps (`job.section("evaluation")`): no step progress expected.
     `FIRST_STEP_SECTION`: the member's first step of its generation (see there)."""
-    host: str = ""
+    host: Host = ""
     """The member's host, so that the detector can tell a lost host from a lost process."""
     awaiting_rebuild: bool = False
     """The member left a broken process group (or gave up on forming `generation`'s) and waits for the
@@ -240,11 +297,12 @@ class MemberError(JobMessage):
     """A member reports that it cannot go on, with the reason, before it dies."""
 
     KIND: ClassVar[str] = "member_error"
-    member: str
+    member: Name
     rank: int
-    error: str
+    error: Text
+    """What went wrong (the sender clips it: `bounds.clip_text`)."""
     t: float
-    cause: str = MemberErrorCause.STEP
+    cause: Tag = MemberErrorCause.STEP
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -263,19 +321,15 @@ class HeartbeatBatch(JobMessage):
     """
 
     KIND: ClassVar[str] = "heartbeat_batch"
-    launcher: str
-    beats: list[Heartbeat]
+    launcher: Name
+    beats: Annotated[list[Heartbeat], BEATS]
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.launcher, "launcher")
-        _need(len(self.beats) <= HEARTBEATS_PER_BATCH_MAX, f"{len(self.beats)} beats in one batch")
         for beat in self.beats:
             _need(beat.job == self.job, f"a beat of job {beat.job!r} in a batch of job {self.job!r}")
             beat.check()
-
-
-HEARTBEATS_PER_BATCH_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +337,9 @@ class Straggler(JobMessage):
     """The detector's report of a rank that holds the others back (an event, not a failure)."""
 
     KIND: ClassVar[str] = "straggler"
-    member: str
+    member: Name
     rank: int
-    evidence: dict[str, str]
+    evidence: Evidence
     t: float
 
     def check(self) -> None:
@@ -299,7 +353,7 @@ class MemberDone(JobMessage):
     """A rank finished the last step of the job."""
 
     KIND: ClassVar[str] = "member_done"
-    member: str
+    member: Name
     rank: int
     step: int
 
@@ -316,7 +370,7 @@ class StepResumed(JobMessage):
     ends when every rank of the new generation has sent this (its incident's `t_first_step`)."""
 
     KIND: ClassVar[str] = "step_resumed"
-    member: str
+    member: Name
     rank: int
     step: int
     t_completed: float
@@ -333,8 +387,8 @@ class ChildExit(JobMessage):
     """A launcher saw one of its processes end. `returncode` < 0 is the signal number, negated."""
 
     KIND: ClassVar[str] = "child_exit"
-    launcher: str
-    member: str
+    launcher: Name
+    member: Name
     pid: int
     returncode: int
     t_exit: float
@@ -350,14 +404,15 @@ class Failure(JobMessage):
     """The detector's verdict: this member is dead (exactly one per member)."""
 
     KIND: ClassVar[str] = "failure"
-    member: str
+    member: Name
     rank: int
-    reason: str
-    evidence: dict[str, str]
+    reason: Tag
+    """One of `FailureReason.ALL`."""
+    evidence: Evidence
     t_fault: float
     """Best estimate of when the fault happened (exit time, last heartbeat, error time)."""
     t_detected: float
-    traceparent: str = ""
+    traceparent: Traceparent = ""
     """The W3C trace context of the detector's `detect` span: the incident's trace starts there."""
 
     def check(self) -> None:
@@ -365,7 +420,6 @@ class Failure(JobMessage):
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
-        check_traceparent(self.traceparent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,8 +431,8 @@ class GroupBroken(JobMessage):
     KIND: ClassVar[str] = "group_broken"
     INCIDENT_REASON: ClassVar[str] = "group"
     """The reason of the incident a regroup closes."""
-    members: list[str]
-    evidence: dict[str, str]
+    members: Members
+    evidence: Evidence
     t_broken: float
     """When the first rank left the group (its first heartbeat awaiting a rebuild)."""
     t_detected: float
@@ -394,8 +448,8 @@ class GroupBroken(JobMessage):
 class StoreAddress:
     """Where a snapshot store listens for the data plane."""
 
-    store: str
-    host: str
+    store: Name
+    host: Host
     port: int
 
 
@@ -410,15 +464,16 @@ class Rebuild(JobMessage):
 
     KIND: ClassVar[str] = "rebuild"
     world_size: int
-    ranks: list[str]
-    spares: list[str]
-    rendezvous_member: str
-    rendezvous_host: str
+    ranks: Members
+    spares: Members
+    rendezvous_member: Name
+    rendezvous_host: Host
     rendezvous_port: int
     restore_step: int
-    stores: list[StoreAddress]
-    placement: list[list[str]]
-    incident: str
+    stores: Annotated[list[StoreAddress], STORES]
+    placement: Placements
+    incident: IncidentIds
+    """The ids of the incidents this rebuild answers, comma-separated ('' for a formation)."""
     t_decided: float
     restore_generation: int = 0
     """The generation that produced the committed `restore_step` (0: unknown, any is accepted). A
@@ -426,16 +481,21 @@ class Rebuild(JobMessage):
     durable: bool = False
     """No RAM copy is left: restore from the durable tier, the newest step every rank has intact
     (the ranks agree on it; `restore_step` is NO_STEP)."""
-    traceparent: str = ""
+    traceparent: Traceparent = ""
     """The trace context of the swapper's `recovery` span of the (first) incident this rebuild answers:
     members and stores put their spans under it."""
+    local: bool = False
+    """Every rank survived and no store holds their state (training was held while every store was
+    lost): restore the newest step every rank holds in its own buffers (the ranks agree on it;
+    `restore_step` is NO_STEP)."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(self.generation >= 1, "a rebuild names generation 1 or later")
+        _need(not (self.local and self.durable), "a rebuild restores from the durable tier or from buffers, not both")
         _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
-        check_traceparent(self.traceparent)
         _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
+        _need(len(self.ranks) + len(self.spares) <= MEMBERS_PER_JOB_MAX, "more members than MEMBERS_PER_JOB_MAX")
         _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
         _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
         for m in [*self.ranks, *self.spares, self.rendezvous_member]:
@@ -472,9 +532,9 @@ class Placement(JobMessage):
 
     KIND: ClassVar[str] = "placement"
     version: int
-    stores: list[StoreAddress]
-    placement: list[list[str]]
-    reason: str
+    stores: Annotated[list[StoreAddress], STORES]
+    placement: Placements
+    reason: Text
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -491,7 +551,7 @@ class Replicate(JobMessage):
     KIND: ClassVar[str] = "replicate"
     rank: int
     step: int
-    source: str
+    source: Name
     target: StoreAddress
 
     def check(self) -> None:
@@ -509,16 +569,16 @@ class RebuildAck(JobMessage):
     """A member finished its part of a rebuild and is about to train (or wait, as a spare)."""
 
     KIND: ClassVar[str] = "rebuild_ack"
-    member: str
+    member: Name
     rank: int
     restore_step: int
     last_completed_step: int
     """The step this member had completed before it rolled back (NO_STEP for a spare)."""
-    restore_source: str
+    restore_source: Tag
     """'local' (own ping-pong buffer), 'store' (fetched), 'durable' (resumed from the durable tier's
     files), 'fresh' (no restore), or 'unavailable': this member found no copy of the restore step and
     waits for the next command (the swapper then tries the next link of its fallback chain)."""
-    marks: dict[str, float]
+    marks: Marks
     """Wall-clock times of this member's rebuild: 'received' (command in), 'out' (its broken process
     group dropped), 'begin' (training thread starts the rebuild), 'restored' (state loaded),
     'rendezvous' (new process group ready), 'ready' (re-wrapped, about to train)."""
@@ -537,8 +597,8 @@ class RebuildAck(JobMessage):
 @dataclass(frozen=True, slots=True)
 class FenceRequest(JobMessage):
     KIND: ClassVar[str] = "fence_request"
-    member: str
-    reason: str
+    member: Name
+    reason: Text
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -548,9 +608,9 @@ class FenceRequest(JobMessage):
 @dataclass(frozen=True, slots=True)
 class FenceReply(JobMessage):
     KIND: ClassVar[str] = "fence_reply"
-    member: str
+    member: Name
     killed: bool
-    detail: str
+    detail: Text
     t: float
 
 
@@ -559,9 +619,9 @@ class SnapshotComplete(JobMessage):
     """A store holds every chunk and the manifest of (rank, step), checksums verified."""
 
     KIND: ClassVar[str] = "snapshot_complete"
-    store: str
+    store: Name
     rank: int
-    member: str
+    member: Name
     step: int
     nbytes: int
 
@@ -593,7 +653,7 @@ class JobFinished(JobMessage):
     KIND: ClassVar[str] = "job_finished"
     step: int
     failed: bool = False
-    reason: str = ""
+    reason: Text = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,7 +665,7 @@ class GenerationVoid(JobMessage):
     a generation that can no longer form while that happens."""
 
     KIND: ClassVar[str] = "generation_void"
-    reason: str
+    reason: Text
     t: float
 
     def check(self) -> None:
@@ -618,11 +678,11 @@ class Incident(JobMessage):
     """One closed recovery, with its phases. `generation` is the one training resumed in."""
 
     KIND: ClassVar[str] = "incident"
-    incident_id: str
+    incident_id: IncidentId
     rank: int
-    member: str
-    replacement: str
-    reason: str
+    member: Name
+    replacement: Name
+    reason: Text
     t_fault: float
     t_detected: float
     t_decided: float
@@ -630,11 +690,11 @@ class Incident(JobMessage):
     """Every rank acked the rebuild: ready to train."""
     restore_step: int
     lost_steps: int
-    phases: dict[str, float]
-    evidence: dict[str, str] = field(default_factory=dict)
+    phases: Marks
+    evidence: Evidence = field(default_factory=dict)
     t_first_step: float = 0.0
     """Every rank completed its first step after the fault (0: not known, see `downtime_s`)."""
-    traceparent: str = ""
+    traceparent: Traceparent = ""
     """The trace context of the failure that opened the incident (the detector's `detect` span)."""
 
     @property
@@ -647,29 +707,25 @@ class Incident(JobMessage):
         after it (to every rank's ack where that step was not heard of in time)."""
         return (self.t_first_step or self.t_resumed) - self.t_fault
 
-    def check(self) -> None:
-        JobMessage.check(self)
-        check_traceparent(self.traceparent)
-
 
 @dataclass(frozen=True, slots=True)
 class StoreStatus(Message):
     """A snapshot store announces itself and its memory use (not job-scoped: stores serve every job)."""
 
     KIND: ClassVar[str] = "store_status"
-    store: str
-    host: str
+    store: Name
+    host: Host
     port: int
     used_bytes: int
     capacity_bytes: int
     snapshots: int
     t: float
-    node: str = ""
+    node: Host = ""
     """The host the store runs on, by the same name members give theirs (`DEADPOOL_HOST`), so a
     rank's snapshots are kept off its own host; '' means the address `host` stands for it."""
     unsealed: int = 0
     """Uploads in progress (or abandoned, until `unsealed_max_s` frees them)."""
-    incarnation: str = ""
+    incarnation: Tag = ""
     """Changes each time the store process starts: a store restarted (empty) under the same name is
     known as such even if it came back before anyone missed it."""
 

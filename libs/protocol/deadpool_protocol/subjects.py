@@ -75,6 +75,11 @@ class Subjects:
 
     # launchers
     @property
+    def run_start(self) -> str:
+        """Request/reply: a launcher starts a run of the job (`RunStart`)."""
+        return self._s("launcher.run")
+
+    @property
     def child_exit(self) -> str:
         return self._s("launcher.exit")
 
