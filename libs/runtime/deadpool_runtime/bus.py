@@ -1,7 +1,7 @@
 """NATS plumbing with DeadPool's policy: reconnect forever, validate every message, never crash on one.
 
 A handler that raises is logged and the subscription goes on: one bad message or one bug in a handler
-must not take a service down.
+must not take a service down. Refused messages are logged at a bounded rate (`RefusalLog`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from deadpool_protocol import Message, ProtocolError, decode, encode
+from deadpool_runtime.log_limit import RefusalLog
 
 __all__ = ["RECONNECT_WAIT_S", "connect", "publish", "server_urls", "subscribe_validated"]
 
@@ -73,14 +74,16 @@ async def subscribe_validated(
 ) -> Subscription:
     """Subscribe; each message is decoded and validated before `handler` sees it.
 
-    A message that fails validation is dropped with a log line giving the reason.
+    A message that fails validation is dropped with a log line giving the reason (rate-limited: a
+    flood of them writes a few lines and a count).
     """
+    refusals = RefusalLog(log)
 
     async def on_msg(msg: Msg) -> None:
         try:
             message = decode(msg.data, expected)
         except ProtocolError as exc:
-            log.warning("rejected message", subject=msg.subject, reason=str(exc))
+            refusals.warning("rejected message", subject=msg.subject, reason=str(exc))
             return
         try:
             await handler(message, msg)

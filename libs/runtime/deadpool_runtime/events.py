@@ -1,11 +1,11 @@
 """The events stream: at-least-once delivery of every message that changes state.
 
 Publishers store each event in the `DEADPOOL_EVENTS` JetStream stream and retry until the server
-acknowledges it (bounded by `EVENT_PUBLISH_DEADLINE_S`), under one `Nats-Msg-Id` per event so a retry
-after a lost acknowledgement is not stored twice. Readers follow the stream in order from a position
-they choose (`EventReader`): the swapper from the stream sequence recorded in each job's KV record, so
-a new leader replays exactly what its predecessor had not yet made durable; the detector from a
-recent time, so a restarted one sees the exits it missed.
+acknowledges it, however long that takes (`EventPublisher`), under one `Nats-Msg-Id` per event so a
+retry after a lost acknowledgement is not stored twice. Readers follow the stream in order from a
+position they choose (`EventReader`): the swapper from the stream sequence recorded in each job's KV
+record, so a new leader replays exactly what its predecessor had not yet made durable; the detector
+from a recent time, so a restarted one sees the exits it missed.
 
 Why a stream rather than retransmit-until-confirmed everywhere: the events outlive the process that
 consumes them (a swapper SIGKILLed mid-rebuild, a NATS server restarted right after a failure), and
@@ -34,22 +34,31 @@ from deadpool_protocol import Message, ProtocolError, decode_any, encode
 from deadpool_protocol.codec import MESSAGE_BYTES_MAX
 from deadpool_protocol.events import EVENTS_STREAM, event_subjects
 from deadpool_runtime.lifecycle import stopped_within
+from deadpool_runtime.log_limit import RefusalLog
 
 __all__ = [
-    "EVENT_PUBLISH_DEADLINE_S",
     "EventPublisher",
     "EventReader",
     "ensure_events_stream",
     "stream_position",
 ]
 
-EVENT_PUBLISH_DEADLINE_S = 120.0
-"""How long a publisher keeps retrying one event (the server down, a stream leader being elected)."""
 EVENT_ACK_TIMEOUT_S = 2.0
 """How long one attempt waits for the server's acknowledgement."""
+EVENT_RETRY_FIRST_S = 0.05
 EVENT_RETRY_MAX_S = 1.0
+"""The pause between two attempts doubles from `EVENT_RETRY_FIRST_S` up to this, then stays: an event
+is stored within about a second of JetStream coming back, however long it was away."""
+EVENT_RETRY_LOG_EVERY = 60
+"""While an event is retried, it is logged again every this many attempts (about a minute)."""
 EVENTS_IN_FLIGHT_MAX = 10_000
-"""Events a publisher holds while the stream is unavailable; beyond that, new ones are dropped (logged)."""
+EVENTS_IN_FLIGHT_BYTES_MAX = 64 * 1024**2
+"""What a publisher holds while the stream is unavailable; beyond either bound, new events are dropped
+(logged). Every event that matters is repeated by its sender until it is answered, so a dropped one
+comes again: a verdict (the detector repeats it until a rebuild answers it), an ack (sent again for
+each retransmitted rebuild), a done report (repeated until the job finishes), a broken-group report
+(repeated while the group stays broken). An exit or error report is backed by heartbeat silence, a
+snapshot completion by the next step's."""
 STREAM_MAX_AGE_S = 3600.0
 STREAM_MAX_BYTES = 1024**3
 STREAM_DUPLICATE_WINDOW_S = 120.0
@@ -97,54 +106,120 @@ async def stream_position(nc: Client) -> tuple[str, int]:
 
 
 class EventPublisher:
-    """Publishes events to the stream, each retried until stored or `deadline_s` has passed."""
+    """Stores events in the stream, each retried until the server has it, however long JetStream is
+    away (a lost quorum, a stream leader being elected, every server restarting): there is no give-up
+    by time, because a dropped verdict or exit report can leave a job waiting for good. An attempt
+    waits `EVENT_ACK_TIMEOUT_S`; the pause between attempts is capped (`EVENT_RETRY_MAX_S`). Retries
+    end only when the server refuses the event outright (it can never be stored), the connection is
+    closed, or the process stops (`drain`).
 
-    def __init__(self, nc: Client, log: Any, deadline_s: float = EVENT_PUBLISH_DEADLINE_S) -> None:
+    What is held is bounded (`EVENTS_IN_FLIGHT_MAX`, `EVENTS_IN_FLIGHT_BYTES_MAX`), and an event equal
+    to one still in flight (same subject, same bytes: a repeated verdict, a re-sent ack or done report)
+    joins it instead of being held twice, so senders that repeat themselves during an outage do not
+    fill the bound."""
+
+    def __init__(self, nc: Client, log: Any) -> None:
         self.nc = nc
         self.log = log
-        self.deadline_s = deadline_s
         self._js = nc.jetstream(timeout=EVENT_ACK_TIMEOUT_S)
-        self._in_flight: set[asyncio.Task[bool]] = set()
+        self._in_flight: dict[tuple[str, bytes], asyncio.Task[bool]] = {}
+        self._in_flight_bytes = 0
         self.dropped = 0
 
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
     async def publish(self, subject: str, message: Message) -> bool:
-        """Store `message`; True once the server acknowledged it, False if it gave up (logged)."""
+        """Store `message`; True once the server acknowledged it, False if it was dropped (the bound),
+        refused, or abandoned because the process is stopping."""
+        task = self.publish_soon(subject, message)
+        if task is None:
+            return False
+        try:
+            return await asyncio.shield(task)  # a caller that stops waiting does not stop the retries
+        except asyncio.CancelledError:
+            if task.cancelled():  # abandoned by `drain`, not this caller cancelled
+                return False
+            raise
+
+    def publish_soon(self, subject: str, message: Message) -> asyncio.Task[bool] | None:
+        """Store `message` in the background (the caller does not wait); the task says whether it was
+        stored. The same event still in flight: that one's task. None if the bound is reached."""
         payload = encode(message)
-        headers = {"Nats-Msg-Id": f"{message.KIND}-{secrets.token_hex(8)}"}
-        deadline = time.monotonic() + self.deadline_s
-        delay = 0.05
+        key = (subject, payload)
+        task = self._in_flight.get(key)
+        if task is not None:
+            return task
+        if len(self._in_flight) >= EVENTS_IN_FLIGHT_MAX or (
+            self._in_flight_bytes + len(payload) > EVENTS_IN_FLIGHT_BYTES_MAX
+        ):
+            self.dropped += 1
+            if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, 8...: a flood cannot fill the log
+                self.log.error(
+                    "event dropped: too many in flight",
+                    subject=subject,
+                    in_flight=len(self._in_flight),
+                    in_flight_bytes=self._in_flight_bytes,
+                    dropped=self.dropped,
+                )
+            return None
+        task = asyncio.create_task(self._store(subject, payload, message.KIND))
+        self._in_flight[key] = task
+        self._in_flight_bytes += len(payload)
+
+        def done(_task: asyncio.Task[bool]) -> None:
+            del self._in_flight[key]
+            self._in_flight_bytes -= len(payload)
+
+        task.add_done_callback(done)
+        return task
+
+    async def _store(self, subject: str, payload: bytes, kind: str) -> bool:
+        headers = {"Nats-Msg-Id": f"{kind}-{secrets.token_hex(8)}"}  # one id: a retry is stored once
+        started = time.monotonic()
+        delay = EVENT_RETRY_FIRST_S
         attempts = 0
         while True:
             attempts += 1
             try:
                 await self._js.publish(subject, payload, timeout=EVENT_ACK_TIMEOUT_S, headers=headers)
                 if attempts > 1:
-                    self.log.info("event stored after retries", subject=subject, attempts=attempts)
+                    waited_s = round(time.monotonic() - started, 3)
+                    self.log.info("event stored after retries", subject=subject, attempts=attempts, waited_s=waited_s)
                 return True
+            except (nats.errors.MaxPayloadError, nats.js.errors.BadRequestError) as exc:
+                self.log.error("event refused by the server: not stored", subject=subject, error=repr(exc))
+                return False
             except (TimeoutError, nats.errors.Error) as exc:
-                if time.monotonic() + delay > deadline:
-                    self.log.error("event not stored: giving up", subject=subject, attempts=attempts, error=repr(exc))
+                if self.nc.is_closed:
+                    self.log.error("event not stored: the connection is closed", subject=subject, attempts=attempts)
                     return False
-                if attempts == 1:
-                    self.log.warning("event not stored yet: retrying", subject=subject, error=repr(exc))
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, EVENT_RETRY_MAX_S)
-
-    def publish_soon(self, subject: str, message: Message) -> asyncio.Task[bool] | None:
-        """Publish in the background (the caller does not wait); None if too many are in flight."""
-        if len(self._in_flight) >= EVENTS_IN_FLIGHT_MAX:
-            self.dropped += 1
-            self.log.error("event dropped: too many in flight", subject=subject, in_flight=len(self._in_flight))
-            return None
-        task = asyncio.create_task(self.publish(subject, message))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
-        return task
+                if attempts == 1 or attempts % EVENT_RETRY_LOG_EVERY == 0:
+                    waited_s = round(time.monotonic() - started, 3)
+                    self.log.warning(
+                        "event not stored yet: retrying",
+                        subject=subject,
+                        attempts=attempts,
+                        waited_s=waited_s,
+                        error=repr(exc),
+                    )
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, EVENT_RETRY_MAX_S)
 
     async def drain(self, timeout_s: float) -> None:
-        """Wait (bounded) for the events still in flight, e.g. before a process exits."""
-        if self._in_flight:
-            await asyncio.wait(set(self._in_flight), timeout=timeout_s)
+        """Before the process stops: wait (bounded) for the events still in flight, then abandon the
+        rest (logged: they were never stored)."""
+        if not self._in_flight:
+            return
+        pending = set(self._in_flight.values())
+        _, left = await asyncio.wait(pending, timeout=timeout_s)
+        if left:
+            subjects = sorted({subject for subject, _ in self._in_flight})
+            self.log.error("events not stored: the process is stopping", events=len(left), subjects=subjects[:20])
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
 
 
 class EventReader:
@@ -168,6 +243,7 @@ class EventReader:
         self.subjects = list(subjects)
         self.handler = handler
         self.log = log
+        self._refusals = RefusalLog(log)
         self.expected = tuple(expected)
         self.last_seq = 0
         self._sub: Subscription | None = None
@@ -231,7 +307,7 @@ class EventReader:
             if self.expected and not isinstance(message, self.expected):
                 raise ProtocolError(f"{message.KIND} is not an event this reader expects")
         except ProtocolError as exc:
-            self.log.warning("rejected event", subject=msg.subject, seq=seq, reason=str(exc))
+            self._refusals.warning("rejected event", subject=msg.subject, seq=seq, reason=str(exc))
             return
         try:
             await self.handler(message, seq)
