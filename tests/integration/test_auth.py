@@ -27,6 +27,7 @@ from deadpool_protocol import (
     HelloReply,
     MemberHello,
     Rebuild,
+    RunStart,
     StoreAddress,
     StoreStatus,
     Subjects,
@@ -38,6 +39,8 @@ from deadpool_protocol.messages import Failure, Heartbeat
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime.credentials import dataplane_key_file, job_nkey_path, nkey_file, read_dataplane_key
 
+from .runs import RUN, start_run
+
 JOB = "secured"
 S = Subjects.for_job(JOB)
 FORGED_REBUILD = Rebuild(
@@ -45,6 +48,8 @@ FORGED_REBUILD = Rebuild(
 )
 FORGED_FENCE = FenceRequest(JOB, 1, "victim-0", "forged")
 FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, "heartbeat", {}, time.time(), time.time())
+SQUATTED_RUN = RunStart(JOB, 0, "squatter", 1, "squatter", time.time())
+"""A member's key starting a run of a job of one rank, to hold the name before the real job comes."""
 
 
 def heartbeat(member: str) -> Heartbeat:
@@ -79,6 +84,7 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("member", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("member", S.failure, encode(FORGED_FAILURE)),
     ("member", STORE_STATUS, b"forged"),
+    ("member", S.run_start, encode(SQUATTED_RUN)),
     ("launcher", S.rebuild, encode(FORGED_REBUILD)),
     ("launcher", S.fence("launcher-b"), encode(FORGED_FENCE)),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
@@ -217,7 +223,10 @@ async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> 
         member = await nats.connect(
             stack.url, nkeys_seed=str(job_nkey_path(stack.credentials, JOB)), inbox_prefix=S.inbox
         )
-        hello = MemberHello(JOB, 0, "m-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29500, time.time())
+        admin = await stack.connect()
+        assert (await start_run(admin, JOB, 2)).accepted  # as the job's launcher would
+        await admin.close()
+        hello = MemberHello(JOB, 0, "m-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29500, time.time(), run=RUN)
         reply = decode((await member.request(S.hello, encode(hello), timeout=30)).data, HelloReply)
         await member.close()
         assert reply.accepted, reply.reason

@@ -28,6 +28,7 @@ from deadpool_protocol import (
 from deadpool_protocol.subjects import STORE_STATUS
 
 from .conftest import SpawnService, wait_for_micro_service
+from .runs import RUN, start_run
 
 S = Subjects.for_job("job1")
 
@@ -44,7 +45,8 @@ async def queue_of(nc: Client, subject: str, kind: type[Any]) -> asyncio.Queue[A
 
 
 async def hello(nc: Client, member: str, hint: int, host: str) -> HelloReply:
-    request = MemberHello("job1", 0, member, host, 1000, "l0", hint, 2, "127.0.0.1", 4000 + max(hint, 0), time.time())
+    port = 4000 + max(hint, 0)
+    request = MemberHello("job1", 0, member, host, 1000, "l0", hint, 2, "127.0.0.1", port, time.time(), run=RUN)
     reply = await nc.request(S.hello, encode(request), timeout=5)
     return decode(reply.data, HelloReply)
 
@@ -97,6 +99,7 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
     incidents = await queue_of(nc, S.incident, Incident)
 
     await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+    assert (await start_run(nc, "job1", 2)).accepted
     assert (await hello(nc, "r0", 0, "h0")).accepted
     assert (await hello(nc, "r1", 1, "h0")).accepted
     assert (await hello(nc, "sp", -1, "h1")).accepted
@@ -134,7 +137,7 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
 
 
 def job_hello(job: str, member: str, hint: int, launcher: str) -> MemberHello:
-    return MemberHello(job, 0, member, "h0", 1000, launcher, hint, 1, "127.0.0.1", 4100 + hint, time.time())
+    return MemberHello(job, 0, member, "h0", 1000, launcher, hint, 1, "127.0.0.1", 4100 + hint, time.time(), run=RUN)
 
 
 async def never_answer(_msg: object) -> None:
@@ -158,6 +161,7 @@ async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spaw
     for job in ("a", "b"):
         rebuilds[job] = await queue_of(nc, Subjects.for_job(job).rebuild, Rebuild)
         await nc.subscribe(Subjects.for_job(job).fence(f"l{job}"), cb=never_answer)
+        assert (await start_run(nc, job, 1, launcher=f"l{job}")).accepted
         for member, hint in ((f"{job}0", 0), (f"{job}s", -1)):
             reply = await nc.request(Subjects.for_job(job).hello, encode(job_hello(job, member, hint, f"l{job}")), 10)
             assert decode(reply.data, HelloReply).accepted

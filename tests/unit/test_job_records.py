@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import pytest
 
 from deadpool_protocol import Failure, ProtocolError, Rebuild
-from deadpool_protocol.job_record import unpack_record
+from deadpool_protocol.job_record import (
+    RECORD_BYTES_MAX,
+    decode_stored,
+    encode_stored,
+    join_parts,
+    unpack_record,
+)
 from deadpool_swapper.job_records import state_from_record, state_to_record
 from tests.unit.test_swapper_core import ack, fail, formed_core, published
 
@@ -17,14 +25,14 @@ def test_a_record_holds_the_rebuild_in_flight_with_its_acks_and_the_open_inciden
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
     state = core.jobs["j"]
     state.applied_seq, state.stream_id = 42, "2026-12-01T00:00:00+00:00"
-    loaded = state_from_record(state_to_record(state))
+    loaded = state_from_record(state_to_record(state, 5.5), 5.5)
     assert loaded.pending is not None and loaded.pending.command == rebuild
     assert set(loaded.pending.acks) == {"r0"} and loaded.pending.rank_members == frozenset(rebuild.ranks)
     assert [i.member for i in loaded.open_incidents] == ["r1"]
     assert (loaded.generation, loaded.void_generation, loaded.attempts, loaded.formed) == (2, 1, 1, True)
     assert (loaded.applied_seq, loaded.stream_id) == (42, state.stream_id)
     assert loaded.members.keys() == state.members.keys() and loaded.failed == ["r1"]
-    summary, _ = unpack_record(state_to_record(state))
+    summary, _ = unpack_record(state_to_record(state, 5.5))
     assert summary.ranks == rebuild.ranks and summary.failed == ["r1"] and summary.hosts["r0"] == "h0"
 
 
@@ -32,9 +40,9 @@ def test_a_new_leader_completes_the_loaded_rebuild_when_the_last_ack_arrives() -
     core, _ = formed_core(spares=("s1",))
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
-    record = state_to_record(core.jobs["j"])
+    record = state_to_record(core.jobs["j"], 5.5)
     successor, _ = formed_core()
-    successor.jobs["j"] = state_from_record(record)
+    successor.jobs["j"] = state_from_record(record, 5.5)
     (again,) = published(successor.tick(6.6), Rebuild)  # retransmitted at once: it is pending
     assert again == rebuild
     decision = successor.on_ack(ack(rebuild, "s1", 6.7, source="store"), 6.7)
@@ -70,8 +78,45 @@ def test_a_record_written_before_a_field_existed_is_read_with_its_default() -> N
     """A swapper upgraded while a job runs must read the record its predecessor wrote (an unreadable
     record once made the job look new to a restarted swapper, which would have started it over)."""
     core, _ = formed_core()
-    raw = msgpack.unpackb(state_to_record(core.jobs["j"]), raw=False)
-    for key in ("formed", "attempts", "void_generation", "applied_seq", "stream_id", "silent_hosts"):
+    raw = msgpack.unpackb(state_to_record(core.jobs["j"], 2.0), raw=False)
+    for key in ("formed", "attempts", "void_generation", "applied_seq", "stream_id", "silent_hosts", "hold_left_s"):
         del raw["swapper"][key]
-    loaded = state_from_record(msgpack.packb(raw, use_bin_type=True))
+    loaded = state_from_record(msgpack.packb(raw, use_bin_type=True), 2.0)
     assert loaded.formed and loaded.attempts == 0 and loaded.applied_seq == 0 and loaded.generation == 1
+
+
+def test_a_record_carries_its_timers_as_ages_so_a_loader_on_another_clock_keeps_them() -> None:
+    """A new leader ran 10 min behind the old one and rebuilt 601 s after the failure: the record held
+    the old leader's wall-clock instants. Now it holds ages, read on the loader's own clock."""
+    core, _ = formed_core(spares=("s1",))
+    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # the last call holds the rebuild
+    state = core.jobs["j"]
+    hold_left_s = state.hold_until - 5.0
+    assert hold_left_s > 0
+    for loader_now in (5.0 - 600.0, 5.0 + 600.0, 1e6):  # another host's monotonic clock, behind or ahead
+        loaded = state_from_record(state_to_record(state, 5.0), loader_now)
+        assert loaded.hold_until == pytest.approx(loader_now + hold_left_s)
+        assert loaded.members["r0"].registered_at <= loader_now
+    successor, _ = formed_core()
+    successor.jobs["j"] = state_from_record(state_to_record(state, 5.0), 1e6)
+    assert published(successor.tick(1e6 + hold_left_s), Rebuild)  # rebuilt when the last call ends, not later
+
+
+def test_a_large_record_is_stored_compressed_in_parts_and_read_back_whole() -> None:
+    record = random.Random(1).randbytes(100_000)  # does not compress
+    stored = encode_stored(record, 16 * 1024, "abc123")
+    assert stored.parts and all(len(p) <= 16 * 1024 for p in stored.parts)
+    inline, tag, count = decode_stored(stored.head)
+    assert inline is None and (tag, count) == ("abc123", len(stored.parts))
+    assert join_parts(stored.head, stored.parts) == record
+    small = encode_stored(b"x" * 100, 16 * 1024, "abc124")
+    assert small.parts == [] and decode_stored(small.head)[0] == b"x" * 100
+
+
+def test_parts_of_another_record_or_a_record_too_large_are_refused_with_a_reason() -> None:
+    first = encode_stored(bytes(range(256)) * 512, 1024, "aaa")
+    second = encode_stored(bytes(reversed(range(256))) * 512, 1024, "bbb")
+    with pytest.raises(ProtocolError, match="do not match"):
+        join_parts(first.head, second.parts)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        encode_stored(b"\0" * (RECORD_BYTES_MAX + 1), 1024 * 1024, "ccc")

@@ -15,6 +15,16 @@ reason a spare would meet too (the user's optimizer factory raised, no snapshot 
 ends the job with that reason, and so do `rebuild_attempts_max` generations in a row that never
 formed: the job stops, saying why, instead of waiting for ever.
 
+Clocks. Every `now` is this process's monotonic clock: timers (the last call, retransmissions, the
+store timeout, pruning) never move when a wall clock steps, and the job record carries them as ages,
+never as instants another host would read with its own clock (`job_records`). The few stamps that
+leave the process for humans and traces (`Rebuild.t_decided`, `GenerationVoid.t`, an incident's
+`t_decided`) are wall-clock, from `wall_offset`.
+
+Time-driven work has one set of rules (`tick_job`): each rule acts when it is due, and otherwise
+names the moment it will be, which is when the shell ticks next. A rule that cannot act names no
+moment, so a deadline in the past can never make the shell spin.
+
 Idempotent. Every handler accepts a repeated or stale event as a no-op (a failure of a member that is
 no longer live, an ack of another generation, a snapshot already counted), because events are
 delivered at least once and a new leader replays the ones its predecessor had not made durable.
@@ -23,6 +33,8 @@ delivered at least once and a new leader replays the ones its predecessor had no
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
@@ -42,11 +54,14 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     Replicate,
+    RunReply,
+    RunStart,
     SnapshotComplete,
     StepResumed,
     StoreAddress,
     StoreStatus,
 )
+from deadpool_protocol.bounds import INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
 from deadpool_swapper.placement import (
     MemberInfo,
     StoreInfo,
@@ -59,6 +74,7 @@ from deadpool_swapper.restore_chain import CommittedCopies, RestoreChoice, choos
 
 __all__ = [
     "Action",
+    "Archive",
     "Decision",
     "Fence",
     "JobState",
@@ -73,6 +89,8 @@ __all__ = [
 
 INCIDENTS_KEPT = 16
 FAILED_KEPT = 256
+STORE_LOSS_MARGIN_S = 0.01
+"""A store's loss is checked this long after its timeout, so the check lands after it, not on it."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,14 @@ class SwapperConfig:
     first_step_wait_s: float = 120.0
     """A recovery's incident is published once every rank completed its first step after it (the
     downtime a user feels), or this long after every rank acked (that step may compile, say)."""
+    runs_required: bool = False
+    """Members must belong to a run a launcher started (`RunStart`): a name cannot be squatted by a
+    member's hello. The service requires it; off here for tests that drive the core with hellos alone."""
+    members_max: int = MEMBERS_PER_JOB_MAX
+    """Members (ranks and spares) one job may have; a hello for one more is refused, saying so."""
+    tick_idle_s: float = 1.0
+    """A job's time-driven rules run at least this often, whatever their deadlines (a store that comes
+    back is also announced by a poke from the shell)."""
     snapshot_step_lead_max: int = 100_000
     """How far beyond the committed step a stored snapshot may be: a snapshot of step 2**62 would
     commit a step nobody has, after which no real step could ever commit."""
@@ -145,13 +171,39 @@ class Persist:
     job: str
 
 
-Action = Publish | Fence | Persist
+@dataclass(frozen=True)
+class Archive:
+    """The record of a run that ended is kept aside (before the name's next run is saved over it)."""
+
+    state: JobState
+
+
+Action = Publish | Fence | Persist | Archive
 
 
 @dataclass(frozen=True)
 class Decision:
     actions: list[Action]
     reason: str
+    next_at: float = math.inf
+    """A tick's answer: when the job's time-driven rules next have work (monotonic; inf: none)."""
+
+
+class _Schedule:
+    """When a job's time-driven rules next have work. Each rule asks `due(at)`: a moment not reached
+    yet becomes a candidate for the next tick, and a rule that acts schedules its next moment itself.
+    Only moments after `now` are ever scheduled, so the tick and its deadline come from the same rules
+    and a rule that stays due without acting cannot make the shell spin."""
+
+    def __init__(self, now: float, idle_s: float) -> None:
+        self.now = now
+        self.next_at = now + idle_s
+
+    def due(self, at: float) -> bool:
+        if at <= self.now:
+            return True
+        self.next_at = min(self.next_at, at)
+        return False
 
 
 @dataclass
@@ -186,6 +238,10 @@ class PendingRebuild:
 class JobState:
     job: str
     world_size: int = 0
+    run: str = ""
+    """The run of the job this state belongs to ('' for members nothing started a run for)."""
+    base_generation: int = 0
+    """The last generation of the name's previous run (0: none): this run's first is the next one."""
     generation: int = 0
     ranks: list[str] = field(default_factory=list)
     spares: list[str] = field(default_factory=list)
@@ -251,6 +307,24 @@ class JobState:
     """A durable restore was reported impossible since the last generation that formed."""
     durable_completes: dict[int, set[str]] = field(default_factory=dict)
     """rank -> stores holding the resumed step's snapshot, while a durable rebuild is pending."""
+    announced_stores: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """store -> (host, port) as the members were last told (in a rebuild or a placement): a store heard
+    on another address (restarted under its name) gets a new placement."""
+    unprotected_since: float | None = None
+    """Since when no snapshot store receives the job's snapshots (None: some store does)."""
+    unprotected_step: int = NO_STEP
+    """The committed step when it became unprotected: every step trained after it is at risk."""
+    hold_without_stores_s: float = 0.0
+    """The run's policy when every store is lost: 0 trains on unprotected; above 0 holds training until
+    a store returns, for at most this long, then ends the job (`RunStart.hold_without_stores_s`)."""
+    held_since: float | None = None
+    """Since when training is held for want of a store (None: it is not)."""
+    local_failed: bool = False
+    """A restore from the ranks' own buffers was reported impossible since the last generation formed."""
+
+    def started(self) -> bool:
+        """A generation of this run was published (formation went out)."""
+        return self.generation > self.base_generation
 
     def committed_copies(self) -> CommittedCopies:
         return CommittedCopies(self.committed_step, self.committed_generation, self.committed_holders)
@@ -260,21 +334,95 @@ class JobState:
 
 
 class SwapperCore:
-    def __init__(self, config: SwapperConfig) -> None:
+    def __init__(self, config: SwapperConfig, wall_offset: Callable[[], float] = lambda: 0.0) -> None:
         self.config = config
         self.jobs: dict[str, JobState] = {}
         self.stores: dict[str, StoreInfo] = {}
+        self.wall_offset = wall_offset
+        """Wall clock minus the monotonic clock, for the stamps that leave the process (tests step it)."""
+        self.view_since = -math.inf
+        """Since when this process has been hearing the stores' announcements without a gap (its own
+        start, a reconnection to NATS, a pause of its loop reset it: `reset_store_view`)."""
+
+    def _wall(self, now: float) -> float:
+        return now + self.wall_offset()
+
+    # ---------------------------------------------------------------- the stores' view
+
+    def reset_store_view(self, now: float) -> None:
+        """This process may have missed the stores' announcements (it just started, its NATS connection
+        came back, its loop was paused): a silent store is not taken as lost until it has had a full
+        `store_timeout_s` to be heard again."""
+        self.view_since = now
+
+    def _stores_known_at(self) -> float:
+        return self.view_since + self.config.store_timeout_s
+
+    def _stores_known(self, now: float) -> bool:
+        """Whether the live stores are known: some store is heard, or silence has lasted long enough in a
+        view without gaps to mean that every store is lost."""
+        return now >= self._stores_known_at() or bool(self.live_stores(now))
 
     # ---------------------------------------------------------------- registration and stores
 
+    def on_run_start(self, start: RunStart, now: float) -> tuple[RunReply, Decision]:
+        """A launcher starts a run of the job. A name holds one run at a time: the same run again is a
+        no-op; a finished run makes way (its record archived, the generations going on from its); a run
+        still going refuses the newcomer, saying which run holds the name. Members that said hello
+        under no run, while nothing formed, make way too (they were not started by a launcher)."""
+        state = self.jobs.get(start.job)
+
+        def reply(accepted: bool, reason: str) -> RunReply:
+            return RunReply(start.job, state.generation if state else 0, start.run, accepted, reason)
+
+        if state is not None and state.run == start.run:
+            if start.world_size != state.world_size:
+                why = f"run {start.run} has world size {state.world_size}, not {start.world_size}"
+                return reply(False, why), Decision([], f"run refused: {why}")
+            return reply(True, "the run is started"), Decision([], f"run {start.run} started again")
+        actions: list[Action] = []
+        if state is not None and not state.finished and (state.started() or state.run):
+            why = (
+                f"job {start.job} is running as run {state.run or '(undeclared)'} (generation {state.generation}): "
+                "a job name holds one run at a time; choose another --job, or end that run first"
+            )
+            return reply(False, why), Decision([], f"run {start.run} refused: {why}")
+        if state is not None and state.finished:
+            actions.append(Archive(state))
+        if state is None and len(self.jobs) >= self.config.jobs_max:
+            why = f"the swapper drives {len(self.jobs)} jobs already (jobs_max)"
+            return reply(False, why), Decision([], f"run refused: {why}")
+        fresh = JobState(
+            start.job,
+            world_size=start.world_size,
+            run=start.run,
+            last_hello_t=now,
+            hold_without_stores_s=start.hold_without_stores_s,
+        )
+        if state is not None:  # generations only grow, across runs too: the old run's waits stay superseded
+            fresh.generation = fresh.void_generation = max(state.generation, state.void_generation)
+            fresh.base_generation = fresh.generation
+        self.jobs[start.job] = fresh
+        how = f"after run {state.run or '(undeclared)'}" if state is not None else "a new job"
+        return reply(True, "the run is started"), Decision([*actions, Persist(start.job)], f"run {start.run}: {how}")
+
     def on_hello(self, hello: MemberHello, now: float) -> tuple[HelloReply, Decision]:
-        state = self.jobs.setdefault(hello.job, JobState(hello.job))
+        if hello.job not in self.jobs and self.config.runs_required:
+            why = f"no run of job {hello.job} was started: members start under `deadpool launch`"
+            refused = HelloReply(hello.job, 0, hello.member, False, why)
+            return refused, Decision([], f"hello refused: {why}")
+        state = self.jobs.setdefault(hello.job, JobState(hello.job, run=hello.run))
 
         def reply(accepted: bool, reason: str) -> HelloReply:
             return HelloReply(hello.job, state.generation, hello.member, accepted, reason)
 
+        if hello.run != state.run:
+            why = f"the member is of run {hello.run or '(none)'}, the job's run is {state.run or '(none)'}"
+            return reply(False, why), Decision([], f"hello refused: {why}")
         if state.finished:
-            why = f"the job has ended: {state.failed_reason}" if state.failed_reason else "the job has finished"
+            why = clip_text(
+                f"the job has ended: {state.failed_reason}" if state.failed_reason else "the job has finished"
+            )
             late = HelloReply(hello.job, state.generation, hello.member, False, why, True, state.failed_reason)
             return late, Decision([], "hello refused: job finished")
         if hello.member in state.failed:
@@ -285,6 +433,9 @@ class SwapperCore:
             why = f"world size {hello.world_size} differs from the job's {state.world_size}"
             return reply(False, why), Decision([], f"hello refused: {why}")
         known = state.members.get(hello.member)
+        if known is None and len(state.members) >= self.config.members_max:
+            why = f"the job has {len(state.members)} members, the most one job may have (members_max)"
+            return reply(False, why), Decision([], f"hello refused: {why}")
         if known is not None and not _same_process(known, hello):
             why = f"member {hello.member} is registered from {known.host} pid {known.pid}: its identity never changes"
             return reply(False, why), Decision([], f"hello refused: {why}")
@@ -302,7 +453,7 @@ class SwapperCore:
         if known:
             return reply(True, "already registered"), Decision([], "repeated hello")
         actions: list[Action] = [Persist(state.job)]
-        if state.generation == 0:
+        if not state.started():
             decision = self._try_formation(state, now)
             return reply(True, "registered"), Decision(actions + decision.actions, decision.reason)
         state.spares.append(hello.member)
@@ -312,11 +463,18 @@ class SwapperCore:
             return reply(True, "registered as spare"), Decision(actions + decision.actions, decision.reason)
         return reply(True, "registered as spare"), Decision(actions, reason)
 
-    def on_store_status(self, status: StoreStatus, now: float) -> Decision:
-        """Record a store's announcement. Jobs waiting for one to form do so at their next tick. A store
-        that started again under the same name holds nothing: no copy counts on it any more (the next
-        tick copies the committed step again)."""
+    def on_store_status(self, status: StoreStatus, now: float) -> bool:
+        """Record a store's announcement; True when it is news the jobs should act on at once (a store
+        new to this process, one heard again after it counted as lost, one restarted or on another
+        address), so the shell ticks them. A store that started again under the same name holds
+        nothing: no copy counts on it any more (the next tick copies the committed step again)."""
         known = self.stores.get(status.store)
+        news = (
+            known is None
+            or now - known.last_seen > self.config.store_timeout_s
+            or known.incarnation != status.incarnation
+            or (known.host, known.port) != (status.host, status.port)
+        )
         if known is not None and known.incarnation != status.incarnation:
             for state in self.jobs.values():
                 for holders in [*state.committed_holders.values(), *state.previous_committed.holders.values()]:
@@ -336,7 +494,7 @@ class SwapperCore:
             status.unsealed,
             status.incarnation,
         )
-        return Decision([], f"store {status.store} seen")
+        return news
 
     def live_stores(self, now: float) -> list[StoreInfo]:
         return [s for s in self.stores.values() if now - s.last_seen <= self.config.store_timeout_s]
@@ -427,11 +585,11 @@ class SwapperCore:
 
     def _void(self, state: JobState, now: float, reason: str) -> list[Action]:
         """Announce that the current generation will not train again (once; retransmitted by `tick`)."""
-        if state.generation == 0 or state.void_generation >= state.generation:
+        if not state.started() or state.void_generation >= state.generation:
             return []
         state.void_generation = state.generation
         state.void_sent_t = now
-        return [Publish("void", GenerationVoid(state.job, state.generation, reason, now))]
+        return [Publish("void", GenerationVoid(state.job, state.generation, reason, self._wall(now)))]
 
     @staticmethod
     def _host_failures_missing(state: JobState) -> bool:
@@ -448,6 +606,8 @@ class SwapperCore:
             return Decision([], f"group of generation {broken.generation} broken: not the current one, ignored")
         if state.vacant_ranks() or state.hold_until:
             return Decision([], f"group of generation {broken.generation} broken: a rebuild is already under way")
+        if state.held_since is not None:
+            return Decision([], f"group of generation {broken.generation} broken: held until a store returns")
         if set(broken.members) != set(state.ranks) or any(m not in state.members for m in state.ranks):
             return Decision([], f"group of generation {broken.generation} broken: its members differ from the ranks")
         first = broken.evidence.get("first_to_leave", broken.members[0])
@@ -488,8 +648,8 @@ class SwapperCore:
             return Decision(
                 [], f"{len(vacant)} rank(s) vacant but {len(state.spares)} spare(s) free: waiting for a spare"
             )
-        if not self.live_stores(now):
-            return Decision([], "no snapshot store is alive: cannot place snapshots")
+        if not self._stores_known(now):  # the tick tries again once they are
+            return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
         failed_hosts = {i.host for i in state.open_incidents}
         newcomers: set[str] = set()
         for rank in vacant:
@@ -503,10 +663,15 @@ class SwapperCore:
                     incident.replacement = spare
         return self._publish_rebuild(state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}")
 
-    def _publish_rebuild(self, state: JobState, now: float, newcomers: set[str], reason: str) -> Decision:
+    def _publish_rebuild(
+        self, state: JobState, now: float, newcomers: set[str], reason: str, local: bool = False
+    ) -> Decision:
+        """Publish the next generation. With no live store it still goes out: it restores from the next
+        link of the chain that has the state (the survivors' own buffers, the durable tier), or the job
+        ends saying why; its placement names no store until one comes back (`_heal_placement`)."""
         stores = self.live_stores(now)
-        if not stores:
-            return Decision([], "no snapshot store is alive: cannot place snapshots")
+        if not stores and not state.formed:
+            return Decision([], "waiting for a snapshot store: a generation forms with its step-0 snapshot stored")
         if state.attempts >= self.config.rebuild_attempts_max:
             why = f"{state.attempts} generations in a row did not form (the last was {state.generation})"
             return self._end_job(state, now, why)
@@ -536,6 +701,8 @@ class SwapperCore:
         if state.formed and state.committed_step == NO_STEP and not state.unavailable:
             # Formed, and step 0's reports not in yet: members ack formation once it is sealed.
             choice = RestoreChoice(0, 0, False, "committed", "step 0, stored at formation")
+        if local and not newcomers and not state.local_failed:
+            choice = RestoreChoice(NO_STEP, 0, False, "local", "the newest step every rank holds itself", True)
         state.restore_step = choice.step
         for incident in state.open_incidents:
             incident.evidence["restore_link"], incident.evidence["restore_reason"] = choice.link, choice.reason
@@ -563,17 +730,20 @@ class SwapperCore:
             restore_step=state.restore_step,
             stores=[StoreAddress(s.store, s.host, s.port) for s in stores],
             placement=state.placement,
-            incident=",".join(i.incident_id for i in state.open_incidents),
-            t_decided=now,
+            incident=clip_text(",".join(i.incident_id for i in state.open_incidents), INCIDENT_IDS_CHARS_MAX),
+            t_decided=self._wall(now),
             restore_generation=choice.generation,
             durable=choice.durable,
+            local=choice.local,
             traceparent=next((i.traceparent for i in state.open_incidents if i.traceparent), ""),
         )
         command.check()
         state.pending = PendingRebuild(command, t_sent=now)
+        state.announced_stores = {a.store: (a.host, a.port) for a in command.stores}
+        self._note_protection(state, now, bool(stores))
         for incident in state.open_incidents:
             if incident.t_decided == 0.0:
-                incident.t_decided = now
+                incident.t_decided = command.t_decided
         return Decision(
             [Persist(state.job), Publish("rebuild", command)],
             f"generation {state.generation}: {reason}; restore {choice.link}: {choice.reason}",
@@ -581,6 +751,7 @@ class SwapperCore:
 
     def _end_job(self, state: JobState, now: float, reason: str) -> Decision:
         """Stop the job for good, saying why: members exit with the reason, launchers exit non-zero."""
+        reason = clip_text(reason)  # it quotes a member's error: within the bound of a message's text
         state.finished, state.finished_t, state.failed_reason = True, now, reason
         state.pending = None
         state.hold_until = 0.0
@@ -604,9 +775,11 @@ class SwapperCore:
         state.attempts = 0
         state.formed = True
         state.unavailable.clear()
-        state.durable_failed = False
+        state.durable_failed = state.local_failed = False
         if pending.command.durable:
             self._adopt_durable_step(state, pending)
+        elif pending.command.local:
+            self._adopt_local_step(state, pending)
         actions: list[Action] = [Persist(state.job)]
         incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
         state.open_incidents.clear()
@@ -661,11 +834,26 @@ class SwapperCore:
         if command.durable:
             state.durable_failed = True
             what = f"rank {ack.rank} ({ack.member}) could not restore from a durable tier"
+        elif command.local:
+            state.local_failed = True
+            what = f"rank {ack.rank} ({ack.member}): the ranks hold no step in common in their own buffers"
         else:
             state.unavailable.add((ack.rank, command.restore_step))
             what = f"rank {ack.rank} ({ack.member}) found no copy of step {command.restore_step}"
-        decision = self._publish_rebuild(state, now, newcomers=set(), reason=f"{what}: next link")
+        # The members that took a rank since the last generation that formed hold nothing of it.
+        newcomers = {i.replacement for i in state.open_incidents if i.replacement and i.replacement != i.member}
+        decision = self._publish_rebuild(state, now, newcomers, reason=f"{what}: next link")
         return Decision([Persist(state.job), *decision.actions], f"{what}; {decision.reason}")
+
+    def _adopt_local_step(self, state: JobState, pending: PendingRebuild) -> None:
+        """Training resumed from the step every rank held itself: it is the committed step now (no
+        store holds it; the next commit makes copies), wherever it lies from the last commit."""
+        step = max(a.restore_step for a in pending.acks.values())
+        state.previous_committed = CommittedCopies()
+        state.committed_step, state.committed_generation = step, state.generation
+        state.committed_holders = {}
+        state.restore_step = step
+        state.completes = {}
 
     def _adopt_durable_step(self, state: JobState, pending: PendingRebuild) -> None:
         """A durable restore formed: the step the ranks agreed on is the committed step now. It goes back
@@ -712,85 +900,102 @@ class SwapperCore:
     def tick(self, now: float) -> Decision:
         """Periodic work of every job (tests; the service ticks each job on its own)."""
         actions: list[Action] = []
+        next_at = math.inf
         for job in list(self.jobs):
-            actions += self.tick_job(job, now).actions
-        return Decision(actions, "tick")
+            decision = self.tick_job(job, now)
+            actions += decision.actions
+            next_at = min(next_at, decision.next_at)
+        return Decision(actions, "tick", next_at)
 
     def tick_job(self, job: str, now: float) -> Decision:
-        """Time-driven work of one job: formation, the end of a last call, retransmissions."""
+        """Time-driven work of one job: formation, the end of a last call, a vacant rank to fill, store
+        loss, retransmissions. Returns, with the actions, when it next has work (`Decision.next_at`)."""
+        clock = _Schedule(now, self.config.tick_idle_s)
         state = self.jobs.get(job)
         if state is None:
-            return Decision([], "tick")
+            return Decision([], "tick", clock.next_at)
         if state.finished:
-            if state.awaiting_first_step:  # the job ended before every rank's first step was heard of
-                return Decision(self._end_incidents(state, now, force=True), "incidents published at the end")
-            if now - state.finished_t > self.config.finished_kept_s:
+            # The job ended before every rank's first step was heard of: its incidents go out now.
+            ended = self._end_incidents(state, now, force=True) if state.awaiting_first_step else []
+            if clock.due(state.finished_t + self.config.finished_kept_s):
                 del self.jobs[job]
-            return Decision([], "tick")
-        if state.generation == 0 and now - state.last_hello_t > self.config.unformed_kept_s:
+            return Decision(ended, "tick", clock.next_at)
+        if not state.started() and clock.due(state.last_hello_t + self.config.unformed_kept_s):
             del self.jobs[job]
             return Decision(
                 [], f"job {job} never formed: forgotten {self.config.unformed_kept_s} s after its last hello"
             )
         actions: list[Action] = []
         reason = "tick"
-        if state.awaiting_first_step and now - state.awaiting_since >= self.config.first_step_wait_s:
-            actions += self._end_incidents(state, now)
-        if state.generation == 0:
-            decision = self._try_formation(state, now)
-            actions += decision.actions
+
+        def act(decision: Decision) -> None:
+            nonlocal reason
+            actions.extend(decision.actions)
             reason = decision.reason if decision.actions else reason
-        if state.hold_until and now >= state.hold_until:
-            decision = self._start_rebuild(state, now)
-            actions += decision.actions
-            reason = decision.reason
-        actions += self._heal_placement(state, now)
+
+        if state.held_since is not None and clock.due(state.held_since + state.hold_without_stores_s):
+            why = (
+                f"every snapshot store was lost and none came back within {state.hold_without_stores_s:.0f} s "
+                "(the run's --hold-without-stores-s): training was held since committed step "
+                f"{state.unprotected_step}"
+            )
+            return self._end_job(state, now, why)
+        first_step_by = state.awaiting_since + self.config.first_step_wait_s
+        if state.awaiting_first_step and state.pending is None and clock.due(first_step_by):
+            actions += self._end_incidents(state, now)
+        gathered = not state.started() and len(state.members) >= state.world_size
+        if gathered and (self._all_claimed(state) or clock.due(state.last_hello_t + self.config.formation_grace_s)):
+            act(self._try_formation(state, now))  # waiting for a store: one announcing itself pokes the shell
+        if state.hold_until and clock.due(state.hold_until):
+            act(self._start_rebuild(state, now))
+        elif self._rebuild_wanted(state):  # a vacant rank and a spare for it: retried until it goes out
+            if self._stores_known(now):
+                act(self._start_rebuild(state, now))
+            else:
+                clock.due(self._stores_known_at())
+        actions += self._heal_placement(state, now, clock)
         retransmit = self.config.rebuild_retransmit_s
-        if not state.placement_confirmed and now - state.placement_sent_t >= retransmit and state.pending is None:
+        if state.pending is None and not state.placement_confirmed and clock.due(state.placement_sent_t + retransmit):
             state.placement_sent_t = now  # until a step commits under it, a member may not have it
+            clock.due(now + retransmit)
             actions.append(Publish("placement", self._placement_message(state, "sent again")))
-        if now - state.replicate_sent_t >= retransmit and state.pending is None:
+        if state.pending is None and clock.due(state.replicate_sent_t + retransmit):
             wanted = self._replicas_wanted(state, now)
             if wanted:
                 state.replicate_sent_t = now
+                clock.due(now + retransmit)
                 actions += wanted
         pending = state.pending
-        if pending is not None and now - pending.t_sent >= self.config.rebuild_retransmit_s:
+        if pending is not None and clock.due(pending.t_sent + retransmit):
             pending.t_sent = now
+            clock.due(now + retransmit)
             actions.append(Publish("rebuild", pending.command))
         voided = 0 < state.void_generation == state.generation and state.pending is None
-        if voided and now - state.void_sent_t >= self.config.rebuild_retransmit_s:
+        if voided and clock.due(state.void_sent_t + retransmit):
             state.void_sent_t = now
+            clock.due(now + retransmit)
             why = "waiting for a spare" if state.vacant_ranks() else "waiting for the next generation"
-            actions.append(Publish("void", GenerationVoid(state.job, state.generation, why, now)))
-        return Decision(actions, reason)
+            actions.append(Publish("void", GenerationVoid(state.job, state.generation, why, self._wall(now))))
+        return Decision(actions, reason, clock.next_at)
 
-    def next_deadline(self, job: str, now: float) -> float:
-        """When `tick_job` has time-driven work next (the shell sleeps until then, or an event)."""
-        state = self.jobs.get(job)
-        if state is None or state.finished:
-            return now + self.config.rebuild_retransmit_s
-        deadline = now + self.config.rebuild_retransmit_s
-        if state.hold_until:
-            deadline = min(deadline, state.hold_until)
-        if state.pending is not None:
-            deadline = min(deadline, state.pending.t_sent + self.config.rebuild_retransmit_s)
-        if state.generation == 0:
-            deadline = min(deadline, now + 0.1)
-        if state.awaiting_first_step:
-            deadline = min(deadline, state.awaiting_since + self.config.first_step_wait_s)
-        placed = {name for names in state.placement for name in names}
-        for name in placed:  # the moment a placed store counts as lost
-            store = self.stores.get(name)
-            if store is not None:
-                deadline = min(deadline, store.last_seen + self.config.store_timeout_s + 0.01)
-        return max(now, deadline)
+    @staticmethod
+    def _all_claimed(state: JobState) -> bool:
+        claimed = {m.rank_hint for m in state.members.values() if 0 <= m.rank_hint < state.world_size}
+        return len(claimed) >= state.world_size
+
+    @staticmethod
+    def _rebuild_wanted(state: JobState) -> bool:
+        """A formed job has a vacant rank, a free spare for each, and no rebuild under way or held."""
+        if not state.started() or state.pending is not None or state.hold_until:
+            return False
+        vacant = state.vacant_ranks()
+        return bool(vacant) and len(state.spares) >= len(vacant)
 
     # ---------------------------------------------------------------- commits and completion
 
     def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
         state = self.jobs.get(sc.job)
-        if state is None or state.generation == 0:
+        if state is None or not state.started():
             return Decision([], f"snapshot of unknown or unformed job {sc.job}")
         if sc.generation < state.generation and sc.step > state.restore_step:
             return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
@@ -841,25 +1046,83 @@ class SwapperCore:
 
     # ---------------------------------------------------------------- store loss, without a rebuild
 
-    def _heal_placement(self, state: JobState, now: float) -> list[Action]:
-        """A store of the placement is lost (or the job has fewer replicas than it could): place the
-        ranks again within the generation, and copy the committed step to its new stores."""
-        if state.generation == 0 or state.pending is not None or state.hold_until or not state.placement:
-            return []  # a rebuild is under way or coming: it places the snapshots itself
+    def _heal_placement(self, state: JobState, now: float, clock: _Schedule) -> list[Action]:
+        """Keep the members' placement true within the generation:
+        - a placed store lost (or the job holding fewer replicas than it could): the ranks placed again
+          (only the lost store's move), and the committed step copied to their new stores;
+        - a placed store heard on another address (restarted under its own name, whenever in the loss
+          window): the placement sent again with the new address;
+        - every store lost: a placement naming none, so members stop streaming to stores that are gone;
+          the job is unprotected until one comes back, which the next placement says.
+        Not while the stores' view is not fresh, nor while a rebuild is under way or held (it places the
+        snapshots itself)."""
+        if not state.started() or state.pending is not None or state.hold_until:
+            return []
+        placed = {name for names in state.placement for name in names}
+        for name in placed:  # the moment each placed store counts as lost, should it stay silent
+            store = self.stores.get(name)
+            if store is not None:
+                clock.due(store.last_seen + self.config.store_timeout_s + STORE_LOSS_MARGIN_S)
+        if not self._stores_known(now):
+            clock.due(self._stores_known_at())
+            return []
         live = self.live_stores(now)
         names = {s.store for s in live}
-        if not live or not under_placed(state.placement, names, self.config.replication):
-            return []
-        placement = place_snapshots(
-            state.ranks, state.members, live, self.config.replication, state.rank_bytes, state.placement
+        self._note_protection(state, now, bool(live))
+        if not live:
+            actions: list[Action] = []
+            if placed:
+                state.placement = [[] for _ in state.placement]
+                held = state.hold_without_stores_s > 0 and state.formed
+                how = "training is held" if held else "training goes on unprotected"
+                actions += self._new_placement(state, now, f"every snapshot store is lost ({sorted(placed)}): {how}")
+            return actions + self._hold_training(state, now)
+        if state.held_since is not None:
+            return self._resume_training(state, now)
+        moved = under_placed(state.placement, names, self.config.replication)
+        readdressed = sorted(
+            n for n in placed & names if (self.stores[n].host, self.stores[n].port) != state.announced_stores.get(n)
         )
-        if placement == state.placement:
+        if not moved and not readdressed:
             return []
-        lost = sorted({n for ranks in state.placement for n in ranks} - names)
-        state.placement = placement
+        if moved:
+            state.placement = place_snapshots(
+                state.ranks, state.members, live, self.config.replication, state.rank_bytes, state.placement
+            )
+        lost = sorted(placed - names)
+        if lost:
+            reason = f"stores lost: {lost}"
+        elif readdressed:
+            reason = f"stores on a new address: {readdressed}"
+        else:
+            reason = "stores came back: more replicas"
+        return self._new_placement(state, now, reason)
+
+    def _hold_training(self, state: JobState, now: float) -> list[Action]:
+        """Every store is lost and the run holds training then: the generation is voided, so every rank
+        stops at once (the step in flight abandoned) and awaits the next one, which comes when a store
+        returns (`_resume_training`) or, past the run's bound, the job's end."""
+        if state.hold_without_stores_s <= 0 or state.held_since is not None or not state.formed:
+            return []
+        state.held_since = now
+        why = (
+            f"every snapshot store is lost: training is held until one returns "
+            f"(at most {state.hold_without_stores_s:.0f} s)"
+        )
+        return [Persist(state.job), *self._void(state, now, why)]
+
+    def _resume_training(self, state: JobState, now: float) -> list[Action]:
+        """A store is back while training is held: the same members regroup, each restoring the newest
+        step every rank holds in its own buffers (no store holds their state), and stream on."""
+        state.held_since = None
+        if state.vacant_ranks():  # a rank was lost meanwhile: its rebuild restores and places (the tick)
+            return [Persist(state.job)]
+        decision = self._publish_rebuild(state, now, set(), "a store is back: training resumes", local=True)
+        return [Persist(state.job), *decision.actions]
+
+    def _new_placement(self, state: JobState, now: float, reason: str) -> list[Action]:
         state.placement_version += 1
         state.placement_sent_t, state.placement_confirmed = now, False
-        reason = f"stores lost: {lost}" if lost else "stores came back: more replicas"
         state.replicate_sent_t = now
         message = self._placement_message(state, reason)
         return [Persist(state.job), Publish("placement", message), *self._replicas_wanted(state, now)]
@@ -867,7 +1130,19 @@ class SwapperCore:
     def _placement_message(self, state: JobState, reason: str) -> Placement:
         named = sorted({name for names in state.placement for name in names})
         stores = [StoreAddress(n, self.stores[n].host, self.stores[n].port) for n in named if n in self.stores]
-        return Placement(state.job, state.generation, state.placement_version, stores, state.placement, reason)
+        state.announced_stores = {a.store: (a.host, a.port) for a in stores}
+        return Placement(
+            state.job, state.generation, state.placement_version, stores, state.placement, clip_text(reason)
+        )
+
+    @staticmethod
+    def _note_protection(state: JobState, now: float, protected: bool) -> None:
+        """Track whether any store receives the job's snapshots: while none does, a lost rank's state
+        exists nowhere but in the durable tier (if any), and status, metrics and logs say so."""
+        if protected:
+            state.unprotected_since = None
+        elif state.unprotected_since is None:
+            state.unprotected_since, state.unprotected_step = now, state.committed_step
 
     def _replicas_wanted(self, state: JobState, now: float) -> list[Action]:
         """Copies of the committed step to make: from a surviving holder to each store of the rank's

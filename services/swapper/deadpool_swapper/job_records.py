@@ -9,39 +9,79 @@ events after that position, so it ends where its predecessor was, then finishes 
 Only the swapper leader writes, with a revision check (`kv.update(..., last=revision)`): a write
 against a revision someone else changed is refused by the server. `save` then raises
 `RecordConflictError` and the caller reloads: it never overwrites a newer record.
+
+The record carries no instant of this host's clock for another host to read with its own: timers (the
+last call, retransmissions, how long a job has been finished or waiting) are saved as ages or time
+left, taken at the save, and become instants again on the loader's monotonic clock. A large record
+is compressed and split into parts (`deadpool_protocol.job_record`); one too large even so is refused
+(`RecordTooLargeError`), never retried for ever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import secrets
 from typing import Any
 
 import msgpack
+import nats.errors
 from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from deadpool_protocol import Incident, ProtocolError, Rebuild, RebuildAck
 from deadpool_protocol.codec import from_fields, to_fields
-from deadpool_protocol.job_record import JOBS_BUCKET, JobSummary, pack_record, unpack_record
+from deadpool_protocol.job_record import (
+    JOBS_BUCKET,
+    PART_SEPARATOR,
+    JobSummary,
+    archive_key,
+    encode_stored,
+    is_record_key,
+    pack_record,
+    part_key,
+    unpack_record,
+)
+from deadpool_runtime.job_record_kv import read_record
 from deadpool_swapper.core import JobState, OpenIncident, PendingRebuild
 from deadpool_swapper.placement import MemberInfo
 from deadpool_swapper.restore_chain import CommittedCopies
 
-__all__ = ["JobRecords", "RecordConflictError", "UnreadableRecordError", "state_from_record", "state_to_record"]
+__all__ = [
+    "JobRecords",
+    "RecordConflictError",
+    "RecordTooLargeError",
+    "UnreadableRecordError",
+    "state_from_record",
+    "state_to_record",
+]
 
 KV_TIMEOUT_S = 2.0
 """How long one KV request may take (also the JetStream context's request timeout). Every KV call is
 bounded here as well: some of nats.py's (`keys()`, a watch) have no timeout of their own, and one
 that never returned once stopped both swappers for good while a NATS node was down."""
 KEYS_TIMEOUT_S = 5.0
+PAYLOAD_MARGIN_BYTES = 4096
+"""Room left in a NATS message for the KV's subject and headers beside a record's head or part."""
 
 
 class RecordConflictError(RuntimeError):
     """The job record changed under us: another swapper wrote it (this one is no longer the leader)."""
 
 
-def state_to_record(state: JobState) -> bytes:
+class RecordTooLargeError(RuntimeError):
+    """The job record cannot be stored, even compressed and in parts: the input that made it so is
+    refused (the caller reloads the last stored record), never retried for ever."""
+
+
+def _age(now: float, instant: float) -> float:
+    return max(0.0, now - instant)
+
+
+def state_to_record(state: JobState, now: float) -> bytes:
+    """The record of `state` at `now` (this process's monotonic clock): timers travel as ages or time
+    left, never as instants."""
     summary = JobSummary(
         job=state.job,
         world_size=state.world_size,
@@ -56,7 +96,9 @@ def state_to_record(state: JobState) -> bytes:
     )
     pending = state.pending
     private = {
-        "members": {m: to_fields(info) for m, info in state.members.items()},
+        "members": {
+            m: to_fields(info) | {"registered_at": -_age(now, info.registered_at)} for m, info in state.members.items()
+        },
         "restore_step": state.restore_step,
         "placement": state.placement,
         "completes": [
@@ -66,15 +108,16 @@ def state_to_record(state: JobState) -> bytes:
         if pending is None
         else {
             "command": to_fields(pending.command),
-            "t_sent": pending.t_sent,
+            "sent_age_s": _age(now, pending.t_sent),
             "acks": [to_fields(a) for a in pending.acks.values()],
         },
         "open_incidents": [to_fields(i) for i in state.open_incidents],
         "incidents": [to_fields(i) for i in state.incidents],
         "done": sorted(state.done),
-        "finished_t": state.finished_t,
+        "finished_age_s": _age(now, state.finished_t),
         "incident_seq": state.incident_seq,
-        "hold_until": state.hold_until,
+        "hold_left_s": max(0.0, state.hold_until - now) if state.hold_until else None,
+        "last_hello_age_s": _age(now, state.last_hello_t),
         "silent_hosts": {h: list(v) for h, v in state.silent_hosts.items()},
         "void_generation": state.void_generation,
         "attempts": state.attempts,
@@ -95,25 +138,37 @@ def state_to_record(state: JobState) -> bytes:
         "durable_failed": state.durable_failed,
         "durable_completes": [[rank, sorted(stores)] for rank, stores in state.durable_completes.items()],
         "awaiting_first_step": state.awaiting_first_step,
-        "awaiting_since": state.awaiting_since,
+        "awaiting_age_s": _age(now, state.awaiting_since),
         "first_steps": [[rank, t] for rank, t in state.first_steps.items()],
+        "announced_stores": {name: list(address) for name, address in state.announced_stores.items()},
+        "unprotected_age_s": None if state.unprotected_since is None else _age(now, state.unprotected_since),
+        "unprotected_step": state.unprotected_step,
+        "run": state.run,
+        "base_generation": state.base_generation,
+        "hold_without_stores_s": state.hold_without_stores_s,
+        "held_age_s": None if state.held_since is None else _age(now, state.held_since),
+        "local_failed": state.local_failed,
     }
     return pack_record(summary, private)
 
 
-def state_from_record(data: bytes) -> JobState:
-    """Rebuild a `JobState` from its record. Raises ProtocolError (or KeyError, TypeError, ValueError)
-    when the record cannot be read. Private fields a record of an older version lacks take their
-    defaults, so a swapper that was upgraded reads the records of the one it replaces."""
+def state_from_record(data: bytes, now: float) -> JobState:
+    """Rebuild a `JobState` from its record, its timers on this process's monotonic clock at `now`.
+    Raises ProtocolError (or KeyError, TypeError, ValueError) when the record cannot be read. Private
+    fields a record of an older version lacks take their defaults, so a swapper that was upgraded reads
+    the records of the one it replaces (an older record's wall-clock instants are not read: its timers
+    start afresh)."""
     summary, p = unpack_record(data)
     defaults = JobState(summary.job)
+    hold_left_s = p.get("hold_left_s")
+    unprotected_age_s = p.get("unprotected_age_s")
     state = JobState(
         job=summary.job,
         world_size=summary.world_size,
         generation=summary.generation,
         ranks=list(summary.ranks),
         spares=list(summary.spares),
-        members={m: MemberInfo(**info) for m, info in p["members"].items()},
+        members={m: MemberInfo(**(i | {"registered_at": now + i["registered_at"]})) for m, i in p["members"].items()},
         failed=list(summary.failed),
         committed_step=summary.committed_step,
         restore_step=p.get("restore_step", defaults.restore_step),
@@ -124,8 +179,9 @@ def state_from_record(data: bytes) -> JobState:
         incidents=[from_fields(Incident, i, "incident") for i in p.get("incidents", [])],
         open_incidents=[OpenIncident(**i) for i in p.get("open_incidents", [])],
         done=set(p.get("done", [])),
-        finished_t=p.get("finished_t", 0.0),
-        hold_until=p.get("hold_until", 0.0),
+        finished_t=now - p.get("finished_age_s", 0.0),
+        hold_until=now + hold_left_s if hold_left_s is not None else 0.0,
+        last_hello_t=now - p.get("last_hello_age_s", 0.0),
         silent_hosts={h: (int(v[0]), int(v[1])) for h, v in p.get("silent_hosts", {}).items()},
         void_generation=p.get("void_generation", 0),
         attempts=p.get("attempts", 0),
@@ -141,8 +197,16 @@ def state_from_record(data: bytes) -> JobState:
         durable_failed=bool(p.get("durable_failed", False)),
         durable_completes={int(rank): set(stores) for rank, stores in p.get("durable_completes", [])},
         awaiting_first_step=list(p.get("awaiting_first_step", [])),
-        awaiting_since=p.get("awaiting_since", 0.0),
+        awaiting_since=now - p.get("awaiting_age_s", 0.0),
         first_steps={int(rank): float(t) for rank, t in p.get("first_steps", [])},
+        announced_stores={name: (str(a[0]), int(a[1])) for name, a in p.get("announced_stores", {}).items()},
+        unprotected_since=None if unprotected_age_s is None else now - unprotected_age_s,
+        unprotected_step=p.get("unprotected_step", defaults.unprotected_step),
+        run=str(p.get("run", "")),
+        base_generation=int(p.get("base_generation", 0)),
+        hold_without_stores_s=float(p.get("hold_without_stores_s", 0.0)),
+        held_since=None if p.get("held_age_s") is None else now - float(p["held_age_s"]),
+        local_failed=bool(p.get("local_failed", False)),
     )
     if "previous_committed" in p:
         step, generation, holders = p["previous_committed"]
@@ -154,7 +218,7 @@ def state_from_record(data: bytes) -> JobState:
     if p.get("pending") is not None:
         command = from_fields(Rebuild, p["pending"]["command"], "pending.command")
         command.check()
-        pending = PendingRebuild(command, t_sent=p["pending"]["t_sent"])
+        pending = PendingRebuild(command, t_sent=now - p["pending"].get("sent_age_s", 0.0))
         for raw in p["pending"]["acks"]:
             ack = from_fields(RebuildAck, raw, "pending.ack")
             pending.acks[ack.member] = ack
@@ -168,80 +232,119 @@ class UnreadableRecordError(RuntimeError):
 
 
 class JobRecords:
-    def __init__(self, kv: KeyValue, log: Any) -> None:
+    def __init__(self, kv: KeyValue, log: Any, payload_bytes: int = 1024 * 1024) -> None:
         self.kv = kv
         self.log = log
+        self.part_bytes = max(1024, payload_bytes - PAYLOAD_MARGIN_BYTES)
+        """The largest head or part written: the server's max payload, less room for subject and headers."""
         self.revisions: dict[str, int] = {}
+        self._parts: dict[str, tuple[str, int]] = {}
+        """Per job, the tag and count of the parts its stored head names (none: inline)."""
         self._unconfirmed: dict[str, bytes] = {}
-        """Per job, the value of a write that failed without an answer (it may have been stored)."""
+        """Per job, the head of a write that failed without an answer (it may have been stored)."""
 
     @classmethod
-    async def open(cls, js: Any, log: Any, replicas: int = 1) -> JobRecords:
+    async def open(cls, js: Any, log: Any, replicas: int = 1, payload_bytes: int = 1024 * 1024) -> JobRecords:
         try:
             kv = await js.key_value(JOBS_BUCKET)
         except BucketNotFoundError:
             kv = await js.create_key_value(KeyValueConfig(bucket=JOBS_BUCKET, history=1, replicas=replicas))
-        return cls(kv, log)
+        return cls(kv, log, payload_bytes)
 
-    async def load_all(self) -> list[JobState]:
-        """Every readable record (an unreadable one is logged by `load` and left alone)."""
+    async def load_all(self, now: float) -> list[JobState]:
+        """Every readable record (an unreadable one is logged by `load` and left alone). Parts that no
+        head names any more (a swapper stopped between writing them and its head) are deleted."""
         try:
             keys = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
         except NoKeysError:
             return []
         states = []
-        for key in keys:
+        for key in filter(is_record_key, keys):
             try:
-                state = await self.load(key)
+                state = await self.load(key, now)
             except UnreadableRecordError:
                 continue
             if state is not None:
                 states.append(state)
+        named = {part_key(job, tag, i) for job, (tag, count) in self._parts.items() for i in range(count)}
+        for key in keys:
+            if not is_record_key(key) and key not in named and key.split(PART_SEPARATOR)[0] in self.revisions:
+                await self._delete(key)
         return states
 
-    async def load(self, job: str) -> JobState | None:
+    async def load(self, job: str, now: float) -> JobState | None:
         """The job's record as it is now in KV (None if there is none), remembering its revision.
         Raises UnreadableRecordError if there is one that cannot be read."""
         try:
-            entry = await asyncio.wait_for(self.kv.get(job), KV_TIMEOUT_S)
-        except KeyNotFoundError:
-            self.revisions.pop(job, None)
-            return None
-        if entry.value is None or entry.revision is None:
-            return None
-        try:
-            state = state_from_record(entry.value)
+            stored = await read_record(self.kv, job, KV_TIMEOUT_S)
+            if stored is None:
+                self.revisions.pop(job, None)
+                self._parts.pop(job, None)
+                return None
+            state = state_from_record(stored.record, now)
         except (ProtocolError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             self.log.error("job record unreadable: the job is left alone", job=job, reason=repr(exc))
             raise UnreadableRecordError(f"job {job}: record unreadable ({exc!r})") from exc
-        self.revisions[job] = entry.revision
+        self.revisions[job] = stored.revision
+        self._parts[job] = (stored.tag, stored.parts)
         return state
 
-    async def save(self, state: JobState) -> None:
-        """Write the record on top of the revision we last read or wrote. Raises RecordConflictError if
-        someone else wrote since, and the KV's own errors (a timeout during a leader election) as is.
+    async def save(self, state: JobState, now: float) -> None:
+        """Write the record on top of the revision we last read or wrote: its parts first (if it needs
+        any), then its head with the revision check, then the old parts away. Raises RecordConflictError
+        if someone else wrote since, RecordTooLargeError if it cannot be stored at all, and the KV's own
+        errors (a timeout during a leader election) as is.
 
         A write whose acknowledgement was lost may still have landed: the next write then meets a
-        newer revision. If that revision holds exactly the value of our unconfirmed write, it is ours."""
-        value = state_to_record(state)
+        newer revision. If that revision holds exactly the head of our unconfirmed write, it is ours."""
+        job = state.job
+        try:
+            stored = encode_stored(state_to_record(state, now), self.part_bytes, secrets.token_hex(6))
+        except ProtocolError as exc:
+            raise RecordTooLargeError(f"job {job}: {exc}") from exc
+        for index, part in enumerate(stored.parts):
+            await asyncio.wait_for(self.kv.put(part_key(job, stored.tag, index), part), KV_TIMEOUT_S)
+        try:
+            await self._write_head(job, stored.head)
+        except RecordConflictError:
+            await self._delete_parts(job, stored.tag, len(stored.parts))
+            raise
+        old_tag, old_count = self._parts.get(job, ("", 0))
+        self._parts[job] = (stored.tag, len(stored.parts))
+        if old_count and old_tag != stored.tag:
+            await self._delete_parts(job, old_tag, old_count)
+
+    async def archive(self, state: JobState, now: float) -> None:
+        """Keep the record of a run that ended under `archive_key` (written whole, parts first; no
+        revision check: the key is the run's alone). Raises the KV's errors, RecordTooLargeError."""
+        key = archive_key(state.job, state.generation)
+        try:
+            stored = encode_stored(state_to_record(state, now), self.part_bytes, secrets.token_hex(6))
+        except ProtocolError as exc:
+            raise RecordTooLargeError(f"job {state.job}: archive: {exc}") from exc
+        for index, part in enumerate(stored.parts):
+            await asyncio.wait_for(self.kv.put(part_key(key, stored.tag, index), part), KV_TIMEOUT_S)
+        await asyncio.wait_for(self.kv.put(key, stored.head), KV_TIMEOUT_S)
+
+    async def _write_head(self, job: str, head: bytes) -> None:
         for attempt in range(2):
-            revision = self.revisions.get(state.job)
+            revision = self.revisions.get(job)
             try:
                 if revision is None:
-                    revision = await asyncio.wait_for(self.kv.create(state.job, value), KV_TIMEOUT_S)
+                    revision = await asyncio.wait_for(self.kv.create(job, head), KV_TIMEOUT_S)
                 else:
-                    revision = await asyncio.wait_for(self.kv.update(state.job, value, last=revision), KV_TIMEOUT_S)
+                    revision = await asyncio.wait_for(self.kv.update(job, head, last=revision), KV_TIMEOUT_S)
             except KeyWrongLastSequenceError as exc:
-                if attempt == 0 and await self._adopt_unconfirmed(state.job):
+                if attempt == 0 and await self._adopt_unconfirmed(job):
                     continue
-                raise RecordConflictError(
-                    f"job {state.job}: record changed under us (another swapper wrote it)"
-                ) from exc
+                raise RecordConflictError(f"job {job}: record changed under us (another swapper wrote it)") from exc
+            except nats.errors.MaxPayloadError as exc:
+                raise RecordTooLargeError(f"job {job}: a head of {len(head)} bytes: {exc!r}") from exc
             except BaseException:
-                self._unconfirmed[state.job] = value  # it may have landed all the same
+                self._unconfirmed[job] = head  # it may have landed all the same
                 raise
-            self.revisions[state.job] = revision
-            self._unconfirmed.pop(state.job, None)
+            self.revisions[job] = revision
+            self._unconfirmed.pop(job, None)
             return
 
     async def _adopt_unconfirmed(self, job: str) -> bool:
@@ -258,5 +361,15 @@ class JobRecords:
         self.revisions[job] = entry.revision
         return True
 
+    async def _delete_parts(self, job: str, tag: str, count: int) -> None:
+        for index in range(count):
+            await self._delete(part_key(job, tag, index))
+
+    async def _delete(self, key: str) -> None:
+        """Best effort: a part left behind is deleted at the next takeover."""
+        with contextlib.suppress(TimeoutError, nats.errors.Error):
+            await asyncio.wait_for(self.kv.purge(key), KV_TIMEOUT_S)
+
     def forget(self, job: str) -> None:
         self.revisions.pop(job, None)
+        self._parts.pop(job, None)

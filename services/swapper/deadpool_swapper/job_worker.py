@@ -2,15 +2,21 @@
 
 Each job has its own inbox, its own reader of the events stream and its own task, so one job's fence,
 KV write or slow member never delays another job. The worker applies one input at a time (an event
-from the stream, a member's hello, or a tick when a deadline passes), then carries out the actions the
-core returned:
+from the stream, a member's hello, a fence's answer, or a tick when the core's next deadline comes),
+then carries out the actions the core returned:
 
-- fences run concurrently with each other and with the record's save (a lost host's members are
-  killed in parallel, each bounded by `fence_timeout_s`);
 - nothing is published, and no hello is answered, before the record that includes it is saved: a
   new leader always knows every generation anyone heard of. A save that fails (KV unreachable, a
-  stream leader being elected) holds the publications back and is retried every `save_retry_s`;
-  it never takes the swapper down.
+  stream leader being elected) holds the publications back and is retried every `SAVE_RETRY_S`; it
+  never takes the swapper down. A record too large to store is refused: the input that made it so
+  is dropped (reloaded away), with the reason logged, never retried for ever;
+- fences run in the background (a lost host's members are killed in parallel, each bounded by
+  `fence_timeout_s`) while the worker goes on reading events; a rebuild, and whatever was decided
+  after it, goes out only once every fence before it has answered.
+
+The worker never stops reading: an input waiting in the inbox is taken before a tick that is not
+due, a tick's deadline comes from the core's own rules (`Decision.next_at`, always in the future), and
+every event's wait in the inbox is measured (`unheard_s_max`).
 
 Events are applied at most once into the state (each carries its stream sequence; the record saves
 the last one applied), and the reader of a new leader starts right after the saved sequence, so it
@@ -35,26 +41,66 @@ from deadpool_protocol import (
     MemberDone,
     MemberHello,
     Message,
+    Rebuild,
     RebuildAck,
+    RunReply,
+    RunStart,
     SnapshotComplete,
     StepResumed,
 )
 from deadpool_protocol.events import SWAPPER_EVENTS, event_subjects
 from deadpool_runtime import EventReader
-from deadpool_swapper.core import Decision, Fence, JobState, Persist, Publish, SwapperCore
-from deadpool_swapper.job_records import JobRecords, RecordConflictError, UnreadableRecordError
+from deadpool_swapper.core import Archive, Decision, Fence, JobState, Persist, Publish, SwapperCore
+from deadpool_swapper.job_records import JobRecords, RecordConflictError, RecordTooLargeError, UnreadableRecordError
 
-__all__ = ["Event", "Hello", "JobWorker"]
+__all__ = ["Event", "Fenced", "Hello", "JobWorker", "Poke", "RunRequest"]
 
 JOB_INBOX_MAX = 4096
 """Inputs waiting for one job; a full inbox slows that job's reader, never another job."""
 SAVE_RETRY_S = 0.2
+TICK_MIN_S = 0.005
+"""The shortest pause between two ticks with nothing read between them (the core only ever schedules
+the future; this bounds the cost of a bug that would not)."""
+INPUTS_PER_SAVE_MAX = 1024
+"""Inputs already waiting that are decided together and saved in one write (a job of thousands of
+members registers in a few saves); the bound keeps one batch's publications from waiting long."""
+HELD_MAX = 10_000
+"""Publications held while the record cannot be saved; past it the oldest are dropped (logged): every
+command is retransmitted until it is confirmed, and commits and incidents are in the record."""
+HELD_DEDUPE_WINDOW = 64
+"""A publication equal to one of the last this many held is not held twice (a tick's retransmissions)."""
+REPLIES_HELD_MAX = 4096
+"""Hello answers held while the record cannot be saved (a member asks again after `HELLO_ANSWER_S`)."""
+UNPROTECTED_LOG_S = 30.0
+"""While no store receives the job's snapshots, the worker says so this often."""
 
 
 @dataclass
 class Event:
     message: Message
     seq: int
+    received: float = field(default_factory=time.monotonic)
+    """When the reader handed it over (monotonic): its wait in the inbox counts from here."""
+
+
+@dataclass
+class RunRequest:
+    start: RunStart
+    reply: asyncio.Future[RunReply] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class Fenced:
+    """A fence has answered (or gone unanswered within its bound)."""
+
+    fence: Fence
+    took_s: float
+
+
+@dataclass
+class Poke:
+    """Something the job's rules depend on changed outside its inbox (a store came, came back or
+    moved): tick now."""
 
 
 @dataclass
@@ -63,7 +109,7 @@ class Hello:
     reply: asyncio.Future[HelloReply] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-Item = Event | Hello
+Item = Event | Hello | RunRequest | Fenced | Poke
 
 
 class JobWorker:
@@ -75,7 +121,7 @@ class JobWorker:
         nc: Any,
         log: Any,
         publish: Callable[[Publish], Awaitable[None]],
-        fence: Callable[[Fence], Awaitable[None]],
+        fence: Callable[[Fence], Awaitable[float]],
         leading: Callable[[], bool],
         stream: tuple[str, int],
     ) -> None:
@@ -90,15 +136,23 @@ class JobWorker:
         self._stream_id, self._stream_last = stream
         self.inbox: asyncio.Queue[Item] = asyncio.Queue(maxsize=JOB_INBOX_MAX)
         self._held: list[Publish] = []
-        """Publications waiting for the record to be saved."""
+        """Publications waiting for the record to be saved (and a rebuild, for the fences before it)."""
         self._dirty = False
-        self._replies: list[tuple[Hello, HelloReply]] = []
+        self._save_retry_at = 0.0
+        self._replies: list[tuple[Hello | RunRequest, HelloReply | RunReply]] = []
+        self._archives: list[JobState] = []
+        """Records of runs that ended, to keep before the state that replaced them is saved."""
+        self._fences: set[asyncio.Task[None]] = set()
         self._had_state = False
         self._last_reason = ""
         self._stop = asyncio.Event()
         self._reader: EventReader | None = None
         self._start_seq = 0
         self._task: asyncio.Task[None] | None = None
+        self._next_tick = 0.0
+        self._unprotected_log_at = 0.0
+        self.unheard_s_max = 0.0
+        """The longest an event waited in this worker's inbox before it was handled (seconds)."""
 
     @property
     def state(self) -> JobState | None:
@@ -112,12 +166,19 @@ class JobWorker:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"job-{self.job}")
 
+    def poke(self) -> None:
+        """Tick soon: something the job's rules depend on changed outside its inbox."""
+        with contextlib.suppress(asyncio.QueueFull):  # a full inbox is read, and ticked, soon anyway
+            self.inbox.put_nowait(Poke())
+
     async def stop(self) -> None:
         self._stop.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        for task in list(self._fences):
+            task.cancel()
         if self._reader is not None:
             await self._reader.stop()
         for hello, _ in self._replies:
@@ -146,33 +207,77 @@ class JobWorker:
     async def _on_event(self, message: Message, seq: int) -> None:
         await self.inbox.put(Event(message, seq))
 
+    def _due(self) -> float:
+        """The next moment the loop has work without an input: a tick, a save to retry, a log line."""
+        due = self._next_tick
+        if self._dirty:
+            due = min(due, self._save_retry_at)
+        state = self.state
+        if state is not None and state.unprotected_since is not None and not state.finished:
+            due = min(due, self._unprotected_log_at)
+        return due
+
+    async def _next_input(self) -> Item | None:
+        """The next input waiting, else one that arrives before the next due moment, else None (a tick)."""
+        wait_s = self._due() - time.monotonic()
+        if wait_s <= 0:
+            return None
+        with contextlib.suppress(asyncio.QueueEmpty):
+            return self.inbox.get_nowait()
+        try:
+            return await asyncio.wait_for(self.inbox.get(), wait_s)
+        except TimeoutError:
+            return None
+
     async def _run(self) -> None:
         await self._start_reader()
         while not self._stop.is_set():
-            now = time.time()
-            timeout = self.core.next_deadline(self.job, now) - now
-            if self._dirty or self._held:
-                timeout = min(timeout, SAVE_RETRY_S)
+            item = await self._next_input()
             try:
-                item: Item | None = await asyncio.wait_for(self.inbox.get(), max(0.0, timeout))
-            except TimeoutError:
-                item = None
-            try:
-                decision = self._decide(item, time.time())
-                self._had_state = self._had_state or self.state is not None
-                await self._carry_out(decision)
+                self._apply(item)
+                for _ in range(INPUTS_PER_SAVE_MAX - 1):  # what else is waiting goes into the same save
+                    if item is None:
+                        break
+                    try:
+                        item = self.inbox.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    self._apply(item)
+                await self._flush()
             except Exception:  # a bug must not silence this job for good: log it, go on with the next input
                 self.log.exception("job worker failed on an input; going on", item=type(item).__name__)
                 await asyncio.sleep(SAVE_RETRY_S)
 
+    def _apply(self, item: Item | None) -> None:
+        """Decide one input (None: a tick) and take its actions in; `_flush` carries them out."""
+        now = time.monotonic()
+        decision = self._decide(item, now)
+        self._had_state = self._had_state or self.state is not None
+        if item is None or isinstance(item, Poke):
+            self._next_tick = max(decision.next_at, now + TICK_MIN_S)
+            self._log_unprotected(now)
+        elif any(isinstance(a, Persist) for a in decision.actions):
+            # The state changed: its deadlines may have too (none is sooner than the last call).
+            self._next_tick = min(self._next_tick, now + TICK_MIN_S)
+        self._take(decision)
+
     def _decide(self, item: Item | None, now: float) -> Decision:
-        if item is None:
+        if item is None or isinstance(item, Poke):
             return self.core.tick_job(self.job, now)
+        if isinstance(item, Fenced):
+            self.core.on_fenced(self.job, item.fence.member, item.took_s)
+            return Decision([], f"fence of {item.fence.member} answered")
         if isinstance(item, Hello):
             reply, decision = self.core.on_hello(item.hello, now)
             self._adopt_position()  # the first hello creates the job's state
             self._replies.append((item, reply))
             return decision
+        if isinstance(item, RunRequest):
+            run_reply, decision = self.core.on_run_start(item.start, now)
+            self._adopt_position()
+            self._replies.append((item, run_reply))
+            return decision
+        self.unheard_s_max = max(self.unheard_s_max, now - item.received)
         state = self.state
         if state is not None and item.seq <= state.applied_seq:
             return Decision([], f"event {item.seq} already applied")
@@ -198,9 +303,25 @@ class JobWorker:
             return core.on_step_resumed(message, now)
         return Decision([], f"event {message.KIND} is not for the swapper")
 
+    def _log_unprotected(self, now: float) -> None:
+        state = self.state
+        if state is None or state.unprotected_since is None or state.finished:
+            self._unprotected_log_at = 0.0
+            return
+        if now < self._unprotected_log_at:
+            return
+        self._unprotected_log_at = now + UNPROTECTED_LOG_S
+        self.log.warning(
+            "job unprotected: no snapshot store receives its snapshots",
+            since_committed_step=state.unprotected_step,
+            committed_step=state.committed_step,
+            unprotected_s=round(now - state.unprotected_since, 1),
+            generation=state.generation,
+        )
+
     # ------------------------------------------------------------------ actions
 
-    async def _carry_out(self, decision: Decision) -> None:
+    def _take(self, decision: Decision) -> None:
         if (
             decision.reason != self._last_reason
             and decision.reason != "tick"
@@ -208,19 +329,39 @@ class JobWorker:
         ):
             self.log.info("decision", reason=decision.reason)
             self._last_reason = decision.reason
-        fences = [a for a in decision.actions if isinstance(a, Fence)]
+        for fence in (a for a in decision.actions if isinstance(a, Fence)):
+            task = asyncio.create_task(self._fenced(fence), name=f"fence-{fence.member}")
+            self._fences.add(task)
+            task.add_done_callback(self._fences.discard)
         self._dirty = self._dirty or any(isinstance(a, Persist) for a in decision.actions)
-        self._held += [a for a in decision.actions if isinstance(a, Publish)]
-        await asyncio.gather(*(self._fence(f) for f in fences), self._save())
+        self._archives += [a.state for a in decision.actions if isinstance(a, Archive)]
+        for action in (a for a in decision.actions if isinstance(a, Publish)):
+            if action not in self._held[-HELD_DEDUPE_WINDOW:]:  # a retransmission of one still held
+                self._held.append(action)
+        if len(self._held) > HELD_MAX:  # the record unsaved for long: the oldest go (commands are repeated)
+            self.log.warning("publications held too long dropped", dropped=len(self._held) - HELD_MAX)
+            del self._held[:-HELD_MAX]
+        del self._replies[:-REPLIES_HELD_MAX]  # members ask again; their earlier requests gave up waiting
+
+    async def _flush(self) -> None:
+        """Save the record if it changed, then (once saved) answer hellos and publish, in order."""
+        await self._save()
         if self._dirty or not self._leading():
             return  # not durable yet (or no longer ours to say): nothing goes out
-        held, self._held = self._held, []
-        for action in held:
-            await self._publish(action)
         replies, self._replies = self._replies, []
-        for hello, reply in replies:
-            if not hello.reply.done():
-                hello.reply.set_result(reply)
+        for request, reply in replies:
+            if not request.reply.done():
+                request.reply.set_result(reply)  # type: ignore[arg-type]
+        while self._held:
+            action = self._held[0]
+            if isinstance(action.message, Rebuild) and self._fences:
+                break  # a member that may still run is killed before anyone takes its place
+            del self._held[0]
+            await self._publish(action)
+
+    async def _fenced(self, fence: Fence) -> None:
+        took_s = await self._fence(fence)
+        await self.inbox.put(Fenced(fence, took_s))
 
     async def _save(self) -> None:
         state = self.state
@@ -229,23 +370,35 @@ class JobWorker:
         if state is None:
             self._dirty = False
             return
+        now = time.monotonic()
+        if now < self._save_retry_at:
+            return
         try:
-            await self.records.save(state)
+            while self._archives:  # the ended run's record, before the next run is saved over it
+                await self.records.archive(self._archives[0], now)
+                del self._archives[0]
+            await self.records.save(state, now)
             self._dirty = False
         except RecordConflictError as exc:
             self.log.error("job record changed under us: reloading it", reason=str(exc))
             await self._reload()
+        except RecordTooLargeError as exc:
+            self.log.error("job record refused: the input that made it too large is dropped", reason=str(exc))
+            await self._reload()
         except (TimeoutError, nats.errors.Error) as exc:
+            self._save_retry_at = time.monotonic() + SAVE_RETRY_S
             self.log.warning("job record not saved yet: will retry", error=repr(exc), held=len(self._held))
 
     async def _reload(self) -> None:
-        """Another swapper wrote our job: take its record as the truth and follow the stream from there.
-        Publications and replies decided on the state we drop are dropped with it (members retry)."""
+        """Take the record in KV as the truth (another swapper wrote our job, or what we decided cannot
+        be stored) and follow the stream from there. Publications and replies decided on the state we
+        drop are dropped with it (members retry)."""
         self._held.clear()
         self._replies.clear()
+        self._archives.clear()
         self._dirty = False
         try:
-            fresh = await self.records.load(self.job)
+            fresh = await self.records.load(self.job, time.monotonic())
         except UnreadableRecordError:
             self.core.jobs.pop(self.job, None)
             self._stop.set()  # someone else wrote what we cannot read: act on nothing of this job
@@ -253,6 +406,7 @@ class JobWorker:
         except (TimeoutError, nats.errors.Error) as exc:
             self.log.error("job record not reloaded", error=repr(exc))
             self._dirty = True
+            self._save_retry_at = time.monotonic() + SAVE_RETRY_S
             return
         if fresh is None:
             self.core.jobs.pop(self.job, None)

@@ -40,6 +40,8 @@ class RestoreChoice:
     durable: bool
     link: str
     reason: str
+    local: bool = False
+    """The ranks agree on the newest step they all hold in their own buffers (no store holds it)."""
 
 
 def choose_restore(

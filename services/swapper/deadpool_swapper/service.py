@@ -15,6 +15,7 @@ as JSON, for `deadpool status`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -39,6 +40,7 @@ from deadpool_protocol import (
     ProtocolError,
     Rebuild,
     Replicate,
+    RunStart,
     StoreStatus,
     Subjects,
     decode,
@@ -49,10 +51,11 @@ from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
+from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.metrics import Metrics
 from deadpool_swapper.core import Fence, JobState, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import KV_TIMEOUT_S, JobRecords, UnreadableRecordError
-from deadpool_swapper.job_worker import Hello, JobWorker
+from deadpool_swapper.job_worker import Hello, JobWorker, RunRequest
 from deadpool_swapper.leader_lease import LeaderLease, LeaseConfig
 from deadpool_swapper.tracing import IncidentTracer
 
@@ -60,6 +63,9 @@ __all__ = ["SwapperServiceConfig", "main"]
 
 VERSION = "0.2.0"
 INCIDENTS_MEASURED_KEPT = 10_000
+VIEW_CHECK_S = 0.1
+"""How often the swapper checks that it could hear the stores (its NATS connection, its own loop)."""
+STATUS_MARGIN_BYTES = 4096
 HELLO_ANSWER_S = 10.0
 """How long a hello may wait for its job's worker (the member retries after its own timeout anyway)."""
 START_RETRY_S = 0.5
@@ -89,8 +95,13 @@ class SwapperService:
         self.config = config
         self.nc = nc
         self.log = log
+        self._refusals = RefusalLog(log)
         self.instance = config.instance or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-        self.core = SwapperCore(SwapperConfig(replication=config.replication, last_call_s=config.last_call_s))
+        self.core = SwapperCore(
+            SwapperConfig(replication=config.replication, last_call_s=config.last_call_s, runs_required=True),
+            wall_offset=lambda: time.time() - time.monotonic(),
+        )
+        self.core.reset_store_view(time.monotonic())
         self.tracer = IncidentTracer(config.trace_file)
         self.metrics = Metrics("deadpool-swapper")
         self._recoveries = self.metrics.meter.create_counter("deadpool.recoveries", description="closed incidents")
@@ -102,6 +113,8 @@ class SwapperService:
         self._job_gauges()
         self.workers: dict[str, JobWorker] = {}
         self._stopping: set[asyncio.Task[None]] = set()
+        self._answering: set[asyncio.Task[None]] = set()
+        """Hellos in the inbox of their job's worker, each waiting for its answer (at most the inboxes hold)."""
         self.records: JobRecords | None = None
         self.lease: LeaderLease | None = None
         self._leading = False
@@ -127,7 +140,7 @@ class SwapperService:
         assert self.records is not None and self.lease is not None
         started = time.monotonic()
         try:
-            states = await self.records.load_all()
+            states = await self.records.load_all(time.monotonic())
             stream = await stream_position(self.nc)
         except (TimeoutError, nats.errors.Error) as exc:
             self.log.error("cannot take the lead: job records unreachable; giving the lease up", error=repr(exc))
@@ -192,7 +205,7 @@ class SwapperService:
                 return None
             assert self.records is not None
             try:
-                state = await self.records.load(job)
+                state = await self.records.load(job, time.monotonic())
                 stream = await stream_position(self.nc)
             except (TimeoutError, nats.errors.Error) as exc:
                 self.log.warning("job not started yet: KV unreachable", job=job, error=repr(exc))
@@ -253,6 +266,12 @@ class SwapperService:
             per_job(lambda s: max(s.completes, default=s.committed_step) - s.committed_step),
         )
         self.metrics.gauge("deadpool.job.spares_free", "{member}", "warm spares", per_job(lambda s: len(s.spares)))
+        self.metrics.gauge(
+            "deadpool.job.unprotected",
+            "1",
+            "1 while no snapshot store receives the job's snapshots (a lost rank has no RAM copy)",
+            per_job(lambda s: float(s.unprotected_since is not None)),
+        )
 
     def _log_incident(self, incident: Incident) -> None:
         self.log.info(
@@ -278,12 +297,13 @@ class SwapperService:
         self._recoveries.add(1, attrs)
         self._downtime.record(incident.downtime_s, attrs)
 
-    async def _fence(self, fence: Fence) -> None:
-        """Ask the member's launcher to SIGKILL it and wait for the answer (bounded)."""
+    async def _fence(self, fence: Fence) -> float:
+        """Ask the member's launcher to SIGKILL it and wait for the answer (bounded); returns how long
+        that took."""
         started = time.monotonic()
         if not fence.launcher:
             self.log.error("cannot fence a member without a launcher", member=fence.member)
-            return
+            return 0.0
         request = FenceRequest(fence.job, fence.generation, fence.member, fence.reason)
         try:
             msg = await self.nc.request(
@@ -295,7 +315,7 @@ class SwapperService:
             self.log.error(
                 "fence got no answer: going on without it", job=fence.job, member=fence.member, reason=repr(exc)
             )
-        self.core.on_fenced(fence.job, fence.member, time.monotonic() - started)
+        return time.monotonic() - started
 
     # ------------------------------------------------------------------ inputs
 
@@ -305,7 +325,7 @@ class SwapperService:
         try:
             hello = decode(msg.data, MemberHello)
         except ProtocolError as exc:
-            self.log.warning("rejected hello", reason=str(exc))
+            self._refusals.warning("rejected hello", reason=str(exc))
             await _respond_error(self.nc, msg, "400", str(exc))
             return
         worker = await self._worker_for(hello.job)
@@ -314,15 +334,63 @@ class SwapperService:
         item = Hello(hello)
         try:
             await asyncio.wait_for(worker.inbox.put(item), HELLO_ANSWER_S)
+        except TimeoutError:
+            return  # the member asks again
+        # The answer comes once the record holding the member is saved; meanwhile the next hellos are
+        # read (a job of thousands registers in a few saves, not one save per member).
+        task = asyncio.create_task(self._answer_hello(msg, item))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _on_run_start(self, msg: Msg) -> None:
+        """A launcher starts a run (only launchers may publish here: a member cannot squat a name)."""
+        if not self.leading():
+            return
+        try:
+            start = decode(msg.data, RunStart)
+        except ProtocolError as exc:
+            self.log.warning("rejected run start", reason=str(exc))
+            await _respond_error(self.nc, msg, "400", str(exc))
+            return
+        worker = await self._worker_for(start.job)
+        if worker is None:
+            return
+        item = RunRequest(start)
+        try:
+            await asyncio.wait_for(worker.inbox.put(item), HELLO_ANSWER_S)
+            reply = await asyncio.wait_for(asyncio.shield(item.reply), HELLO_ANSWER_S)
+        except (TimeoutError, asyncio.CancelledError):
+            return  # the launcher asks again
+        if not reply.accepted:
+            self.log.warning("run refused", job=start.job, run=start.run, launcher=start.launcher, reason=reply.reason)
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(msg.reply, encode(reply))
+
+    async def _answer_hello(self, msg: Msg, item: Hello) -> None:
+        try:
             reply = await asyncio.wait_for(asyncio.shield(item.reply), HELLO_ANSWER_S)
         except (TimeoutError, asyncio.CancelledError):
             return  # the member asks again
         if reply.accepted and self.config.dataplane_key:
             reply = replace(reply, store_token=job_token(self.config.dataplane_key, reply.job))
-        await self.nc.publish(msg.reply, encode(reply))
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(msg.reply, encode(reply))
 
     async def _on_store(self, status: StoreStatus, _msg: Msg) -> None:
-        self.core.on_store_status(status, time.time())
+        if self.core.on_store_status(status, time.monotonic()):
+            for worker in self.workers.values():  # a store came, came back or moved: jobs act on it now
+                worker.poke()
+
+    async def _watch_store_view(self, stop: asyncio.Event) -> None:
+        """The stores' view is only as fresh as this process's hearing: while its NATS connection is
+        down, and after its loop was paused, a silent store may just be unheard, so the core waits a
+        full store timeout before taking silence for loss (a failure handled meanwhile waits for it)."""
+        last = time.monotonic()
+        while not await stopped_within(stop, VIEW_CHECK_S):
+            now = time.monotonic()
+            if not self.nc.is_connected or now - last > self.core.config.store_timeout_s / 2:
+                self.core.reset_store_view(now)
+            last = now
 
     async def _on_status(self, msg: Msg) -> None:
         if not self.leading():
@@ -332,6 +400,8 @@ class SwapperService:
         if state is None:
             await _respond_error(self.nc, msg, "404", f"no job named {job!r}")
             return
+        now = time.monotonic()
+        worker = self.workers.get(job)
         body = {
             "job": state.job,
             "leader": self.instance,
@@ -346,13 +416,24 @@ class SwapperService:
             "rebuild_pending": state.pending is not None,
             "open_incidents": [to_fields(i) for i in state.open_incidents],
             "incidents": [to_fields(i) | {"detect_s": i.detect_s, "downtime_s": i.downtime_s} for i in state.incidents],
-            "stores": [to_fields(s) for s in self.core.live_stores(time.time())],
+            "stores": [to_fields(s) | {"heard_s_ago": round(now - s.last_seen, 3)} for s in self.core.live_stores(now)],
             "placement": state.placement,
             "placement_version": state.placement_version,
-            "replicas_short": self.core.replicas_short(state.job, time.time()),
+            "replicas_short": self.core.replicas_short(state.job, now),
             "commit_lag_steps": max(state.completes, default=state.committed_step) - state.committed_step,
+            "unprotected": None
+            if state.unprotected_since is None
+            else {"since_committed_step": state.unprotected_step, "for_s": round(now - state.unprotected_since, 1)},
+            "unheard_s_max": round(worker.unheard_s_max, 4) if worker is not None else 0.0,
         }
-        await self.nc.publish(msg.reply, json.dumps(body).encode())
+        data = json.dumps(body).encode()
+        if len(data) > self.nc.max_payload - STATUS_MARGIN_BYTES:  # a job of thousands: the details go
+            body |= {"members": {}, "placement": [], "open_incidents": [], "truncated": True}
+            data = json.dumps(body).encode()
+        try:
+            await self.nc.publish(msg.reply, data)
+        except nats.errors.Error as exc:
+            self.log.warning("status not answered", job=job, bytes=len(data), error=repr(exc))
 
     async def _open(self, stop: asyncio.Event) -> bool:
         """Open the KV buckets and the events stream, retrying until JetStream answers."""
@@ -362,7 +443,7 @@ class SwapperService:
             attempts += 1
             try:
                 await ensure_events_stream(self.nc, self.config.js_replicas)
-                self.records = await JobRecords.open(js, self.log, self.config.js_replicas)
+                self.records = await JobRecords.open(js, self.log, self.config.js_replicas, self.nc.max_payload)
                 self.lease = await LeaderLease.open(
                     js, self.instance, self.config.lease, self.log, self.config.js_replicas
                 )
@@ -380,6 +461,7 @@ class SwapperService:
             return
         assert self.lease is not None
         await self.nc.subscribe(Subjects.any_job().hello, cb=self._on_hello)
+        await self.nc.subscribe(Subjects.any_job().run_start, cb=self._on_run_start)
         await self.nc.subscribe(SWAPPER_STATUS, cb=self._on_status)
         service = await add_service(
             self.nc,
@@ -389,7 +471,9 @@ class SwapperService:
             metadata={"instance": self.instance, "host": socket.gethostname()},
         )
         self.log.info("swapper ready", instance=self.instance, replication=self.config.replication)
+        watch = asyncio.create_task(self._watch_store_view(stop), name="store-view")
         await self.lease.run(stop, self._on_lead_change, lambda: self._leading)
+        watch.cancel()
         await service.stop()
         self.tracer.shutdown()
         self.metrics.shutdown()

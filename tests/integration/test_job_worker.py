@@ -1,0 +1,132 @@
+"""A job's worker keeps reading its events whatever its deadlines: real NATS, a real events stream and
+real job records, the worker driven as the swapper leader drives it.
+
+Seen: with every store of a job lost, the worker computed a deadline in the past (a dead store's
+"lost at" moment), called `wait_for(inbox.get(), 0)` (which cancels the read before it runs), and
+never read an event again while using most of a core: a rank killed later was never replaced, and
+"done" reports went unheard."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.client import Client
+
+from deadpool_protocol import (
+    Failure,
+    MemberHello,
+    Message,
+    Rebuild,
+    RebuildAck,
+    SnapshotComplete,
+    StoreStatus,
+    Subjects,
+)
+from deadpool_protocol.logs import get_logger
+from deadpool_runtime import EventPublisher, ensure_events_stream
+from deadpool_runtime.events import stream_position
+from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
+from deadpool_swapper.job_records import JobRecords
+from deadpool_swapper.job_worker import JobWorker
+
+JOB = "worker-job"
+W = 2
+STORE_TIMEOUT_S = 0.5
+LIVENESS_BOUND_S = 20.0
+"""Every event must be handled well within this (a liveness bound, not a timing goal)."""
+
+
+class WatchedCore(SwapperCore):
+    """The real core, counting its ticks and noting the order in which events reach it."""
+
+    def __init__(self, config: SwapperConfig) -> None:
+        super().__init__(config)
+        self.ticks = 0
+        self.seen: list[tuple[int, int]] = []
+
+    def tick_job(self, job: str, now: float) -> Decision:
+        self.ticks += 1
+        return super().tick_job(job, now)
+
+    def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
+        self.seen.append((sc.step, sc.rank))
+        return super().on_snapshot_complete(sc, now)
+
+
+def formed(core: SwapperCore, now: float) -> Rebuild:
+    """A job of W ranks and a spare, formed, with two stores placed."""
+    for i in range(2):
+        core.on_store_status(StoreStatus(f"store{i}", "127.0.0.1", 5000 + i, 0, 10**9, 0, 0.0), now)
+    decisions = [
+        core.on_hello(MemberHello(JOB, 0, m, "h0", 100, "l0", h, W, "127.0.0.1", 4000, 0.0), now)[1]
+        for m, h in (("r0", 0), ("r1", 1), ("s0", -1))
+    ]
+    (formation,) = [a.message for d in decisions for a in d.actions if isinstance(a, Publish)]
+    assert isinstance(formation, Rebuild)
+    for rank, member in enumerate(formation.ranks):
+        marks = {"received": 0.0, "ready": 0.0}
+        core.on_ack(RebuildAck(JOB, 1, member, rank, -1, -1, "fresh", marks, 0.0), now)
+    assert core.jobs[JOB].formed and core.jobs[JOB].pending is None
+    return formation
+
+
+async def test_a_worker_reads_every_event_in_order_with_deadlines_past_and_rules_never_satisfied(
+    nc: Client,
+) -> None:
+    log = get_logger()
+    await ensure_events_stream(nc)
+    records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
+    core = WatchedCore(SwapperConfig(replication=2, store_timeout_s=STORE_TIMEOUT_S, last_call_s=0.0))
+    now = time.monotonic()
+    formed(core, now)
+    for store in core.stores.values():  # every store was lost long ago: its "lost at" is in the past
+        store.last_seen = now - 100.0
+    published: list[Message] = []
+
+    async def publish(action: Publish) -> None:
+        published.append(action.message)
+
+    async def fence(_: Fence) -> float:
+        return 0.0
+
+    worker = JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, await stream_position(nc))
+    worker.start()
+    try:
+        await until(lambda: core.jobs[JOB].unprotected_since is not None, "the job is known to be unprotected")
+        ticks_before = core.ticks
+        await asyncio.sleep(1.0)  # nothing arrives: the worker must sleep, not spin
+        assert core.ticks - ticks_before <= 3, f"{core.ticks - ticks_before} ticks in 1 s with nothing to do"
+
+        events = EventPublisher(nc, log)
+        subjects = Subjects.for_job(JOB)
+        sent = [(step, rank) for step in range(1, 21) for rank in range(W)]
+        for step, rank in sent:
+            stored = await events.publish(
+                subjects.snapshot_complete, SnapshotComplete(JOB, 1, "store0", rank, f"r{rank}", step, 10)
+            )
+            assert stored
+        await until(lambda: len(core.seen) == len(sent), "every snapshot report handled")
+        assert core.seen == sent, "events handled out of order"
+
+        # A rule that can never be satisfied (no store for the vacant rank's rebuild to place on, and
+        # none comes) must not stop the worker from hearing the failure, nor make it spin.
+        failure = Failure(JOB, 1, "r1", 1, "exit", {}, time.time(), time.time())
+        assert await events.publish(subjects.failure, failure)
+        await until(lambda: any(isinstance(m, Rebuild) and m.generation == 2 for m in published), "rank 1 swapped")
+        (rebuild,) = [m for m in published if isinstance(m, Rebuild) and m.generation == 2]
+        assert rebuild.ranks == ["r0", "s0"] and rebuild.placement == [[], []]  # no store to place on
+        assert worker.unheard_s_max < LIVENESS_BOUND_S
+        ticks_before = core.ticks
+        await asyncio.sleep(1.0)
+        assert core.ticks - ticks_before <= 5, f"{core.ticks - ticks_before} ticks in 1 s while a rebuild is pending"
+    finally:
+        await worker.stop()
+
+
+async def until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + LIVENESS_BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {LIVENESS_BOUND_S} s: {what}"
+        await asyncio.sleep(0.02)

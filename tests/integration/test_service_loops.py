@@ -1,0 +1,80 @@
+"""The services' own loops keep going when one pass fails, and hold a bounded amount while they cannot
+say what they decided (issue 21's audit of every asyncio loop: a computed timeout that can reach 0, a
+retry without pause or cap, a held list without bound).
+
+A real nats-server; the services run in this process, so one pass can be made to fail on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.client import Client
+
+from deadpool_detector.core import DetectorConfig
+from deadpool_detector.service import DetectorService, DetectorServiceConfig
+from deadpool_protocol import Commit, HelloReply, MemberHello
+from deadpool_protocol.logs import get_logger
+from deadpool_runtime import ensure_events_stream
+from deadpool_runtime.events import stream_position
+from deadpool_swapper.core import Decision, Publish, SwapperConfig, SwapperCore
+from deadpool_swapper.job_records import JobRecords
+from deadpool_swapper.job_worker import HELD_MAX, REPLIES_HELD_MAX, Hello, JobWorker
+
+WAIT_S = 20.0
+
+
+async def test_a_failing_detector_pass_does_not_end_the_detector(nc: Client, nats_url: str) -> None:
+    """A pass that raises (a bug, or a publish refused while NATS is away) used to end the detector's
+    loop, and with it every verdict."""
+    service = DetectorService(DetectorServiceConfig(nats_url, DetectorConfig(), check_period_s=0.01), nc, get_logger())
+    passes = {"failed": 0, "after": 0}
+    real_check = service.core.check
+
+    def check(now: float) -> Any:
+        if passes["failed"] < 3:
+            passes["failed"] += 1
+            raise RuntimeError("a pass that fails")
+        passes["after"] += 1
+        return real_check(now)
+
+    service.core.check = check  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    running = asyncio.create_task(service.run(stop))
+    deadline = time.monotonic() + WAIT_S
+    while passes["after"] < 5:
+        assert not running.done(), "the detector's loop ended"
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(running, WAIT_S)
+
+
+async def test_a_job_worker_holds_a_bounded_amount_while_its_record_cannot_be_saved(nc: Client) -> None:
+    log = get_logger()
+    records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
+    await ensure_events_stream(nc)
+    core = SwapperCore(SwapperConfig())
+    worker = JobWorker("bounds", core, records, nc, log, _nothing, _no_fence, lambda: True, await stream_position(nc))
+    repeat = Publish("commit", Commit("bounds", 1, 7))
+    for _ in range(100):  # the same command retransmitted while nothing can be saved: held once
+        worker._take(Decision([repeat], "tick"))
+    assert worker._held.count(repeat) == 1
+    for step in range(HELD_MAX + 500):
+        worker._take(Decision([Publish("commit", Commit("bounds", 1, 100 + step))], "commit"))
+    assert len(worker._held) == HELD_MAX and worker._held[-1].message == Commit("bounds", 1, 100 + HELD_MAX + 499)
+    hello = MemberHello("bounds", 0, "m0", "h", 1, "l0", 0, 1, "127.0.0.1", 4000, 0.0)
+    for _ in range(REPLIES_HELD_MAX + 10):
+        worker._replies.append((Hello(hello), HelloReply("bounds", 0, "m0", True, "")))
+        worker._take(Decision([], "hello"))
+    assert len(worker._replies) == REPLIES_HELD_MAX
+
+
+async def _nothing(_: Publish) -> None:
+    return None
+
+
+async def _no_fence(_: object) -> float:
+    return 0.0
