@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
+import nats
+import pytest
 from nats.aio.client import Client
 
+from deadpool_detector import core as detector_core
+from deadpool_detector import service as detector_service
+from deadpool_detector.core import DetectorConfig
+from deadpool_detector.service import DetectorService, DetectorServiceConfig
 from deadpool_protocol import ChildExit, Failure, Heartbeat, MemberError, Subjects, decode, encode
+from deadpool_protocol.logs import get_logger
 
 from .conftest import SpawnService, wait_for_micro_service
 
@@ -67,3 +75,69 @@ async def test_malformed_messages_are_rejected_and_the_detector_keeps_working(
     await nc.publish(S.child_exit, encode(ChildExit("j", 1, "l0", "m9", 1, 1, time.time())))
     failure = await asyncio.wait_for(failures.get(), 10)
     assert failure.member == "m9"
+
+
+class SteppedClock:
+    """`time` as the detector's modules see it: the real monotonic clock, and a wall clock `step_s` off."""
+
+    def __init__(self) -> None:
+        self.step_s = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.step_s
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+async def test_wall_clock_steps_of_an_hour_neither_fire_nor_delay_a_verdict(
+    nats_url: str, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The heartbeat and hang clocks were wall-clock: a member silent since just before a 1 h step back
+    was declared an hour late."""
+    clock = SteppedClock()
+    monkeypatch.setattr(detector_service, "time", clock)
+    monkeypatch.setattr(detector_core, "time", clock, raising=False)
+    config = DetectorServiceConfig(nats_url, DetectorConfig(heartbeat_timeout_s=1.0, hang_floor_s=3, first_step_s=600))
+    detector_nc = await nats.connect(nats_url)
+    stop = asyncio.Event()
+    running = asyncio.create_task(DetectorService(config, detector_nc, get_logger(test="clock-step")).run(stop))
+    failures = await failures_of(nc)
+    quiet = asyncio.Event()
+
+    async def beats() -> None:
+        while True:
+            for member, rank in (("steady", 0), ("quiet", 1)):
+                if member != "quiet" or not quiet.is_set():
+                    await nc.publish(
+                        S.heartbeat, encode(Heartbeat("j", 1, member, rank, 77, 5, True, 0.0, time.time()))
+                    )
+            await asyncio.sleep(0.1)
+
+    beating = asyncio.create_task(beats())
+    try:
+        await wait_for_micro_service(nc, "deadpool-detector")
+        while set(await watched(nc)) != {"steady", "quiet"}:
+            await asyncio.sleep(0.1)  # polling a status: the detector publishes nothing when it sees a member
+        clock.step_s = 3600.0
+        await asyncio.sleep(2.0)  # two heartbeat timeouts of beats after the step forward: the fault's size
+        assert failures.empty(), "nobody stopped beating: no verdict"
+        quiet.set()  # a member falls silent, and the wall clock steps back an hour
+        clock.step_s = -3600.0
+        failure = await asyncio.wait_for(failures.get(), 5.0)
+        assert (failure.member, failure.reason) == ("quiet", "heartbeat")
+        assert abs(failure.t_detected - (time.time() - 3600.0)) < 5.0  # stamped by the wall clock as it reads now
+        await asyncio.sleep(1.5)
+        later = [failures.get_nowait() for _ in range(failures.qsize())]
+        assert {f.member for f in later} <= {"quiet"}, "only the silent member is declared (its verdict repeated)"
+    finally:
+        beating.cancel()
+        stop.set()
+        await asyncio.wait_for(running, 10)
+        await detector_nc.close()
+
+
+async def watched(nc: Client) -> dict[str, object]:
+    reply = await nc.request("deadpool.detector.status", b"", timeout=2.0)
+    members: dict[str, object] = json.loads(reply.data).get("j", {}).get("watched", {})
+    return members

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deadpool_detector.core import DetectorConfig, DetectorCore, Watched
+from deadpool_detector.core import DECLARED_KEPT, DetectorConfig, DetectorCore, Watched
 from deadpool_protocol import (
     FIRST_STEP_SECTION,
     ChildExit,
@@ -22,20 +22,31 @@ def beat(member: str, t: float, step: int = 3, rank: int = 0, generation: int = 
     return Heartbeat("j", generation, member, rank, 100, step, True, t, t)
 
 
-def formed(core: DetectorCore, now: float, generation: int = 1) -> list[Failure]:
-    return core.on_rebuild(
+def detector(config: DetectorConfig, wall_offset_s: float = 0.0) -> DetectorCore:
+    """A core whose reported stamps are its monotonic instants plus `wall_offset_s` (0: the test's `now`)."""
+    return DetectorCore(config, wall_offset=lambda: wall_offset_s)
+
+
+def formed(
+    core: DetectorCore,
+    now: float,
+    generation: int = 1,
+    ranks: tuple[str, ...] = ("m0", "m1"),
+    spares: tuple[str, ...] = ("m2",),
+) -> None:
+    core.on_rebuild(
         RebuildMessage(
             "j",
             generation,
-            2,
-            ["m0", "m1"],
-            ["m2"],
-            "m0",
+            len(ranks),
+            list(ranks),
+            list(spares),
+            ranks[0],
             "127.0.0.1",
             4000,
             -1,
             [StoreAddress("s0", "127.0.0.1", 5000)],
-            [["s0"], ["s0"]],
+            [["s0"] for _ in ranks],
             "",
             now,
         ),
@@ -44,7 +55,7 @@ def formed(core: DetectorCore, now: float, generation: int = 1) -> list[Failure]
 
 
 def test_a_process_exit_is_one_failure_with_its_signal_as_evidence() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=5))
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
     formed(core, 0.0)
     failures = core.on_exit(ChildExit("j", 1, "l0", "m1", 4242, -9, 10.0), 10.002)
     assert len(failures) == 1
@@ -55,7 +66,7 @@ def test_a_process_exit_is_one_failure_with_its_signal_as_evidence() -> None:
 
 
 def test_a_member_is_declared_failed_only_once_whatever_the_signals() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1))
     formed(core, 0.0)
     assert len(core.on_error(MemberError("j", 1, "m1", 1, "CUDA error", 5.0), 5.0)) == 1
     assert core.on_exit(ChildExit("j", 1, "l0", "m1", 4242, 1, 5.1), 5.1) == []
@@ -64,7 +75,7 @@ def test_a_member_is_declared_failed_only_once_whatever_the_signals() -> None:
 
 
 def test_silence_longer_than_the_timeout_is_a_heartbeat_failure() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=2))
+    core = detector(DetectorConfig(heartbeat_timeout_s=2))
     core.on_heartbeat(beat("m0", 10.0, step=7), 10.0)
     assert core.check(11.9) == []
     core.on_heartbeat(beat("m0", 11.9, step=8), 11.9)
@@ -76,13 +87,13 @@ def test_silence_longer_than_the_timeout_is_a_heartbeat_failure() -> None:
 
 
 def test_members_named_in_a_rebuild_are_watched_before_their_first_heartbeat() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=2))
+    core = detector(DetectorConfig(heartbeat_timeout_s=2))
     formed(core, 0.0)
     assert sorted(f.member for f in core.check(2.5)) == ["m0", "m1", "m2"]
 
 
 def test_a_clean_exit_after_the_job_finished_is_not_a_failure() -> None:
-    core = DetectorCore(DetectorConfig())
+    core = detector(DetectorConfig())
     formed(core, 0.0)
     core.on_done(MemberDone("j", 1, "m0", 0, 10))
     assert core.on_exit(ChildExit("j", 1, "l0", "m0", 1, 0, 1.0), 1.0) == []  # m0 said it was done
@@ -93,7 +104,7 @@ def test_a_clean_exit_after_the_job_finished_is_not_a_failure() -> None:
 
 
 def test_an_exit_of_a_member_the_detector_never_saw_is_still_reported() -> None:
-    core = DetectorCore(DetectorConfig())
+    core = detector(DetectorConfig())
     (failure,) = core.on_exit(ChildExit("j", 0, "l0", "early", 9, 1, 1.0), 1.0)
     assert failure.rank == -1 and failure.member == "early"
 
@@ -132,7 +143,7 @@ def train(
 
 
 def test_a_rank_that_stops_stepping_while_its_peer_waits_on_it_is_declared_hung() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     assert train(core, 0.0, 20.0, step_s=0.5) == []  # steady training: no verdict
     assert core.hang_threshold_s(core.jobs["j"]) == 5.0  # 10 x the 0.5 s median step
@@ -144,7 +155,7 @@ def test_a_rank_that_stops_stepping_while_its_peer_waits_on_it_is_declared_hung(
 
 
 def test_the_hang_verdict_carries_its_threshold_and_where_the_thread_is() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 10.0, step_s=0.2)
     for t in (10.0, 10.9, 11.8, 12.7):  # m0 stepped at t=10 and then no more, heartbeats going on
@@ -161,7 +172,7 @@ def test_the_hang_verdict_carries_its_threshold_and_where_the_thread_is() -> Non
 
 
 def test_a_stall_where_every_rank_waits_on_a_peer_names_no_culprit() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 10.0, step_s=0.5)
     stuck = {"m0": 10.0, "m1": 10.0}
@@ -170,14 +181,14 @@ def test_a_stall_where_every_rank_waits_on_a_peer_names_no_culprit() -> None:
 
 
 def test_no_step_times_yet_means_the_generous_first_step_threshold() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3, first_step_s=60))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3, first_step_s=60))
     formed(core, 0.0)
     # The first step takes 50 s (compilation, data loading): heartbeats, no step, no verdict.
     assert train(core, 0.0, 50.0, step_s=1000.0) == []
 
 
 def test_a_long_evaluation_within_the_threshold_is_not_a_hang() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     # An evaluation of 4 s (8 steps' time) on both ranks, outside collectives: under the 5 s threshold.
@@ -186,7 +197,7 @@ def test_a_long_evaluation_within_the_threshold_is_not_a_hang() -> None:
 
 
 def test_after_the_detector_missed_time_nobody_is_declared_for_the_gap() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 5.0, step_s=0.5)
     core.grace(65.0)  # e.g. NATS restarted and the detector was cut off for a minute
@@ -195,7 +206,7 @@ def test_after_the_detector_missed_time_nobody_is_declared_for_the_gap() -> None
 
 
 def test_a_rank_busy_while_the_others_wait_is_reported_as_a_straggler_once() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, straggler_window=20))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, straggler_window=20))
     formed(core, 0.0)
     assert core.stragglers(0.0) == []
     train(core, 0.0, 5.0, step_s=0.5, busy={"m0": True, "m1": False})  # m1 mostly waits on m0
@@ -206,7 +217,7 @@ def test_a_rank_busy_while_the_others_wait_is_reported_as_a_straggler_once() -> 
 
 
 def test_a_long_evaluation_in_a_named_section_is_not_a_hang_but_silence_still_is() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 10.0, step_s=0.5)
     t = 10.0
@@ -227,7 +238,7 @@ def test_a_long_evaluation_in_a_named_section_is_not_a_hang_but_silence_still_is
 
 
 def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1.0))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
     formed(core, 0.0)
     for t in (0.0, 0.1, 0.2):
         core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 3, True, t, t, host="a"), t)
@@ -240,7 +251,7 @@ def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
 
 
 def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 10.0, step_s=0.5)
     # A 6 s stretch where both ranks sit in their own code (a collective GC pause, an evaluation
@@ -287,7 +298,7 @@ def awaiting_beats(
 
 
 def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_and_again_while_it_stays_so() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     # m1's connections reset at t=20.05: both leave the collective, m1 first, and await a rebuild.
@@ -303,7 +314,7 @@ def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_and_again
 def test_a_rank_left_behind_in_its_step_when_every_other_rank_gave_up_is_the_culprit() -> None:
     """m0 is stuck inside torch (it looks like it waits); m1's collective timed out and it awaits a
     rebuild. m1, stalled and not in torch's code, was once declared hung here instead."""
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     verdicts = awaiting_beats(core, 20.0, 40.0, awaiting={"m1": 20.05})
@@ -314,7 +325,7 @@ def test_a_rank_left_behind_in_its_step_when_every_other_rank_gave_up_is_the_cul
 
 
 def test_a_rank_still_leaving_its_old_group_during_a_rebuild_is_not_left_behind() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     formed(core, 20.0, generation=2)  # a swap's rebuild; m0 is still blocked in generation 1's collective
@@ -324,7 +335,7 @@ def test_a_rank_still_leaving_its_old_group_during_a_rebuild_is_not_left_behind(
 def test_after_a_declared_failure_a_survivor_slow_to_leave_is_not_left_behind() -> None:
     """A third rank died; m1 awaits its replacement (no spare yet); m0 is still blocked in a send to
     the dead rank (gloo's one uninterruptible case, ended by the collective timeout)."""
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     core.jobs["j"].members["m3"] = Watched("m3", 2, 20.0)  # a third rank, which dies
@@ -334,7 +345,7 @@ def test_after_a_declared_failure_a_survivor_slow_to_leave_is_not_left_behind() 
 
 
 def test_a_new_generation_restarts_the_regroup_clock() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, regroup_after_s=2))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, regroup_after_s=2))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)
     assert awaiting_beats(core, 20.0, 21.5, awaiting={"m0": 20.0, "m1": 20.0}) == []  # 2 s not reached
@@ -350,7 +361,7 @@ def test_members_carrying_out_a_long_rebuild_are_never_a_broken_group() -> None:
     """Formation took 3.2 s under load once (warm-up, step-0 snapshot): every rank beat 'awaiting' for
     longer than the timeout, the group was reported broken before it existed, and the one report per
     generation was spent, so the real reset later was never regrouped."""
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)
     busy = ("m0", "m1")
     assert awaiting_beats(core, 0.0, 10.0, awaiting={"m0": 0.0, "m1": 0.0}, rebuilding=busy) == []
@@ -358,7 +369,7 @@ def test_members_carrying_out_a_long_rebuild_are_never_a_broken_group() -> None:
 
 
 def test_a_restarted_detector_declares_a_rank_from_the_job_record_whose_heartbeat_never_comes() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     summary = JobSummary("j", 2, 3, ["m0", "m1"], ["m2"], {"m0": "a", "m1": "b", "m2": "b"}, ["old"], 7, False)
     core.load_job(summary, 100.0)
     t = 100.0
@@ -373,23 +384,9 @@ def test_a_restarted_detector_declares_a_rank_from_the_job_record_whose_heartbea
     assert core.on_exit(ChildExit("j", 3, "l0", "old", 1, -9, 101.0), 101.0) == []  # declared before the restart
 
 
-def test_a_verdict_the_swapper_missed_is_published_again_when_a_rebuild_still_names_the_member() -> None:
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
-    formed(core, 0.0)
-    (failure,) = core.on_exit(ChildExit("j", 1, "l0", "m1", 101, -9, 5.0), 5.0)
-    assert formed_again(core, 5.2) == []  # too soon: that rebuild may have crossed the verdict
-    (again,) = formed_again(core, 6.5)
-    assert again == failure  # the same verdict, with its own times
-    assert formed_again(core, 6.7) == []  # at most once per period
-
-
-def formed_again(core: DetectorCore, now: float) -> list[Failure]:
-    return formed(core, now)  # a retransmission of the same rebuild, still naming m1
-
-
 def test_a_rank_compiling_its_first_step_of_a_generation_has_the_first_step_threshold() -> None:
     """After a rebuild a re-wrapped, compiled model recompiles: far longer than the recent steps."""
-    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, first_step_s=60))
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, first_step_s=60))
     formed(core, 0.0)
     train(core, 0.0, 20.0, step_s=0.5)  # the hang threshold is now 5 s
     declared: list[str] = []
@@ -408,3 +405,236 @@ def test_a_rank_compiling_its_first_step_of_a_generation_has_the_first_step_thre
         declared += [f.member for f in core.check(t)]
         t = round(t + HB_S, 6)
     assert declared == ["m1"] and 80.0 <= t < 81.0  # 60 s after its last step
+
+
+# ------------------------------------------------------------------ verdicts repeated until answered
+
+
+def repeated_at(core: DetectorCore, t0: float, t1: float, step_s: float = 0.05) -> list[float]:
+    """Run `repeats` every `step_s` from t0 to t1; when each verdict was published again."""
+    times: list[float] = []
+    t = t0
+    while t < t1:
+        times += [t for _ in core.repeats(t)]
+        t = round(t + step_s, 6)
+    return times
+
+
+def test_a_verdict_is_published_again_at_a_capped_back_off_until_a_newer_rebuild_answers_it() -> None:
+    """JetStream away for minutes once lost a verdict for good: published once, never again, and the
+    survivors waited until their own bound ended the job."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3, redeclare_after_s=1, redeclare_max_s=8))
+    formed(core, 0.0)
+    (failure,) = core.on_exit(ChildExit("j", 1, "l0", "m1", 101, -9, 5.0), 5.0)
+    again: list[Failure] = []
+    times: list[float] = []
+    t = 5.0
+    while t < 60.0:
+        for f in core.repeats(t):
+            again.append(f)
+            times.append(t)
+        t = round(t + 0.05, 6)
+    assert all(f == failure for f in again)  # the same verdict, with its own times
+    assert times == [6.0, 8.0, 12.0, 20.0, 28.0, 36.0, 44.0, 52.0]  # doubling, capped, for as long as it takes
+    formed(core, 60.0, generation=2, ranks=("m0", "m2"), spares=())  # the swap: m1 replaced
+    assert repeated_at(core, 60.0, 200.0) == []
+
+
+def test_a_rebuild_that_still_names_the_member_brings_the_next_repeat_back_to_the_short_interval() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3, redeclare_after_s=1, redeclare_max_s=30))
+    formed(core, 0.0)
+    core.on_exit(ChildExit("j", 1, "l0", "m1", 101, -9, 5.0), 5.0)
+    assert repeated_at(core, 5.0, 20.0) == [6.0, 8.0, 12.0]  # the next one would be at 20
+    formed(core, 12.5)  # a retransmission of generation 1, which still names m1: the swapper missed it
+    assert repeated_at(core, 12.5, 16.0) == [13.0, 15.0]
+    formed(core, 16.0, generation=2)  # a newer generation (say, another rank's swap) that still names m1
+    assert repeated_at(core, 16.0, 17.1) == [16.0]
+    formed(core, 17.1, generation=3, ranks=("m0", "m2"), spares=())
+    assert repeated_at(core, 17.1, 100.0) == []
+
+
+def test_a_verdict_on_a_spare_is_answered_by_a_later_generation_whose_spares_no_longer_name_it() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3))
+    formed(core, 0.0)
+    (failure,) = core.on_exit(ChildExit("j", 1, "l0", "m2", 102, -9, 5.0), 5.0)
+    assert failure.rank == -1
+    formed(core, 5.5, spares=())  # generation 1 again (a retransmission): it answers nothing
+    assert repeated_at(core, 5.5, 6.1) == [6.0]
+    formed(core, 6.1, generation=2, spares=())
+    assert repeated_at(core, 6.1, 100.0) == []
+
+
+def test_the_jobs_end_answers_every_verdict() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3))
+    formed(core, 0.0)
+    core.on_exit(ChildExit("j", 1, "l0", "m1", 101, -9, 5.0), 5.0)
+    core.on_finished(JobFinished("j", 1, 10), 5.5)
+    assert repeated_at(core, 5.5, 100.0) == []
+
+
+def test_the_unanswered_verdicts_of_a_job_are_bounded() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3))
+    for n in range(DECLARED_KEPT + 10):
+        core.on_exit(ChildExit("j", 0, "l0", f"early-{n}", n + 1, 1, 1.0), 1.0)
+    view = core.jobs["j"]
+    assert len(view.unanswered) == len(view.declared) == DECLARED_KEPT
+    assert "early-0" not in view.unanswered and f"early-{DECLARED_KEPT + 9}" in view.unanswered
+
+
+# ------------------------------------------------------------------ clocks
+
+
+def test_wall_clock_steps_of_an_hour_neither_fire_nor_delay_a_verdict_and_the_stamps_follow_the_wall() -> None:
+    """The heartbeat and hang clocks ran on the wall clock: after a 1 h step back, no verdict for an hour.
+    `now` is monotonic; the wall clock only stamps what is reported, read when it is reported."""
+    wall = [0.0]
+    core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3), lambda: wall[0])
+    formed(core, 0.0)
+    assert train(core, 0.0, 10.0, step_s=0.5) == []
+    wall[0] = 3600.0  # the wall clock jumps an hour forward: nobody is declared for it
+    assert train(core, 10.0, 20.0, step_s=0.5, step0=20) == []
+    wall[0] = -3600.0  # and an hour back
+    assert train(core, 20.0, 30.0, step_s=0.5, step0=40) == []
+    # m1 goes silent at 30 (the last beat at 29.9): declared one heartbeat timeout later, as always.
+    declared: list[Failure] = []
+    t = 30.0
+    while not declared and t < 40.0:
+        core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 60, True, t, t, waiting=True), t)
+        core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t), t)
+        declared = core.check(t)
+        t = round(t + HB_S, 6)
+    (failure,) = declared
+    assert (failure.member, failure.reason) == ("m1", "heartbeat")
+    assert failure.evidence["silence_s"] == "1.100"  # the first check past the 1 s timeout
+    assert abs(failure.t_detected - (31.0 - 3600.0)) < 1e-6  # stamped by the stepped wall clock
+    assert abs(failure.t_fault - (29.9 - 3600.0)) < 1e-6
+
+
+# ------------------------------------------------------------------ a rank that stays in its rebuild
+
+
+def rebuild_beats(
+    core: DetectorCore, t0: float, t1: float, state: dict[str, list[tuple[float, str]]], generation: int = 1
+) -> list[object]:
+    """Heartbeats of m0 and m1 (and spare m2) in `generation`; `state[m]` lists (from when, what): 'rebuilding',
+    'training' or 'awaiting'. Returns the failures and broken-group reports of each check, in order."""
+    verdicts: list[object] = []
+    t = t0
+    while t < t1:
+        for rank, member in enumerate(("m0", "m1")):
+            what = [s for since, s in state[member] if since <= t][-1]
+            hb = Heartbeat(
+                "j",
+                generation,
+                member,
+                rank,
+                100,
+                40,
+                what == "training",
+                1.0,
+                t,
+                waiting=what == "training",  # its first collective waits for the missing peer
+                awaiting_rebuild=what == "awaiting",
+                rebuilding=what == "rebuilding",
+            )
+            if member not in core.jobs["j"].declared:
+                core.on_heartbeat(hb, t)
+        core.on_heartbeat(Heartbeat("j", generation, "m2", -1, 100, -1, False, 0.0, t), t)
+        verdicts += [*core.check(t), *core.broken_groups(t)]
+        t = round(t + HB_S, 6)
+    return verdicts
+
+
+def stuck_config(rebuild_max_s: float = 600.0) -> DetectorConfig:
+    return DetectorConfig(
+        heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3, rebuild_lag_s=10, rebuild_max_s=rebuild_max_s
+    )
+
+
+def test_a_rank_still_rebuilding_long_after_its_peer_finished_is_declared_hung() -> None:
+    """Seen: rank 1 logged 'rendezvous' and never 'rebuild done'; rank 0 finished, its first collective
+    timed out and it awaited a rebuild; nobody acted for 4 minutes (a rebuilding rank was only ever
+    'waiting', and a broken group needs every rank awaiting)."""
+    core = detector(stuck_config())
+    formed(core, 0.0)
+    state = {"m0": [(0.0, "rebuilding"), (2.0, "training"), (7.0, "awaiting")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 0.0, 11.9, state) == []  # m0 finished at 2: 10 s not passed yet
+    (failure,) = rebuild_beats(core, 11.9, 20.0, state)
+    assert isinstance(failure, Failure) and (failure.member, failure.rank, failure.reason) == ("m1", 1, "hang")
+    assert 12.0 <= failure.t_detected <= 12.15 and failure.t_fault == 2.0
+    assert failure.evidence["finished_first"] == "m0"
+    assert "after rank 0 (m0) finished its rebuild" in failure.evidence["stuck_in_rebuild"]
+    assert float(failure.evidence["rebuilding_s"]) >= 12.0
+
+
+def test_ranks_rebuilding_together_are_declared_only_past_the_backstop() -> None:
+    """Restores of a large model take long on every rank; nobody finished, so nobody lags. Only a rebuild
+    longer than `rebuild_max_s` is stuck whatever the others do."""
+    core = detector(stuck_config(rebuild_max_s=60))
+    formed(core, 0.0)
+    state = {"m0": [(0.0, "rebuilding")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 0.0, 60.0, state) == []
+    failures = rebuild_beats(core, 60.0, 60.3, state)
+    assert sorted(f.member for f in failures if isinstance(f, Failure)) == ["m0", "m1"]
+    assert all(isinstance(f, Failure) and f.evidence["rebuild_max_s"] == "60.000" for f in failures)
+
+
+def test_a_peer_that_gave_up_forming_the_group_has_not_finished_its_rebuild() -> None:
+    """m0's rendezvous failed and it awaits the next command in generation 1: not a finished rebuild
+    (m1 may still be in its own rendezvous attempts), so m1 does not lag it."""
+    core = detector(stuck_config())
+    formed(core, 0.0)
+    state = {"m0": [(0.0, "rebuilding"), (2.0, "awaiting")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 0.0, 40.0, state) == []
+
+
+def test_a_new_generation_restarts_the_rebuild_clocks() -> None:
+    core = detector(stuck_config(rebuild_max_s=30))
+    formed(core, 0.0)
+    state = {"m0": [(0.0, "rebuilding"), (2.0, "training")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 0.0, 11.0, state) == []
+    formed(core, 11.0, generation=2)  # another rank's failure supersedes generation 1
+    # m1 still beats "rebuilding generation 1" a moment, then both carry generation 2 out.
+    assert rebuild_beats(core, 11.0, 11.5, state) == []
+    state = {"m0": [(0.0, "rebuilding")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 11.5, 41.0, state, generation=2) == []  # 29.5 s into generation 2's rebuild
+
+
+def test_a_rank_still_carrying_out_a_superseded_rebuild_is_declared_hung() -> None:
+    """Generation 2 (another rank's swap) names m1, which is still inside generation 1's rebuild (in user
+    code: every wait of a superseded rebuild is broken at once). Generation 2 cannot form without it."""
+    core = detector(stuck_config())
+    formed(core, 0.0)
+    state = {"m0": [(0.0, "rebuilding")], "m1": [(0.0, "rebuilding")]}
+    assert rebuild_beats(core, 0.0, 5.0, state) == []
+    formed(core, 5.0, generation=2)
+    verdicts: list[object] = []
+    t = 5.0
+    while t < 20.0:  # m0 carries out generation 2 (and gives up forming it); m1 still beats generation 1
+        core.on_heartbeat(Heartbeat("j", 2, "m0", 0, 100, 40, False, 1.0, t, awaiting_rebuild=t >= 6.0), t)
+        if "m1" not in core.jobs["j"].declared:
+            core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 40, False, 1.0, t, rebuilding=True), t)
+        core.on_heartbeat(Heartbeat("j", 2, "m2", -1, 100, -1, False, 0.0, t), t)
+        verdicts += [*core.check(t), *core.broken_groups(t)]
+        t = round(t + HB_S, 6)
+    (failure,) = verdicts
+    assert isinstance(failure, Failure) and (failure.member, failure.rank, failure.generation) == ("m1", 1, 2)
+    assert failure.reason == "hang" and 15.0 <= failure.t_detected <= 15.15 and failure.t_fault == 5.0
+    assert "generation 2 superseded it" in failure.evidence["stuck_in_rebuild"]
+
+
+def test_a_finished_job_name_that_runs_again_is_watched_afresh_and_an_old_end_is_ignored() -> None:
+    """A job name can be launched again once it finished: the new run's generations go on from the old
+    run's, and the detector, which kept the name as finished, must watch the new run's members."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=2))
+    formed(core, 0.0)
+    core.on_finished(JobFinished("j", 1, 50), 1.0)
+    assert core.check(100.0) == [], "a finished job is not watched"
+    formed(core, 200.0, generation=2, ranks=("b0", "b1"), spares=())  # the name's next run forms
+    core.on_heartbeat(beat("b0", 201.0, generation=2), 201.0)
+    core.on_heartbeat(beat("b1", 201.0, rank=1, generation=2), 201.0)
+    core.on_heartbeat(beat("b0", 202.9, generation=2), 202.9)
+    (failure,) = core.check(203.1)
+    assert failure.member == "b1" and failure.reason == "heartbeat"
+    core.on_finished(JobFinished("j", 1, 50), 210.0)  # the old run's end, again: ignored
+    assert not core.jobs["j"].finished

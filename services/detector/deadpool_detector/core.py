@@ -2,8 +2,15 @@
 
 Signals: a launcher's report that a process ended, a member's report of its own fatal error,
 heartbeats (silence longer than `heartbeat_timeout_s` is a failure), and step progress carried by the
-heartbeats. Each function takes `now` (wall clock, seconds) so tests drive it with a fake clock. Every
-verdict carries its reason and evidence.
+heartbeats. Every verdict carries its reason and evidence.
+
+Clocks. Each function takes `now`, a monotonic clock's reading in seconds (`time.monotonic()` in the
+service; a fake clock in tests): every timeout, silence, wait and back-off here is a difference of two
+such readings, so a step of the wall clock (an NTP correction, a VM resumed, an operator's `date -s`)
+neither fires a verdict nor delays one. Wall-clock instants appear only in what is reported
+(`Failure.t_fault`/`t_detected`, `GroupBroken` times, `Straggler.t`), converted at the moment of
+reporting with `wall_offset()` (wall minus monotonic now; injectable so a test can step the wall
+clock). Instants other hosts stamped (an exit's `t_exit`, an error report's `t`) are passed on as they are.
 
 Hangs. A member whose heartbeats go on but whose step counter has not moved for longer than the hang
 threshold, `max(hang_floor_s, hang_factor x the job's recent median step time)` (before the job has
@@ -45,18 +52,41 @@ awaited that long, and those few are still inside a step of the current generati
 the hang threshold, they are left behind: declared hung even though they look like they wait (a call
 that never returns inside torch's code, which the stack probe cannot tell from waiting on peers).
 
+A member that stays in its rebuild. A member carrying out the rebuild of the current generation says
+so (`rebuilding`) and counts as waiting, so neither the hang rule nor a broken group can name it. Past
+the rendezvous every rank of the generation is in the same group, so once one rank has finished its
+rebuild (it beat in the generation, neither rebuilding nor awaiting), the others are at most the local
+work of re-wrapping and sealing behind it: a rank still rebuilding `rebuild_lag_s` after the first rank
+of its generation finished is declared `hang`, with evidence saying how long after which rank (seen:
+a rank that never left its rebuild while its peer's first collective timed out and awaited a
+rebuild, and nobody acted for minutes). A rank still carrying out an *older* generation's rebuild
+`rebuild_lag_s` after a newer generation that names it was announced is stuck too: every wait of a
+superseded rebuild is broken the moment the newer command arrives, so only user code (re-wrapping,
+the optimizer factory) can hold it, and the newer generation cannot form without it. `rebuild_max_s`
+is the absolute backstop, see `DetectorConfig`.
+
 A member is declared failed once, ever: member ids are unique per process and a declared member is
-fenced, so a second verdict could only be a duplicate. If a rebuild still names a declared member
-`redeclare_after_s` after the verdict, the swapper never got it: the verdict is published again
-(idempotent on the swapper's side). A restarted detector loads each job's ranks, spares and declared
-members from the job record (`load_job`) and watches them at once: a rank whose heartbeat does not
-come back is declared after the heartbeat timeout, like any other.
+fenced, so a second verdict could only be a duplicate. But a verdict is not done with once published:
+it stays *unanswered* until a rebuild answers it (a rebuild of a newer generation that no longer names
+the member, or the job's end), and `repeats(now)` publishes it again (the same verdict) after
+`redeclare_after_s`, then at a doubling interval capped at `redeclare_max_s`: a verdict lost on its
+way (a publisher that gave up, JetStream away longer than anyone waited) comes again, and the swapper
+drops the repeats of one it had (a failure of a member that is no longer live is a no-op). A rebuild
+that still names the member is proof the swapper has not acted: the next repeat comes
+`redeclare_after_s` after the last, and the interval starts doubling again. A verdict on a spare is
+answered the same way (a later generation whose spares no longer name it).
+
+A restarted detector loads each job's ranks, spares and declared members from the job record
+(`load_job`) and watches them at once: a rank whose heartbeat does not come back is declared after the
+heartbeat timeout, like any other.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
@@ -75,12 +105,19 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.job_record import JobSummary
 
-__all__ = ["DetectorConfig", "DetectorCore", "JobView", "Watched"]
+__all__ = ["DetectorConfig", "DetectorCore", "JobView", "Unanswered", "Watched", "wall_minus_monotonic"]
 
 STEP_TIMES_KEPT = 64
 BUSY_KEPT = 1024
 DECLARED_KEPT = 4096
-"""Verdicts remembered per job (to drop repeats and to publish again one the swapper missed)."""
+"""Verdicts remembered per job (to drop repeats and to publish again one the swapper missed); the
+unanswered ones, repeated until a rebuild answers them, are among these, so they are bounded too."""
+
+
+def wall_minus_monotonic() -> float:
+    """The wall clock's reading minus the monotonic clock's, now: a monotonic instant plus this is the
+    wall-clock instant to report (it changes when the wall clock is stepped; the monotonic one does not)."""
+    return time.time() - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -98,7 +135,25 @@ class DetectorConfig:
     """How long every rank must await a rebuild, nobody failed, before the group is reported broken;
     0 means the heartbeat timeout (a member that died without a word is declared by then)."""
     redeclare_after_s: float = 1.0
-    """A verdict is published again when a rebuild still names the member this long after it."""
+    """A verdict no rebuild answered yet is published again this long after it, then at a doubling
+    interval; when a rebuild still names the member, again this long after the last time."""
+    redeclare_max_s: float = 30.0
+    """The longest interval between two publications of an unanswered verdict (one small event per
+    member this often while, say, a job waits for a spare)."""
+    rebuild_lag_s: float = 30.0
+    """A rank still rebuilding the current generation this long after another rank of it finished its
+    rebuild is declared hung. Past the rendezvous what is left is local (re-wrapping, the optimizer,
+    the step-0 snapshot of a formation), which takes every rank about as long."""
+    rebuild_max_s: float = 600.0
+    """The backstop: a rank rebuilding one generation for this long is declared hung whatever its
+    peers do (0: no backstop). For it: without it, a rebuild where every rank is stuck past the
+    rendezvous (the same deadlock in every rank's re-wrap or optimizer factory) has nobody finished to
+    compare with and holds the job for ever, since no rank awaits and no collective runs. Against it:
+    heartbeats do not say which state a rebuild is in, so the bound covers restores too, which grow
+    with the model and the tier restored from; and with no rank finished there is no culprit, so every
+    stuck rank is swapped at once and spares may meet the same cause (the swapper's
+    `rebuild_attempts_max` then ends the job with a reason). So it is kept, far above any honest
+    rebuild (the formation's snapshot wait is 120 s), and a job with longer restores raises it."""
     generation_lead_max: int = 1
     """How far ahead of the newest generation a rebuild (or the job record) announced a heartbeat may
     claim to be: a member beats in g+1 a moment before the detector hears of rebuild g+1, but a beat
@@ -131,6 +186,14 @@ class DetectorConfig:
             )
         if self.straggler_factor <= 1 or not 2 <= self.straggler_window <= BUSY_KEPT:
             raise ValueError(f"straggler_factor must exceed 1 and straggler_window be 2 to {BUSY_KEPT}")
+        if not 0 < self.redeclare_after_s <= self.redeclare_max_s:
+            raise ValueError("redeclare_after_s must be positive and at most redeclare_max_s")
+        if self.rebuild_lag_s <= 0 or self.rebuild_max_s < 0:
+            raise ValueError("rebuild_lag_s must be positive and rebuild_max_s not negative")
+        if self.rebuild_max_s and self.rebuild_max_s <= self.rebuild_lag_s:
+            raise ValueError(
+                f"rebuild_max_s ({self.rebuild_max_s}) must exceed rebuild_lag_s ({self.rebuild_lag_s}), or be 0"
+            )
 
 
 @dataclass
@@ -138,6 +201,7 @@ class Watched:
     member: str
     rank: int
     last_seen: float
+    """When its last heartbeat arrived (monotonic, like every instant the core keeps)."""
     last_step: int = -1
     pid: int = 0
     done: bool = False
@@ -148,6 +212,11 @@ class Watched:
     awaiting_since: float = 0.0
     """Since when its heartbeats say it awaits a rebuild (0: it does not)."""
     in_step: bool = False
+    rebuilding_since: float = 0.0
+    """Since when its heartbeats say it carries out the rebuild of `beat_generation` (0: they do not)."""
+    rebuilt: tuple[int, float] = (0, 0.0)
+    """(generation, when): its first heartbeat of that generation neither rebuilding nor awaiting
+    (it finished its rebuild). Kept when it later awaits: it did finish."""
     beat_generation: int = 0
     """The generation its last heartbeat was sent in (behind the job's while it has not joined a newer one)."""
     where: str = ""
@@ -158,20 +227,35 @@ class Watched:
 
 
 @dataclass
+class Unanswered:
+    """A verdict this detector published that no rebuild has answered yet."""
+
+    failure: Failure
+    sent_t: float
+    """When it was last published (monotonic)."""
+    wait_s: float
+    """How long after `sent_t` it is published again."""
+
+
+@dataclass
 class JobView:
     job: str
     generation: int = 0
+    generation_t: float = 0.0
+    """When the current generation was first heard of (a rebuild, a heartbeat, the job record)."""
     announced: int = 0
     """The newest generation a rebuild or the job record announced (heartbeats may lead it by little)."""
     finished: bool = False
     finished_t: float = 0.0
+    finished_generation: int = 0
+    """The generation the job finished in: a rebuild of a newer one is the name's next run."""
     heard_t: float = 0.0
     """When anything was last heard of the job (for pruning)."""
     members: dict[str, Watched] = field(default_factory=dict)
     declared: dict[str, Failure | None] = field(default_factory=dict)
     """Members declared failed, with the verdict this detector published (None: loaded from KV)."""
-    redeclared_t: dict[str, float] = field(default_factory=dict)
-    """When a verdict was last published again."""
+    unanswered: dict[str, Unanswered] = field(default_factory=dict)
+    """This detector's verdicts that no rebuild answered yet: published again until one does."""
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_TIMES_KEPT))
     """Recent step durations of the job's ranks, seconds."""
     stragglers_reported: set[tuple[int, str]] = field(default_factory=set)
@@ -182,9 +266,15 @@ class JobView:
 
 
 class DetectorCore:
-    def __init__(self, config: DetectorConfig) -> None:
+    def __init__(self, config: DetectorConfig, wall_offset: Callable[[], float] = wall_minus_monotonic) -> None:
         self.config = config
+        self.wall_offset = wall_offset
+        """Wall minus monotonic, read when a stamp is reported (tests inject one to step the wall clock)."""
         self.jobs: dict[str, JobView] = {}
+
+    def _wall(self, t: float) -> float:
+        """The wall-clock instant of monotonic instant `t`, by the wall clock as it reads now."""
+        return t + self.wall_offset()
 
     def _view(self, job: str) -> JobView:
         view = self.jobs.get(job)
@@ -204,7 +294,7 @@ class DetectorCore:
         view.heard_t = now
         if hb.member in view.declared:
             return ""  # a declared member is being fenced; its last words change nothing
-        view.generation = max(view.generation, hb.generation)
+        self._generation(view, hb.generation, now)
         watched = view.members.get(hb.member)
         if watched is None:
             watched = view.members[hb.member] = Watched(hb.member, hb.rank, now, progress_t=now)
@@ -221,6 +311,12 @@ class DetectorCore:
             watched.awaiting_since = 0.0
         elif not watched.awaiting_since:
             watched.awaiting_since = now
+        if not hb.rebuilding:
+            watched.rebuilding_since = 0.0
+            if hb.rank >= 0 and not hb.awaiting_rebuild and watched.rebuilt[0] != hb.generation:
+                watched.rebuilt = (hb.generation, now)
+        elif not watched.rebuilding_since or hb.generation != watched.beat_generation:
+            watched.rebuilding_since = now
         watched.where = hb.where
         if _suspends_hang_rule(hb.section) or _suspends_hang_rule(watched.section):
             watched.progress_t = now  # inside a named section no step is expected; the clock starts after it
@@ -235,24 +331,23 @@ class DetectorCore:
             watched.rank = hb.rank
         return ""
 
-    def on_rebuild(self, rebuild: Rebuild, now: float) -> list[Failure]:
+    def on_rebuild(self, rebuild: Rebuild, now: float) -> None:
         """Learn the rank map. Members named there are watched from now on, even before they beat.
-        Returns the verdicts to publish again: members declared a while ago that it still names."""
+        It answers the unanswered verdicts of the members it no longer names, if it is newer than them;
+        one it still names is published again soon (`repeats`)."""
         view = self._view(rebuild.job)
-        again = [
-            f
-            for m in [*rebuild.ranks, *rebuild.spares]
-            if (f := view.declared.get(m)) is not None
-            and now - view.redeclared_t.get(m, f.t_detected) >= self.config.redeclare_after_s
-        ]
-        for failure in again:  # at most once per redeclare period
-            view.redeclared_t[failure.member] = now
+        if view.finished and rebuild.generation > view.finished_generation:
+            # The name runs again (a new run, its generations going on): watched afresh.
+            self.jobs[rebuild.job] = view = JobView(
+                rebuild.job, generation=view.generation, announced=view.announced, declared=view.declared
+            )
+        self._answer(view, rebuild)
         view.heard_t = now
         view.announced = max(view.announced, rebuild.generation)
         if rebuild.generation < view.generation:
-            return again
+            return
         newer = rebuild.generation > view.generation
-        view.generation = rebuild.generation
+        self._generation(view, rebuild.generation, now)
         for member in [*rebuild.ranks, *rebuild.spares]:
             if member not in view.members and member not in view.declared:
                 view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
@@ -263,6 +358,32 @@ class DetectorCore:
                 watched.progress_t = now
                 watched.awaiting_since = 0.0  # awaiting counts again only in the new generation
                 watched.busy.clear()
+
+    @staticmethod
+    def _generation(view: JobView, generation: int, now: float) -> None:
+        if generation > view.generation:
+            view.generation, view.generation_t = generation, now
+
+    def _answer(self, view: JobView, rebuild: Rebuild) -> None:
+        if not view.unanswered:
+            return
+        named = {*rebuild.ranks, *rebuild.spares}
+        for member, unanswered in list(view.unanswered.items()):
+            if member in named:  # the swapper still counts on it: it has not had the verdict
+                unanswered.wait_s = self.config.redeclare_after_s
+            elif rebuild.generation > unanswered.failure.generation:
+                del view.unanswered[member]
+
+    def repeats(self, now: float) -> list[Failure]:
+        """The unanswered verdicts due to be published again (see the module docstring)."""
+        c = self.config
+        again: list[Failure] = []
+        for view in self.jobs.values():
+            for unanswered in view.unanswered.values():
+                if now - unanswered.sent_t >= unanswered.wait_s:
+                    unanswered.sent_t = now
+                    unanswered.wait_s = min(2 * unanswered.wait_s, c.redeclare_max_s)
+                    again.append(unanswered.failure)
         return again
 
     def load_job(self, summary: JobSummary, now: float) -> None:
@@ -273,7 +394,7 @@ class DetectorCore:
         view.finished = view.finished or summary.finished
         view.finished_t = view.finished_t or (now if summary.finished else 0.0)
         view.heard_t = now
-        view.generation = max(view.generation, summary.generation)
+        self._generation(view, summary.generation, now)
         view.announced = max(view.announced, summary.generation)
         for member in summary.failed:
             view.declared.setdefault(member, None)
@@ -291,8 +412,12 @@ class DetectorCore:
 
     def on_finished(self, finished: JobFinished, now: float) -> None:
         view = self._view(finished.job)
+        if finished.generation < view.generation:
+            return  # an older generation's notice (a late retransmission of the name's previous run)
+        view.unanswered.clear()  # the job's end answers every verdict
         if not view.finished:
             view.finished, view.finished_t = True, now
+            view.finished_generation = max(finished.generation, view.generation)
 
     def prune(self, now: float) -> list[str]:
         """Forget jobs finished `finished_kept_s` ago, and jobs nothing was heard of for `idle_job_s`."""
@@ -331,9 +456,15 @@ class DetectorCore:
     def grace(self, now: float) -> None:
         """Restart every member's clocks: the detector itself missed a stretch of time."""
         for view in self.jobs.values():
+            if view.generation_t:
+                view.generation_t = now
             for watched in view.members.values():
                 watched.last_seen = now
                 watched.progress_t = max(watched.progress_t, now)
+                if watched.rebuilding_since:
+                    watched.rebuilding_since = now
+                if watched.rebuilt[0]:
+                    watched.rebuilt = (watched.rebuilt[0], now)
 
     def hang_threshold_s(self, view: JobView) -> float:
         c = self.config
@@ -366,8 +497,11 @@ class DetectorCore:
                 "first_rank": str(first.rank),
                 "awaiting_s": f"{now - first.awaiting_since:.3f}",
             }
+            members = [w.member for w in ranked]
             found.append(
-                GroupBroken(view.job, view.generation, [w.member for w in ranked], evidence, first.awaiting_since, now)
+                GroupBroken(
+                    view.job, view.generation, members, evidence, self._wall(first.awaiting_since), self._wall(now)
+                )
             )
         return found
 
@@ -419,11 +553,11 @@ class DetectorCore:
                         "window_heartbeats": str(c.straggler_window),
                         "where": w.where,
                     }
-                    events.append(Straggler(view.job, view.generation, w.member, w.rank, evidence, now))
+                    events.append(Straggler(view.job, view.generation, w.member, w.rank, evidence, self._wall(now)))
         return events
 
     def check(self, now: float) -> list[Failure]:
-        """Heartbeat timeouts, then hangs (see the module docstring)."""
+        """Heartbeat timeouts, then ranks stuck in their rebuild, then hangs (see the module docstring)."""
         failures: list[Failure] = []
         for view in self.jobs.values():
             if view.finished:
@@ -444,8 +578,11 @@ class DetectorCore:
                     evidence["host"] = w.host
                     evidence["host_members_silent"] = str(len(lost_host))
                 failures.append(
-                    self._declare(view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, w.last_seen, now)
+                    self._declare(
+                        view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, self._wall(w.last_seen), now
+                    )
                 )
+            failures += self._stuck_in_rebuild(view, now)
             threshold = self.hang_threshold_s(view)
             stalled = self._stalled(view, now, threshold)
             for w in self._left_behind(view, stalled, now):
@@ -472,7 +609,62 @@ class DetectorCore:
             "where": w.where,
             "pid": str(w.pid),
         }
-        return self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, w.progress_t, now)
+        return self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, self._wall(w.progress_t), now)
+
+    def _stuck_in_rebuild(self, view: JobView, now: float) -> list[Failure]:
+        """Ranks stuck in a rebuild, declared hung (no other rule can name a member that says it is
+        rebuilding): still carrying out the current generation's rebuild `rebuild_lag_s` after another
+        rank of it finished its own, or for `rebuild_max_s` whatever the others do; or still carrying
+        out an older generation's `rebuild_lag_s` after a newer one, which names it, was announced
+        (every wait of a superseded rebuild is broken at once; only user code can hold it)."""
+        c = self.config
+        generation = view.generation
+        rebuilding = [w for w in view.members.values() if w.rank >= 0 and w.rebuilding_since]
+        if not rebuilding:  # the usual case
+            return []
+        finished = [w for w in view.members.values() if w.rank >= 0 and w.rebuilt[0] == generation]
+        first = min(finished, key=lambda w: w.rebuilt[1], default=None)
+        failures: list[Failure] = []
+        for w in rebuilding:
+            rebuilding_s = now - w.rebuilding_since
+            superseded_t = max(view.generation_t, w.rebuilding_since)
+            if w.beat_generation < generation and now - superseded_t > c.rebuild_lag_s:
+                behind_s = now - superseded_t
+                why = f"still rebuilding generation {w.beat_generation} {behind_s:.1f} s after generation {generation}"
+                evidence = {"stuck_in_rebuild": f"{why} superseded it", "behind_s": f"{behind_s:.3f}"}
+                t_fault = superseded_t
+            elif w.beat_generation < generation:
+                continue
+            elif first is not None and now - first.rebuilt[1] > c.rebuild_lag_s:
+                behind_s = now - first.rebuilt[1]
+                evidence = {
+                    "stuck_in_rebuild": (
+                        f"still rebuilding generation {generation} {behind_s:.1f} s after rank {first.rank} "
+                        f"({first.member}) finished its rebuild"
+                    ),
+                    "behind_s": f"{behind_s:.3f}",
+                    "finished_first": first.member,
+                }
+                t_fault = first.rebuilt[1]
+            elif c.rebuild_max_s and rebuilding_s > c.rebuild_max_s:
+                evidence = {
+                    "stuck_in_rebuild": f"rebuilding generation {generation} for {rebuilding_s:.1f} s",
+                    "rebuild_max_s": f"{c.rebuild_max_s:.3f}",
+                }
+                t_fault = w.rebuilding_since
+            else:
+                continue
+            del view.members[w.member]
+            evidence |= {
+                "rebuilding_s": f"{rebuilding_s:.3f}",
+                "rebuild_lag_s": f"{c.rebuild_lag_s:.3f}",
+                "last_step": str(w.last_step),
+                "pid": str(w.pid),
+            }
+            failures.append(
+                self._declare(view, w.member, w.rank, FailureReason.HANG, evidence, self._wall(t_fault), now)
+            )
+        return failures
 
     def _left_behind(self, view: JobView, stalled: list[Watched], now: float) -> list[Watched]:
         """Ranks stuck inside a step of the current generation while every other rank has left its
@@ -522,6 +714,7 @@ class DetectorCore:
         t_fault: float,
         now: float,
     ) -> Failure:
+        """The verdict, kept unanswered (`repeats`). `t_fault` is a wall-clock instant already."""
         if rank >= 0:
             view.declared_in = view.generation
         failure = Failure(
@@ -532,13 +725,14 @@ class DetectorCore:
             reason=reason,
             evidence=evidence,
             t_fault=t_fault,
-            t_detected=now,
+            t_detected=self._wall(now),
         )
         view.declared[member] = failure
+        view.unanswered[member] = Unanswered(failure, now, self.config.redeclare_after_s)
         while len(view.declared) > DECLARED_KEPT:
             oldest = next(iter(view.declared))
             del view.declared[oldest]
-            view.redeclared_t.pop(oldest, None)
+            view.unanswered.pop(oldest, None)
         return failure
 
 

@@ -7,7 +7,12 @@ two swaps. Verdicts and broken-group reports go into the events stream (stored b
 sent). Exits, members' own error reports and done reports are read from the stream, from
 `replay_s` before the detector started, and the job records in KV say which ranks and spares each
 job has: a detector that restarts watches them at once and declares a rank whose heartbeat does not
-come back, and sees an exit that happened while it was down.
+come back, and sees an exit that happened while it was down. A verdict is published again until a
+rebuild answers it (`DetectorCore.repeats`), and the publisher retries each one until it is stored,
+however long JetStream is away.
+
+Every duration here is measured on the monotonic clock; the wall clock only stamps what is reported
+(and the stream's replay start, which JetStream compares with its own wall-clock stamps).
 
 A `nats.micro` service (`deadpool-detector`); its `status` endpoint answers with the members it
 watches.
@@ -46,7 +51,7 @@ from deadpool_protocol import (
     Subjects,
 )
 from deadpool_protocol.events import DETECTOR_EVENTS, event_subjects
-from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
+from deadpool_protocol.job_record import JOBS_BUCKET, is_record_key, unpack_record
 from deadpool_runtime import (
     EventPublisher,
     EventReader,
@@ -56,6 +61,8 @@ from deadpool_runtime import (
     stopped_within,
     subscribe_validated,
 )
+from deadpool_runtime.job_record_kv import read_record
+from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
 
 __all__ = ["DetectorServiceConfig", "main"]
@@ -67,7 +74,10 @@ START_RETRY_S = 0.5
 REFUSALS_LOGGED_MAX = 10_000
 """Distinct refused heartbeats logged (then refusals go unlogged, not the detector's memory)."""
 TRACES_KEPT = 10_000
-"""Failures whose trace context is remembered, for when they are published again."""
+"""Failures whose trace context is remembered, for when they are published again (least recently
+published first out: a verdict still repeated stays)."""
+REPEATS_LOGGED_MAX = 20
+"""Verdicts named in the one log line of a pass that published verdicts again."""
 KV_KEYS_TIMEOUT_S = 5.0
 KV_GET_TIMEOUT_S = 2.0
 
@@ -94,18 +104,19 @@ class DetectorService:
         self.log = log
         self.core = DetectorCore(config.detector)
         self.events = EventPublisher(nc, log)
-        self._last_check = time.time()
+        self._last_check = time.monotonic()
         self._was_connected = True
         self._stalls_logged: dict[str, list[str]] = {}
         self._last_review = 0.0
         self._refusals_logged: set[tuple[str, str, str]] = set()
+        self._refusals = RefusalLog(log)
         self.tracing = Tracing("deadpool-detector", config.trace_file)
         self._traces: OrderedDict[tuple[str, str, int], str] = OrderedDict()
         """(job, member, generation) -> the trace its failure started (a failure published again joins it)."""
 
     async def _check(self) -> None:
         """One pass: verdicts, unless the detector itself just missed time (its outage, its pause)."""
-        now = time.time()
+        now = time.monotonic()
         connected = self.nc.is_connected
         paused_s = now - self._last_check
         self._last_check = now
@@ -117,7 +128,8 @@ class DetectorService:
             self.core.grace(now)
             self.log.warning("detector missed time; every member's clocks restarted", missed_s=round(paused_s, 3))
             return
-        await self._emit(self.core.check(now))
+        self._emit(self.core.check(now))
+        self._emit_again(self.core.repeats(now))
         for broken in self.core.broken_groups(now):
             self.log.warning(
                 "process group broken, every rank alive and awaiting a rebuild",
@@ -143,10 +155,10 @@ class DetectorService:
                 )
             self._stalls_logged = stalls
 
-    async def _emit(self, failures: list[Failure], again: bool = False) -> None:
+    def _emit(self, failures: list[Failure]) -> None:
         for failure in failures:
             self.log.warning(
-                "failure published again: a rebuild still names the member" if again else "failure detected",
+                "failure detected",
                 job=failure.job,
                 generation=failure.generation,
                 member=failure.member,
@@ -157,13 +169,29 @@ class DetectorService:
             )
             self.events.publish_soon(Subjects.for_job(failure.job).failure, self._traced(failure))
 
+    def _emit_again(self, failures: list[Failure]) -> None:
+        """Publish verdicts no rebuild answered yet again, each with the trace context it was first sent
+        with (the publisher holds one copy of a verdict still in flight)."""
+        if not failures:
+            return
+        self.log.info(
+            "failures published again: no rebuild answered them yet",
+            count=len(failures),
+            failures=[(f.job, f.member, f.generation) for f in failures[:REPEATS_LOGGED_MAX]],
+            in_flight=self.events.in_flight,
+        )
+        for failure in failures:
+            self.events.publish_soon(Subjects.for_job(failure.job).failure, self._traced(failure))
+
     def _traced(self, failure: Failure) -> Failure:
         """The failure with its trace context: a new `detect` span, or the one it was first sent with."""
         if not self.tracing.on:
             return failure
         key = (failure.job, failure.member, failure.generation)
         context = self._traces.get(key)
-        if context is None:
+        if context is not None:
+            self._traces.move_to_end(key)
+        else:
             attrs = {
                 "job": failure.job,
                 "generation": failure.generation,
@@ -178,10 +206,10 @@ class DetectorService:
         return replace(failure, traceparent=context)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
-        self._refused(hb, self.core.on_heartbeat(hb, time.time()))
+        self._refused(hb, self.core.on_heartbeat(hb, time.monotonic()))
 
     async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
-        now = time.time()
+        now = time.monotonic()
         for hb in batch.beats:
             self._refused(hb, self.core.on_heartbeat(hb, now))
 
@@ -191,17 +219,17 @@ class DetectorService:
             key = (hb.job, hb.member, reason)
             if key not in self._refusals_logged:
                 self._refusals_logged.add(key)
-                self.log.warning("heartbeat refused", job=hb.job, member=hb.member, reason=reason)
+                self._refusals.warning("heartbeat refused", job=hb.job, member=hb.member, reason=reason)
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
-        await self._emit(self.core.on_rebuild(rebuild, time.time()), again=True)
+        self.core.on_rebuild(rebuild, time.monotonic())
 
     async def _on_event(self, event: Message, _seq: int) -> None:
-        now = time.time()
+        now = time.monotonic()
         if isinstance(event, ChildExit):
-            await self._emit(self.core.on_exit(event, now))
+            self._emit(self.core.on_exit(event, now))
         elif isinstance(event, MemberError):
-            await self._emit(self.core.on_error(event, now))
+            self._emit(self.core.on_error(event, now))
         elif isinstance(event, MemberDone):
             self.core.on_done(event)
 
@@ -213,11 +241,13 @@ class DetectorService:
             keys = await asyncio.wait_for(kv.keys(), KV_KEYS_TIMEOUT_S)
         except (BucketNotFoundError, NoKeysError):
             return
-        now = time.time()
-        for key in keys:
+        now = time.monotonic()
+        for key in filter(is_record_key, keys):  # not a record's parts, nor an archived run
             try:
-                entry = await asyncio.wait_for(kv.get(key), KV_GET_TIMEOUT_S)
-                summary, _ = unpack_record(entry.value or b"")
+                stored = await read_record(kv, key, KV_GET_TIMEOUT_S)
+                if stored is None:
+                    continue
+                summary, _ = unpack_record(stored.record)
             except (KeyNotFoundError, ProtocolError) as exc:
                 self.log.warning("job record not loaded", job=key, reason=str(exc))
                 continue
@@ -247,10 +277,10 @@ class DetectorService:
         return reader
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
-        self.core.on_finished(finished, time.time())
+        self.core.on_finished(finished, time.monotonic())
 
     async def _status_endpoint(self, req: Request) -> None:
-        now = time.time()
+        now = time.monotonic()
         body = {
             job: {
                 "generation": view.generation,
@@ -301,7 +331,10 @@ class DetectorService:
             first_step_s=c.first_step_s,
         )
         while True:
-            await self._check()
+            try:
+                await self._check()
+            except Exception:  # a bug, or a publish refused while NATS is away: the next pass goes on
+                self.log.exception("detector pass failed; going on")
             if await stopped_within(stop, self.config.check_period_s):
                 break
         if reader is not None:
