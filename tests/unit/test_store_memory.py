@@ -74,6 +74,26 @@ def test_the_last_two_committed_steps_and_newer_ones_are_kept() -> None:
     assert memory.commit("j", 4) == []  # commits never go back
 
 
+def test_a_commit_that_goes_back_in_a_newer_generation_frees_the_abandoned_timeline() -> None:
+    """A durable restore, or a new run of the job's name, commits an older step in a newer generation:
+    the old timeline above it is void. Before, every such commit was ignored (commits never go back),
+    and nothing of the job was freed until it passed the old timeline's newest step."""
+    memory = SnapshotMemory(capacity_bytes=10_000, keep_committed=2, uncommitted_max=8)
+    for step in range(1, 9):
+        upload(memory, step, bytes([step]) * 8, generation=1)
+    memory.commit("j", 7, generation=1)
+    upload(memory, 3, b"resumed!", generation=2)  # the step the job went back to, sealed again
+    freed = memory.commit("j", 3, generation=2)  # back to step 3, in generation 2
+    assert sorted(key[2] for key in freed) == [7, 8]
+    assert memory.committed_steps("j") == [3] and _has(memory, 3)
+    for step in range(4, 7):
+        upload(memory, step, bytes([step]) * 8, generation=2)
+    memory.commit("j", 4, generation=2)
+    memory.commit("j", 6, generation=2)
+    assert [s for s in range(1, 9) if _has(memory, s)] == [4, 6]
+    assert memory.commit("j", 8, generation=1) == [] and memory.committed_steps("j") == [4, 6], "a late old commit"
+
+
 def test_uncommitted_snapshots_per_rank_are_bounded_and_the_next_commit_candidate_stays() -> None:
     memory = SnapshotMemory(capacity_bytes=10_000, uncommitted_max=2)
     for step in range(1, 5):

@@ -11,6 +11,8 @@ them from one address; frame headers in memory at once are bounded by `header_bu
 connections (one peer announcing 16 MiB headers on many connections, and sending nothing, held that
 much each); and a connection that stops in the middle of a frame for `frame_idle_s` is dropped.
 Between frames a connection may idle: members keep theirs open from one snapshot to the next.
+Refusals are logged at a bounded rate (`RefusalLog`): a flood of bad connections once wrote 9,000
+lines in 30 s.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from deadpool_protocol.dataplane import (
     job_token,
     token_matches,
 )
+from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
 from deadpool_store.memory import SnapshotKey, SnapshotMemory, StoredSnapshot, StoreError
 
@@ -82,6 +85,8 @@ class DataPlaneServer:
         """With a key, every upload and fetch must carry its job's token (`job_token`)."""
         self.on_sealed = on_sealed
         self.log = log
+        self.refusals = RefusalLog(log)
+        """Every refusal of a connection, a frame or a request goes through it."""
         self.limits = limits or ConnectionLimits()
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
@@ -103,6 +108,7 @@ class DataPlaneServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        self.refusals.flush()
 
     def token_for(self, job: str) -> bytes:
         """The token this store's own uploads of `job` carry (replication); b'' without a key."""
@@ -186,7 +192,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer_host = str(peername[0]) if isinstance(peername, tuple) and peername else self.peer
         refused = self.server.admit(self)
         if refused:
-            self.log.warning("data plane connection refused", peer=self.peer, reason=refused)
+            self.server.refusals.warning("data plane connection refused", peer=self.peer, reason=refused)
             transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -198,7 +204,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def drop_if_stalled(self, now: float, idle_s: float) -> None:
         if self.transport is not None and self.mid_frame() and now - self._last_rx > idle_s:
-            self.log.warning(
+            self.server.refusals.warning(
                 "data plane connection dropped", peer=self.peer, reason=f"no bytes for {idle_s} s mid-frame"
             )
             self.transport.abort()
@@ -211,7 +217,7 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             self._on_full()
         except ProtocolError as exc:
-            self.log.warning("data plane connection dropped", peer=self.peer, reason=str(exc))
+            self.server.refusals.warning("data plane connection dropped", peer=self.peer, reason=str(exc))
             assert self.transport is not None
             self.transport.abort()
 
@@ -220,7 +226,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None:
-            self.log.info("data plane peer went away", peer=self.peer, reason=str(exc))
+            self.server.refusals.info("data plane peer went away", peer=self.peer, reason=str(exc))
         self._release_header()
         self.server.forget(self)
         self._can_write.set()  # a fetch waiting to write sees the closed transport and stops
@@ -337,7 +343,7 @@ class _Connection(asyncio.BufferedProtocol):
             except StoreError as exc:
                 error = str(exc)
         if snap is None:
-            self.log.warning("snapshot refused", job=seal.job, rank=seal.rank, step=seal.step, reason=error)
+            self.server.refusals.warning("snapshot refused", job=seal.job, rank=seal.rank, step=seal.step, reason=error)
             await self._write(encode_frame(Reply(ok=False, error=error)))
             return
         await self._write(encode_frame(Reply(ok=True, error="")))
@@ -348,7 +354,9 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             refused = self.server.refusal(fetch.job, fetch.token)
             if refused:
-                self.log.warning("fetch refused", peer=self.peer, job=fetch.job, rank=fetch.rank, reason=refused)
+                self.server.refusals.warning(
+                    "fetch refused", peer=self.peer, job=fetch.job, rank=fetch.rank, reason=refused
+                )
                 raise StoreError(refused)
             snap = self.server.memory.get(fetch.job, fetch.rank, fetch.step)
         except StoreError as exc:

@@ -76,6 +76,8 @@ class SnapshotMemory:
         self._snapshots: dict[SnapshotKey, StoredSnapshot] = {}
         self._committed: dict[str, list[int]] = defaultdict(list)
         """job -> committed steps, ascending, at most keep_committed of them."""
+        self._committed_generation: dict[str, int] = {}
+        """job -> the generation of its newest commit: a commit of an older one is stale."""
         self.used_bytes = 0
         self._pool: dict[int, list[mmap.mmap]] = defaultdict(list)
         self.pooled_bytes = 0
@@ -158,11 +160,28 @@ class SnapshotMemory:
             raise StoreError(f"no complete snapshot of job {job} rank {rank} step {step} (have steps {have})")
         return snap
 
-    def commit(self, job: str, step: int) -> list[SnapshotKey]:
-        """Record that `step` is committed for `job`; free what is no longer needed. Returns freed keys."""
+    def commit(self, job: str, step: int, generation: int = 0) -> list[SnapshotKey]:
+        """Record that `step` is committed for `job`; free what is no longer needed. Returns freed keys.
+
+        A committed step never goes back within a timeline. It goes back only with a newer generation:
+        the job restored an older step (from the durable tier) or its name started a new run. Then the
+        old timeline's snapshots above it are void and freed, and commits count from it again; before,
+        every commit below the old timeline's newest was ignored, so nothing of the job was freed
+        again until it passed that step (a new run of the name would have filled the store)."""
         steps = self._committed[job]
+        known = self._committed_generation.get(job, 0)
+        if generation < known:
+            return []  # a late commit of a timeline a newer one replaced
+        abandoned: list[SnapshotKey] = []
         if steps and step <= steps[-1]:
-            return []
+            if generation <= known:
+                return []
+            steps.clear()
+            abandoned = [k for k, snap in self._snapshots.items() if k[0] == job and snap.generation < generation]
+            abandoned = [k for k in abandoned if k[2] > step]
+            for key in abandoned:
+                self._drop(key)
+        self._committed_generation[job] = generation
         steps.append(step)
         del steps[: -self.keep_committed]
         keep_from = steps[0]
@@ -174,7 +193,7 @@ class SnapshotMemory:
         ]
         for key in freed:
             self._drop(key)
-        return freed
+        return abandoned + freed
 
     def _entry_for(self, chunk: PutChunk) -> StoredSnapshot:
         key = (chunk.job, chunk.rank, chunk.step)

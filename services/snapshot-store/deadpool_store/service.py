@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro import add_service
@@ -30,6 +31,7 @@ from deadpool_protocol.codec import to_fields
 from deadpool_protocol.names import host_name
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.metrics import Metrics
 from deadpool_runtime.tracing import Tracing
 from deadpool_store import fault_injection
@@ -74,6 +76,7 @@ class StoreService:
         self.config = config
         self.nc = nc
         self.log = log
+        self._refusals = RefusalLog(log)
         self.memory = SnapshotMemory(config.capacity_bytes)
         self.metrics = Metrics("deadpool-store")
         store = {"store": config.store_id}
@@ -125,7 +128,7 @@ class StoreService:
         )
 
     async def _on_commit(self, commit: Commit, _msg: Msg) -> None:
-        freed = self.memory.commit(commit.job, commit.step)
+        freed = self.memory.commit(commit.job, commit.step, commit.generation)
         if freed:
             self.log.debug("snapshots freed", job=commit.job, step=commit.step, freed=len(freed))
 
@@ -197,7 +200,10 @@ class StoreService:
                 self.log.warning(
                     "unsealed upload freed", job=job, rank=rank, step=step, after_s=self.config.unsealed_max_s
                 )
-            await publish(self.nc, STORE_STATUS, self.status())
+            try:
+                await publish(self.nc, STORE_STATUS, self.status())
+            except nats.errors.Error as exc:  # NATS away for long: its client's outbound buffer is full
+                self._refusals.warning("store status not sent", error=repr(exc))
             if await stopped_within(stop, self.config.status_period_s):
                 break
         await service.stop()
