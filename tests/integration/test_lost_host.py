@@ -28,7 +28,7 @@ async def launch(
     nats_args: list[str], job: str, host: str, rank_offset: int, spares: int, out: Path, log: Path
 ) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--world-size", "4", "--rank-offset", str(rank_offset), "--spares", str(spares)]
+    command += ["--world-size", "4", "--rank-offset", str(rank_offset), "--spares", str(spares), "--run-id", job]
     command += ["--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny"]
     command += ["--out", str(out)]
     env = {**os.environ, "DEADPOOL_HOST": host}

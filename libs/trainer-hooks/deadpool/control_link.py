@@ -175,8 +175,8 @@ class ControlLink:
         return asyncio.run_coroutine_threadsafe(self._publish(subject, message), self._loop)
 
     def publish_event(self, subject: str, message: JobMessage) -> Future[bool]:
-        """Store an event from any thread (retried until the server has it); the future says whether it
-        was stored before the publisher's deadline."""
+        """Store an event from any thread (retried until the server has it, however long); the future says
+        whether it was stored (False: dropped, refused, or abandoned because the member is stopping)."""
         return asyncio.run_coroutine_threadsafe(self._publish_event(subject, message), self._loop)
 
     def ack(self, ack: RebuildAck) -> Future[bool]:
@@ -320,6 +320,12 @@ class ControlLink:
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:
+            known = max(self._void, self._rebuild.generation if self._rebuild is not None else 0)
+            if finished.generation < known:  # an older generation's notice (a stale or replayed one)
+                self.log.warning(
+                    "finished notice of an older generation ignored", generation=finished.generation, known=known
+                )
+                return
             first = self._finished is None
             self._finished = finished
             self._cond.notify_all()

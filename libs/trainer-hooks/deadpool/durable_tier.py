@@ -15,9 +15,11 @@ snapshot it has just streamed to its stores. Every `every_steps` steps is a rule
 alike. Every `every_s` seconds cannot be one (the ranks' clocks differ), so a time-based persist waits
 for the next step on a grid (`grid_steps`): ranks in lockstep reach the same grid step, and the rare
 pair that straddles a grid step differs once, which resuming copes with (the newest step all have).
-The stream thread the stream thread copies the buffer (a memory copy) and a writer thread of its own writes the
-files, so neither the training thread nor a step ever waits for the disk. A persist still running
-when the next is due makes that one skipped (counted); resuming takes the newest step every rank has.
+The stream thread copies the buffer (a memory copy) and a writer thread of its own writes the files,
+so neither the training thread nor a step ever waits for the disk. A persist still running when the
+next is due makes that one skipped (counted); resuming takes the newest step every rank has. A persist
+that fails (a full disk above all: DCP raises its `CheckpointException`, a BaseException) is logged with
+its reason, its partial files are removed, and the next due persist is tried as usual.
 
 Resuming (`deadpool launch --resume-from DIR`) happens when the job forms: the ranks agree on the
 newest step that each of them has complete and intact (`agree_on_step`, a few integer all-reduces in the
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import os
 import queue
@@ -41,17 +44,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from deadpool.snapshot_layout import FlatBuffer
+from deadpool.step_agreement import agree_on_newest
 from deadpool.training_state import SnapshotMeta
 
 __all__ = [
     "DurableError",
     "DurableWriter",
+    "PersistFailure",
     "agree_on_step",
     "complete_steps",
     "load_rank",
@@ -115,7 +120,9 @@ def write_step(
 
 
 def prune(directory: Path, rank: int, keep: int) -> None:
-    """Keep this rank's newest `keep` persisted steps (a step's directory goes with its last rank)."""
+    """Keep this rank's newest `keep` persisted steps (a step's directory goes with its last rank), and
+    none of its partial ones."""
+    remove_partials(directory, rank)
     steps = sorted(_steps_with_manifest(directory, rank), reverse=True)
     for step in steps[keep:]:
         checkpoint, manifest = rank_files(directory, step, rank)
@@ -123,6 +130,30 @@ def prune(directory: Path, rank: int, keep: int) -> None:
         shutil.rmtree(checkpoint, ignore_errors=True)
         with contextlib.suppress(OSError):  # other ranks' files are still there
             step_dir(directory, step).rmdir()
+
+
+def remove_partials(directory: Path, rank: int) -> list[Path]:
+    """Remove this rank's files of steps it never finished (a write that failed or a process that died
+    mid-write): a step counts only once its manifest is there. Other ranks' files are theirs to remove:
+    they may be writing them now. Returns what was removed."""
+    removed: list[Path] = []
+    for entry in sorted(directory.glob("step_*")) if directory.is_dir() else []:
+        checkpoint, manifest = entry / f"rank_{rank:05d}", entry / f"rank_{rank:05d}.json"
+        partial = manifest.with_suffix(".json.partial")
+        leftovers = [partial] if partial.exists() else []
+        if checkpoint.exists() and not manifest.is_file():
+            leftovers.append(checkpoint)
+        for path in leftovers:
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):  # best effort, as rmtree's: the next persist tries again
+                    path.unlink()
+        if leftovers:
+            with contextlib.suppress(OSError):  # other ranks' files are still there
+                entry.rmdir()
+        removed += leftovers
+    return removed
 
 
 def _steps_with_manifest(directory: Path, rank: int) -> list[int]:
@@ -187,39 +218,82 @@ def agree_on_step(
     directory: Path, rank: int, world_size: int, group: Any, device: torch.device
 ) -> tuple[int, FlatBuffer | None, SnapshotMeta | None, list[str]]:
     """With every rank of `group`: the newest persisted step that each rank has complete and intact,
-    loaded. Returns (step, buffer, meta, what was refused on this rank); step is NO_STEP if none.
-
-    Each round, every rank proposes its newest verified step at or below the bound, and the minimum
-    becomes the bound; when every rank proposes the same step, that is the one.
-    """
-    candidates = complete_steps(directory, world_size)
+    loaded (`step_agreement`). Returns (step, buffer, meta, what was refused on this rank); step is
+    NO_STEP if none."""
     refused: list[str] = []
     loaded: dict[int, tuple[FlatBuffer, SnapshotMeta]] = {}
-    bound = candidates[0] if candidates else NO_STEP
-    while True:
-        mine = NO_STEP
-        for step in (s for s in candidates if s <= bound):
-            if step in loaded:
-                mine = step
-                break
+
+    def intact(step: int) -> bool:
+        if step not in loaded:
             try:
                 loaded[step] = load_rank(directory, step, rank, world_size)
             except DurableError as exc:
                 refused.append(str(exc))
-                continue
-            mine = step
-            break
-        low = torch.tensor([mine], dtype=torch.int64, device=device)
-        high = low.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-        agreed, top = int(low.item()), int(high.item())
-        if agreed == NO_STEP:
-            return NO_STEP, None, None, refused
-        if agreed == top:
-            buffer, meta = loaded[agreed]
-            return agreed, buffer, meta, refused
-        bound = agreed
+                return False
+        return True
+
+    step = agree_on_newest(complete_steps(directory, world_size), group, device, intact)
+    if step == NO_STEP:
+        return NO_STEP, None, None, refused
+    buffer, meta = loaded[step]
+    return step, buffer, meta, refused
+
+
+@dataclass(frozen=True)
+class PersistFailure:
+    """Why a persist failed, as the writer logged it."""
+
+    step: int
+    path: str
+    """The rank's checkpoint directory of that step (removed again)."""
+    reason: str
+    disk_full: bool
+    bytes_needed: int
+    """The snapshot's size: what the persist tried to write."""
+    bytes_free: int
+    """Free bytes on the directory's file system after the partial files were removed; -1 if unknown."""
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and every exception behind it: DCP's per-rank failures (`CheckpointException.failures`, each
+    wrapping what that rank raised), exception groups, causes and contexts."""
+    found: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        current = pending.pop(0)
+        if any(current is seen for seen in found):
+            continue
+        found.append(current)
+        if isinstance(current, CheckpointException):
+            pending.extend(failure for failure, _trace in current.failures.values())
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return found
+
+
+def _is_disk_full(causes: list[BaseException]) -> bool:
+    """ENOSPC anywhere behind the failure. DCP's file writer can turn it into a RuntimeError of torch's
+    own that names it only in its text."""
+    no_space = os.strerror(errno.ENOSPC)
+    return any((isinstance(e, OSError) and e.errno == errno.ENOSPC) or no_space in str(e) for e in causes)
+
+
+def _cause_text(causes: list[BaseException]) -> str:
+    """The most telling cause: the first OS error, else the deepest exception that is not DCP's wrapper."""
+    for exc in causes:
+        if isinstance(exc, OSError):
+            return f"{type(exc).__name__}: {exc}"
+    plain = [e for e in causes if not isinstance(e, CheckpointException)] or causes
+    return f"{type(plain[-1]).__name__}: {plain[-1]}"
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system of `path`, or of its nearest parent that exists; -1 if none."""
+    for candidate in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(candidate).free
+    return -1
 
 
 @dataclass
@@ -232,8 +306,20 @@ class _Job:
     buffer: FlatBuffer
 
 
+CLOSE_WAIT_S = 10.0
+"""How long `close` gives a write still running; then it is abandoned (the writer is a daemon thread).
+Well inside the launcher's `FINISH_GRACE_S` (30 s) for a member to exit once its job finished."""
+
+
 class DurableWriter:
-    """Persists snapshots on a thread of its own; `offer` is called by the stream thread."""
+    """Persists snapshots on a thread of its own; `offer` is called by the stream thread.
+
+    A persist that fails (a full disk, any other write error) is logged with its reason and counted
+    (`failed`, `disk_full`, `last_failure`), its partial files are removed, and the next due persist is
+    tried as usual: the writer lives on. Only SystemExit and KeyboardInterrupt (which DCP wraps in its
+    `CheckpointException` too) end the thread; later persists are then refused as "the writer has
+    stopped", never queued to no one.
+    """
 
     def __init__(
         self,
@@ -244,9 +330,12 @@ class DurableWriter:
         log: Any,
         every_s: float = 0.0,
         grid_steps: int = 10,
+        close_wait_s: float = CLOSE_WAIT_S,
     ) -> None:
         if every_steps < 0 or keep < 1 or every_s < 0 or grid_steps < 1 or not (every_steps or every_s):
             raise ValueError("persist every N steps or T seconds (N or T positive), keeping at least 1")
+        if close_wait_s < 0:
+            raise ValueError("close_wait_s must not be negative")
         self.directory = Path(directory)
         self.job = job
         self.every_steps = every_steps
@@ -255,15 +344,29 @@ class DurableWriter:
         self._last_t = time.monotonic()
         self.keep = keep
         self.log = log
+        self.close_wait_s = close_wait_s
         self.persisted = 0
         self.skipped = 0
+        self.failed = 0
+        """Persists that failed (all of them, a full disk included)."""
+        self.disk_full = 0
+        """Persists that failed for want of room."""
+        self.last_failure: PersistFailure | None = None
         self.bytes_written = 0
         self.seconds = 0.0
         self._copy: FlatBuffer | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=1)
-        self._busy = threading.Event()
+        """At most one persist is outstanding (`_idle`), so `offer` never finds it full."""
+        self._idle = threading.Event()
+        self._idle.set()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="deadpool-durable", daemon=True)
         self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the writer thread is alive (it may be inside a write that `close` abandoned)."""
+        return self._thread.is_alive()
 
     def due(self, step: int) -> bool:
         """Whether `step` is persisted (asked once per captured step, on the training thread)."""
@@ -279,38 +382,95 @@ class DurableWriter:
 
     def offer(self, step: int, rank: int, world_size: int, generation: int, buffer: FlatBuffer, meta: bytes) -> bool:
         """Copy `buffer` aside and persist it in the background; False (counted) if the last persist
-        is still being written."""
-        if self._busy.is_set():
+        is still being written or the writer has stopped. Never waits for the disk."""
+        if not self._idle.is_set():
             self.skipped += 1
             self.log.warning("durable persist skipped: the previous one is still being written", step=step)
+            return False
+        if self._stopping.is_set() or not self._thread.is_alive():
+            self.skipped += 1
+            self.log.warning("durable persist skipped: the writer has stopped", step=step)
             return False
         if self._copy is None or self._copy.layout != buffer.layout:
             self._copy = FlatBuffer(buffer.layout)
         self._copy.data[: buffer.layout.total_bytes].copy_(buffer.data[: buffer.layout.total_bytes])
-        self._busy.set()
-        self._queue.put(_Job(step, rank, world_size, generation, meta, self._copy))
+        self._idle.clear()
+        self._queue.put_nowait(_Job(step, rank, world_size, generation, meta, self._copy))
         return True
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout_s)
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the persist in hand to end (written or failed); whether it did."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Tell the writer to stop once the persist in hand is done, and give that persist `timeout_s`
+        (default `close_wait_s`). Never blocks longer: past it the write is abandoned, and the thread
+        with it. Returns whether the writer stopped."""
+        wait_s = self.close_wait_s if timeout_s is None else timeout_s
+        self._stopping.set()
+        with contextlib.suppress(queue.Full):  # a persist not yet taken: the writer sees `_stopping` after it
+            self._queue.put_nowait(None)
+        self._thread.join(wait_s)
+        if self._thread.is_alive():
+            self.log.warning("durable writer abandoned: a persist is still being written", close_wait_s=wait_s)
+            return False
+        return True
 
     def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            started = time.perf_counter()
+        while (job := self._queue.get()) is not None:
             try:
-                write_step(
-                    self.directory, self.job, job.step, job.rank, job.world_size, job.generation, job.buffer, job.meta
-                )
-                prune(self.directory, job.rank, self.keep)
-                self.persisted += 1
-                self.bytes_written += job.buffer.layout.total_bytes
-                self.seconds += time.perf_counter() - started
-                self.log.info("step persisted", step=job.step, took_s=round(time.perf_counter() - started, 4))
-            except Exception:
+                self._persist(job)
+            except Exception:  # a bug, or a log stream gone: this persist is lost, not the writer
                 self.log.exception("durable persist failed", step=job.step, directory=str(self.directory))
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: they end this thread, said so
+                self._stopping.set()  # before `_idle`: an offer that finds the writer idle sees it stopped
+                self.log.error("durable writer stopped", reason=_cause_text(_causes(exc)))
+                raise
             finally:
-                self._busy.clear()
+                self._idle.set()
+            if self._stopping.is_set() and self._queue.empty():
+                return
+
+    def _persist(self, job: _Job) -> None:
+        started = time.perf_counter()
+        try:
+            write_step(
+                self.directory, self.job, job.step, job.rank, job.world_size, job.generation, job.buffer, job.meta
+            )
+        except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException
+            self._failed(job, exc)
+            return
+        self.persisted += 1
+        self.bytes_written += job.buffer.layout.total_bytes
+        self.seconds += time.perf_counter() - started
+        self.log.info("step persisted", step=job.step, took_s=round(time.perf_counter() - started, 4))
+        try:
+            prune(self.directory, job.rank, self.keep)
+        except Exception:
+            self.log.exception("durable prune failed", directory=str(self.directory))
+
+    def _failed(self, job: _Job, exc: BaseException) -> None:
+        """Remove what the failed persist (and any earlier one) left, then log and count why it failed."""
+        removed = remove_partials(self.directory, job.rank)
+        checkpoint, _ = rank_files(self.directory, job.step, job.rank)
+        causes = _causes(exc)
+        disk_full = _is_disk_full(causes)
+        needed, free = job.buffer.layout.total_bytes, _free_bytes(checkpoint)
+        reason = _cause_text(causes)
+        if disk_full:
+            reason = f"disk full: {needed} bytes needed, {free} free at {checkpoint} ({reason})"
+        self.last_failure = PersistFailure(job.step, str(checkpoint), reason, disk_full, needed, free)
+        self.failed += 1
+        self.disk_full += disk_full
+        self.log.error(
+            "durable persist failed: disk full" if disk_full else "durable persist failed",
+            step=job.step,
+            path=str(checkpoint),
+            reason=reason,
+            bytes_needed=needed,
+            bytes_free=free,
+            removed=[str(path) for path in removed],
+        )
+        fatal = [e for e in causes if not isinstance(e, (Exception, CheckpointException))]
+        if fatal:  # SystemExit or KeyboardInterrupt inside DCP's wrapper: it ends this thread
+            raise fatal[0]

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar
@@ -107,6 +107,8 @@ T = TypeVar("T")
 PlanKey = tuple[tuple[int, ...], Partition, tuple[Any, ...]]
 
 FINISH_WAIT_S = 300.0
+UNPROTECTED_LOG_S = 30.0
+"""While every store is lost, a member says so this often (the swapper and `deadpool status` too)."""
 DONE_RETRANSMIT_S = 1.0
 """After its last step a rank repeats its done report this often until it hears the job finished."""
 ERROR_REPORT_WAIT_S = 5.0
@@ -123,6 +125,16 @@ GROUP_RETIRE_MARGIN_S = 5.0
 
 class JobFailedError(RuntimeError):
     """The swapper ended the job (the text says why); this member stops with it."""
+
+
+class _LoadedState:
+    """A registered object's state as a rebuild has just loaded it, captured in the object's place."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
 
 
 class _StepContext:
@@ -178,6 +190,8 @@ class Job:
         a factory's object once this member holds a rank)."""
         for name, obj in (state or {}).items():
             self.state.register(name, obj)
+        if config.rank_hint >= 0 and not config.resume_from:
+            self.state.read_once()  # now, before this job starts a thread (see `UserState.read_once`)
         self._param_device = next(iter(module.parameters()), torch.empty(0)).device
         """Where the model's parameters live (a fresh copy of a sharded model is materialised there)."""
         self._template: nn.Module | None = None
@@ -208,6 +222,8 @@ class Job:
         self._placement: list[StoreAddress] = []
         self._placement_version = 0
         """Which placement of the generation `_placement` is (the rebuild's is 0; see `Placement`)."""
+        self._unprotected: tuple[int, float] | None = None
+        """(first step, when it was last said) while no store receives this rank's snapshots."""
         self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
         self._finished = False
         self._closed = False
@@ -263,6 +279,7 @@ class Job:
                 rendezvous_host=config.rendezvous_host,
                 rendezvous_port=self._rendezvous.port,
                 t=time.time(),
+                run=config.run,
             )
         )
         self._worker.store_token = self._link.store_token
@@ -308,6 +325,8 @@ class Job:
         if self.rank is not None or self._completed_step != NO_STEP:
             raise RuntimeError(f"register {name!r} before the job's first step: every snapshot must hold it")
         self.state.register(name, obj)
+        if self.config.rank_hint >= 0 and not self.config.resume_from:
+            self.state.read_once(name)  # now, not inside the first rebuild (see `UserState.read_once`)
         return obj
 
     def iterate(self, loader: Iterable[T]) -> Iterator[T]:
@@ -406,6 +425,8 @@ class Job:
                 "durable_skipped": worker.durable.skipped if worker.durable else 0,
                 "durable_bytes": worker.durable.bytes_written if worker.durable else 0,
                 "durable_s": worker.durable.seconds if worker.durable else 0.0,
+                "durable_failed": worker.durable.failed if worker.durable else 0,
+                "durable_disk_full": worker.durable.disk_full if worker.durable else 0,
                 "snapshots_streamed": worker.captures,
                 "snapshot_copy_cpu_s": worker.copy_cpu_s,
                 "snapshot_stream_cpu_s": worker.stream_cpu_s,
@@ -602,16 +623,22 @@ class Job:
         sources.take_tree(tree.tensors)
         return sources, layout
 
-    def _capture(self, step: int) -> Any:
+    def _capture(self, step: int, loaded: Mapping[str, Any] | None = None) -> Any:
+        """Start the snapshot of `step`. `loaded`: the registered objects' states a rebuild has just
+        loaded, captured as they are rather than read back (a resumed formation's SEAL: a data loader
+        given a state has no iterator until the loop iterates it, and reading its state would fork
+        its workers inside the rebuild; see `UserState.read_once`)."""
         assert self.rank is not None
         self._adopt_placement()
+        user = self.state if loaded is None else {name: _LoadedState(state) for name, state in loaded.items()}
         try:
-            tree = capture_tree(self.module, self.optimizer, self.state)
+            tree = capture_tree(self.module, self.optimizer, user)
         except TreeError as exc:  # every member would meet it: end the job, saying what cannot be held
             raise MemberCannotContinueError(MemberErrorCause.USER_CODE, f"state cannot be snapshotted: {exc}") from exc
         sources, layout = self._sources(tree)
         meta = SnapshotMeta.capture(step, layout, tree, sources, self.extra_state).encode()
         key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
+        self._say_if_unprotected(step)
         durable = self._worker.durable
         persist = self.world_size if durable is not None and durable.due(step) else 0
         return self._worker.capture(key, layout, sources, meta, self._placement, persist)
@@ -632,6 +659,29 @@ class Job:
             stores=[s.store for s in self._placement],
             why=newest.reason,
         )
+
+    def _say_if_unprotected(self, step: int) -> None:
+        """While no store receives this rank's snapshots (every store was lost), say so every
+        `UNPROTECTED_LOG_S`, with how many steps have been trained since: a lost rank would restore
+        from the durable tier, if the job has one."""
+        if self._placement:
+            if self._unprotected is not None:
+                self.log.warning("snapshots reach a store again", step=step, unprotected_since=self._unprotected[0])
+            self._unprotected = None
+            return
+        now = time.monotonic()
+        if self._unprotected is None:
+            self._unprotected = (step, now - UNPROTECTED_LOG_S)
+        since, said = self._unprotected
+        if now - said >= UNPROTECTED_LOG_S:
+            self._unprotected = (since, now)
+            self.log.warning(
+                "training unprotected: no snapshot store receives this rank's snapshots",
+                step=step,
+                since_step=since,
+                steps_at_risk=step - since + 1,
+                durable_tier=self._worker.durable is not None,
+            )
 
     def _on_placement(self, placement: Placement) -> None:
         """Control thread: uploads to stores this rank's snapshots no longer go to are abandoned now

@@ -9,7 +9,9 @@ with it (PR_SET_PDEATHSIG), so a lost launcher means a lost host, never orphans 
 
 When the job finishes, children still running after `finish_grace_s` (a spare that missed the
 notice) are stopped. When the swapper ends the job (a member could not go on), the launcher stops
-its children and exits non-zero, printing the swapper's reason.
+its children and exits non-zero, printing the swapper's reason. Stopped by a signal, it ends within
+`SHUTDOWN_BUDGET_S`, NATS reachable or not: its children have the budget less what the last exit
+reports and the connection need, then get SIGKILL.
 
 No torch here: the launcher starts in a fraction of a second.
 """
@@ -29,6 +31,8 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool.cuda_devices import DevicePlan
 from deadpool.member_config import ENV, host_name
@@ -41,13 +45,17 @@ from deadpool_protocol import (
     JobFinished,
     ProtocolError,
     Rebuild,
+    RunReply,
+    RunStart,
     Subjects,
     decode,
     encode,
 )
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
-from deadpool_runtime import EventPublisher, connect, subscribe_validated
+from deadpool_runtime import EventPublisher, connect, stopped_within, subscribe_validated
 from deadpool_runtime.credentials import CREDENTIALS_ENV
+from deadpool_runtime.lifecycle import CONNECTION_CLOSE_S, SHUTDOWN_BUDGET_S, StopDeadline, close_connection
+from deadpool_runtime.log_limit import RefusalLog
 
 __all__ = ["LaunchConfig", "Launcher"]
 
@@ -56,6 +64,17 @@ TERMINATE_GRACE_S = 10.0
 FINISH_GRACE_S = 30.0
 """After the job finished, children still running this much later are stopped."""
 EXIT_REPORTS_WAIT_S = 10.0
+EXIT_REPORTS_ON_STOP_S = 0.5
+"""Stopped by a signal: how long the exit reports of its children may take to be stored (part of the
+stop's budget; a detector also learns of the exits from the heartbeats that stopped)."""
+HOLD_MARGIN_S = 60.0
+"""A held member awaits the next generation this much longer than the hold may last."""
+REBUILD_WAIT_S_DEFAULT = 300.0
+RUN_START_WAIT_S = 120.0
+"""How long the launcher asks a swapper to start its run before it gives up (the control plane may
+still be starting)."""
+RUN_START_ANSWER_S = 5.0
+RUN_START_RETRY_S = 0.5
 HEARTBEAT_BATCH_PERIOD_S = HEARTBEAT_PERIOD_S_DEFAULT
 """As the members' heartbeat period: a beat waits at most this long in the launcher."""
 
@@ -86,6 +105,12 @@ class LaunchConfig:
     """The launcher role's NATS nkey seed file ('' where the server has no auth)."""
     member_nkey_file: str = ""
     """The member role's, handed to this launcher's members (`DEADPOOL_NATS_NKEY`)."""
+    run: str = ""
+    """The run this launcher starts (or joins, with the job's other launchers); '' makes a new one.
+    A job name holds one run at a time (`RunStart`)."""
+    hold_without_stores_s: float = 0.0
+    """When every snapshot store is lost: 0 trains on unprotected; above 0 holds training until a store
+    returns, at most this long (`RunStart.hold_without_stores_s`)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
@@ -118,9 +143,11 @@ class Launcher:
     def __init__(self, config: LaunchConfig, log: Any) -> None:
         self.config = config
         self.log = log
+        self._refusals = RefusalLog(log)
         self.host = os.environ.get(ENV.HOST) or host_name()  # DEADPOOL_HOST: e.g. several 'hosts' on one machine
         self.launcher_id = f"{self.host}-{os.getpid()}-{secrets.token_hex(2)}"
         self.subjects = Subjects.for_job(config.job)
+        self.run_id = config.run or secrets.token_hex(6)
         self.children: dict[str, Child] = {}
         self.exit_codes: dict[str, int] = {}
         self.generation = 0
@@ -155,8 +182,14 @@ class Launcher:
         await subscribe_validated(
             self._nc, self.subjects.launcher_heartbeat(self.launcher_id), Heartbeat, self._on_heartbeat, self.log
         )
-        batcher = asyncio.create_task(self._send_heartbeat_batches(stop))
         await self._nc.flush()
+        refused = await self._start_run(stop)
+        if refused:
+            print(f"deadpool launch: job {self.config.job} not started: {refused}", file=sys.stderr, flush=True)
+            self.log.error("run not started", run=self.run_id, reason=refused)
+            await close_connection(self._nc, CONNECTION_CLOSE_S, self.log)
+            return 2
+        batcher = asyncio.create_task(self._send_heartbeat_batches(stop))
         for local_rank in range(self.config.nproc):
             await self._spawn(self.config.rank_offset + local_rank)
         for _ in range(self.config.spares):
@@ -164,16 +197,65 @@ class Launcher:
         stopper = asyncio.create_task(stop.wait())
         exited = asyncio.create_task(self._all_exited.wait())
         await asyncio.wait({stopper, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set() and not self._all_exited.is_set():
-            await self._terminate_all()
         stopper.cancel()
+        deadline = StopDeadline.after(SHUTDOWN_BUDGET_S)
+        if stop.is_set() and not self._all_exited.is_set():
+            await self._terminate_all(deadline.left_s(keep_s=EXIT_REPORTS_ON_STOP_S + CONNECTION_CLOSE_S))
         await self._all_exited.wait()
         batcher.cancel()
-        await self._events.drain(EXIT_REPORTS_WAIT_S)
-        await self._nc.drain()
+        if stop.is_set():
+            await self._events.drain(deadline.left_s(keep_s=CONNECTION_CLOSE_S))
+        else:
+            await self._events.drain(EXIT_REPORTS_WAIT_S)
+        await close_connection(self._nc, deadline.left_s() if stop.is_set() else CONNECTION_CLOSE_S, self.log)
         if self.failed_reason:
             print(f"deadpool launch: the job was ended: {self.failed_reason}", file=sys.stderr, flush=True)
         return self._exit_code()
+
+    async def _start_run(self, stop: asyncio.Event) -> str:
+        """Start the job's run (or join it, as its other launchers do) before any member says hello;
+        '' once the swapper accepted it, else why not. Asked again while no swapper answers, up to
+        `RUN_START_WAIT_S`."""
+        assert self._nc is not None
+        start = RunStart(
+            self.config.job,
+            0,
+            self.run_id,
+            self.world_size,
+            self.launcher_id,
+            time.time(),
+            self.config.hold_without_stores_s,
+        )
+        deadline = time.monotonic() + RUN_START_WAIT_S
+        while not stop.is_set():
+            request = asyncio.ensure_future(
+                self._nc.request(self.subjects.run_start, encode(start), timeout=RUN_START_ANSWER_S)
+            )
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({request, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not request.done():  # a signal: the stop budget is not spent waiting for an answer
+                request.cancel()
+                break
+            try:
+                msg = request.result()
+            except (NoRespondersError, NatsTimeoutError):
+                if time.monotonic() > deadline:
+                    return f"no swapper answered within {RUN_START_WAIT_S:.0f} s"
+                if await stopped_within(stop, RUN_START_RETRY_S):
+                    break
+                continue
+            if msg.headers and msg.headers.get("Nats-Service-Error"):
+                return msg.headers["Nats-Service-Error"]
+            try:
+                reply = decode(msg.data, RunReply)
+            except ProtocolError as exc:
+                return f"the swapper's answer was not understood: {exc}"
+            if reply.accepted:
+                self.log.info("run started", run=self.run_id)
+                return ""
+            return reply.reason
+        return "stopped before the run started"
 
     def _exit_code(self) -> int:
         """0 when the job finished and every member still running at that moment exited cleanly;
@@ -215,6 +297,7 @@ class Launcher:
                 ENV.NATS_URL: self.config.nats_url,
                 ENV.MEMBER: member,
                 ENV.LAUNCHER: self.launcher_id,
+                ENV.RUN: self.run_id,
                 ENV.RANK_HINT: str(rank_hint),
                 ENV.HEARTBEAT_VIA_LAUNCHER: "1" if self.config.batch_heartbeats else "0",
                 ENV.LOCAL_INDEX: str(slot),
@@ -230,6 +313,9 @@ class Launcher:
             env.update(self.config.devices.env_for(slot))
         if self.config.collective_timeout_s > 0:
             env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
+        if self.config.hold_without_stores_s > 0:  # a held rank awaits its next generation that long
+            wait_s = float(env.get(ENV.REBUILD_WAIT_S, REBUILD_WAIT_S_DEFAULT))
+            env[ENV.REBUILD_WAIT_S] = str(max(wait_s, self.config.hold_without_stores_s + HOLD_MARGIN_S))
         env.update(self.config.extra_env)
         process = await asyncio.create_subprocess_exec(
             sys.executable, *self.config.command, env=env, preexec_fn=_die_with_parent
@@ -290,6 +376,9 @@ class Launcher:
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         if self.finished:
             return
+        if finished.generation < self.generation:  # an older generation's notice (a stale or replayed one)
+            self.log.warning("finished notice of an older generation ignored", generation=finished.generation)
+            return
         self.finished = True
         self._alive_at_finish = {m for m in self.children if m not in self.exit_codes}
         if finished.failed:
@@ -311,7 +400,7 @@ class Launcher:
         try:
             request = decode(msg.data, FenceRequest)
         except ProtocolError as exc:
-            self.log.warning("rejected fence request", reason=str(exc))
+            self._refusals.warning("rejected fence request", reason=str(exc))
             return
         child = self.children.get(request.member)
         if child is None or child.process.returncode is not None:
@@ -324,14 +413,14 @@ class Launcher:
         reply = FenceReply(request.job, self.generation, request.member, killed, detail, time.time())
         await msg.respond(encode(reply))
 
-    async def _terminate_all(self) -> None:
-        """Forward a stop to the children; SIGKILL whatever is still alive after the grace period."""
+    async def _terminate_all(self, grace_s: float = TERMINATE_GRACE_S) -> None:
+        """Forward a stop to the children; SIGKILL whatever is still alive after `grace_s`."""
         self._stopping = True  # no respawns from here on
         for child in self.children.values():
             if child.process.returncode is None:
                 child.process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self._all_exited.wait(), TERMINATE_GRACE_S)
+            await asyncio.wait_for(self._all_exited.wait(), grace_s)
         except TimeoutError:
             for child in self.children.values():
                 if child.process.returncode is None:

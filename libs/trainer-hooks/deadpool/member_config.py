@@ -27,6 +27,8 @@ class ENV:
     """The member role's NATS nkey seed file (where the server has auth)."""
     MEMBER = "DEADPOOL_MEMBER"
     LAUNCHER = "DEADPOOL_LAUNCHER"
+    RUN = "DEADPOOL_RUN"
+    """The run of the job the member was started in (its launcher started it: `RunStart`)."""
     RANK_HINT = "DEADPOOL_RANK_HINT"
     WORLD_SIZE = "DEADPOOL_WORLD_SIZE"
     HOST = "DEADPOOL_HOST"
@@ -64,6 +66,8 @@ class MemberConfig:
     world_size: int
     host: str
     rendezvous_host: str = "127.0.0.1"
+    run: str = ""
+    """The run of the job this member belongs to ('' where no launcher started one)."""
     heartbeat_period_s: float = HEARTBEAT_PERIOD_S_DEFAULT
     pg_timeout_s: float = COLLECTIVE_TIMEOUT_S_DEFAULT
     """How long a collective may block before gloo/NCCL gives up: the last line of defence. Aborting a
@@ -116,6 +120,8 @@ class MemberConfig:
         require_name(self.member, "member")
         if self.launcher:
             require_name(self.launcher, "launcher")
+        if self.run:
+            require_name(self.run, "run")
         if self.world_size < 1:
             raise ValueError("world_size must be at least 1")
         if not (0 < self.heartbeat_period_s < self.rebuild_wait_s):
@@ -157,6 +163,7 @@ class MemberConfig:
             nats_nkey=env.get(ENV.NATS_NKEY, ""),
             member=env[ENV.MEMBER],
             launcher=env.get(ENV.LAUNCHER, ""),
+            run=env.get(ENV.RUN, ""),
             rank_hint=int(env.get(ENV.RANK_HINT, "-1")),
             world_size=int(env[ENV.WORLD_SIZE]),
             host=env.get(ENV.HOST) or host_name(),

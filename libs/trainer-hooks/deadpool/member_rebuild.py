@@ -1,7 +1,7 @@
 """The member's side of one rebuild, as a sequence of states, each with one bounded wait.
 
     LEAVE     drop the old process group                          no wait
-    RESTORE   the restore step: own buffer, else a store          each store: its socket timeout; breakable
+    RESTORE   the restore step: own buffer, else a store          each store: its fetch deadline; breakable
               (a job resumed from the durable tier loads its files in EXCHANGE: the ranks agree there)
     CONNECT   a client of the generation's rendezvous store       attempts of 1 s until `rendezvous_wait_s`; breakable
     FORM      `init_process_group` of the generation              the collective timeout; breakable
@@ -49,7 +49,8 @@ from deadpool.process_group import RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
 from deadpool.sharded_module import is_fully_sharded
 from deadpool.snapshot_layout import FlatBuffer
-from deadpool.store_client import StoreClientError, StoreConnection
+from deadpool.step_agreement import agree_on_newest
+from deadpool.store_restore import NoStoreCopyError, SnapshotWanted, fetch_from_stores, stores_in_order
 from deadpool.training_state import (
     Partition,
     SnapshotMeta,
@@ -124,6 +125,8 @@ class MemberRebuild:
         self.meta: SnapshotMeta | None = None
         self.replicas: list[FlatBuffer] = []
         self.source = "fresh"
+        self.loaded_user: dict[str, Any] | None = None
+        """The registered objects' states APPLY loaded from the snapshot (SEAL captures them as loaded)."""
         self.group: Any = None
         self._store: Any = None
         self._store_sockets: dict[int, str] = {}
@@ -174,18 +177,9 @@ class MemberRebuild:
     def restore(self) -> None:
         command = self.command
         if command.restore_step != NO_STEP:
-            self.snapshot, self.meta, self.source = self._snapshot_for(command.restore_step)
-            meta = self.meta
-            if meta.partitioned and meta.partition != Partition(self.rank, command.world_size):
-                raise MemberCannotContinueError(
-                    MemberErrorCause.REPLICAS_DISAGREE,
-                    f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition}, "
-                    f"not rank {self.rank} of {command.world_size}",
-                )
-            if not meta.partitioned and not is_fully_sharded(self.job.module):  # else: once resharded (apply)
-                load_module(self.job.module, [self.snapshot])
-        elif self.resuming:
-            pass  # the files are read once the group exists (`exchange`): every rank must take the same step
+            self._take(*self._snapshot_for(command.restore_step))
+        elif self.resuming or command.local:
+            pass  # read once the group exists (`exchange`): every rank must take the same step
         elif self.survivor:  # formation again (a member died in the first one): back to the start
             for param in self.job.module.parameters():
                 param.grad = None  # of a first step that never completed; no optimizer step ran
@@ -225,9 +219,24 @@ class MemberRebuild:
             job._waits.check(self.generation)
             raise RendezvousFailedError(f"process group of generation {self.generation} not formed: {exc}") from exc
 
+    def _take(self, snapshot: FlatBuffer, meta: SnapshotMeta, source: str) -> None:
+        """Use this snapshot of the rank's state, once it is checked to be this rank's partition."""
+        command = self.command
+        if meta.partitioned and meta.partition != Partition(self.rank, command.world_size):
+            raise MemberCannotContinueError(
+                MemberErrorCause.REPLICAS_DISAGREE,
+                f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition}, "
+                f"not rank {self.rank} of {command.world_size}",
+            )
+        self.snapshot, self.meta, self.source = snapshot, meta, source
+        if not meta.partitioned and not is_fully_sharded(self.job.module):  # else: once resharded (apply)
+            load_module(self.job.module, [snapshot])
+
     def exchange(self) -> None:
         if self.resuming:
             self._resume_from_durable()
+        elif self.command.local:
+            self._restore_newest_own()
         if self.snapshot is not None and self.meta is not None:
             try:
                 self.replicas = exchange_partitions(
@@ -241,6 +250,22 @@ class MemberRebuild:
             if self.meta.partitioned:
                 load_module(self.job.module, [self.snapshot, *self.replicas])
         self.marks["rendezvous"] = time.time()
+
+    def _restore_newest_own(self) -> None:
+        """Training was held while every store was lost: agree with every rank on the newest step all of
+        them hold in their own buffers (none is in a store), and load ours."""
+        worker = self.job._worker
+        mine = worker.local_steps()
+        try:
+            step = agree_on_newest(mine, self.group, exchange_device(self.group))
+        except RuntimeError as exc:  # the new group broke under the agreement
+            self.job._waits.check(self.generation)
+            raise RendezvousFailedError(f"agreeing on a step in generation {self.generation}: {exc}") from exc
+        slot = worker.local(step) if step != NO_STEP else None
+        if slot is None or slot.buffer is None:  # every rank finds the same: they all say so
+            raise RestoreUnavailableError(f"the ranks hold no step in common in their own buffers (here: {mine})")
+        self._take(slot.buffer, SnapshotMeta.decode(slot.meta), "local")
+        self.log.info("restored the newest step every rank holds", step=step, held_here=mine)
 
     def _resume_from_durable(self) -> None:
         """Agree with every rank on the newest persisted step they all have intact, and load ours."""
@@ -330,6 +355,7 @@ class MemberRebuild:
             job._restores += 1
             try:
                 load_user_state(job.state, tree)
+                self.loaded_user = tree["user"]
             except Exception as exc:  # the user's load_state_dict, or a snapshot of other objects
                 text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 raise MemberCannotContinueError(
@@ -353,7 +379,7 @@ class MemberRebuild:
         a committed step to go to."""
         if self.command.restore_step != NO_STEP:
             return
-        request = self.job._capture(self.job._next_step)  # step 0, or the step a resumed job starts at
+        request = self.job._capture(self.job._next_step, self.loaded_user)  # step 0, or the resumed step
         deadline = time.monotonic() + FORMATION_SNAPSHOT_WAIT_S
         while request is not None and not request.done.wait(SEAL_POLL_S):
             self.job._waits.check(self.generation)
@@ -373,7 +399,8 @@ class MemberRebuild:
     def ack(self, last_completed: int) -> None:
         job, command = self.job, self.command
         job._link.progress = Progress(generation=self.generation, rank=self.rank, step=job._completed_step)
-        restored = self.meta.step if self.source == "durable" and self.meta else command.restore_step
+        agreed = self.source == "durable" or command.local  # the ranks chose the step themselves
+        restored = self.meta.step if agreed and self.meta else command.restore_step
         self._send_ack(self.source, restored, last_completed)
         self.log.info(
             "rebuild done",
@@ -448,38 +475,18 @@ class MemberRebuild:
             slot = job._worker.local(step)
             if slot is not None and slot.buffer is not None:
                 return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
-        preferred = command.placement[rank]  # the rank's own stores first, in placement order
-        ordered = sorted(
-            command.stores, key=lambda s: preferred.index(s.store) if s.store in preferred else len(preferred)
-        )
-        errors: list[str] = []
-        pin = torch.cuda.is_available() and any(p.is_cuda for p in job.module.parameters())
-        for address in ordered:
-            got: dict[str, Any] = {}
-
-            def destination(meta_bytes: bytes, total_bytes: int, got: dict[str, Any] = got) -> memoryview:
-                meta = SnapshotMeta.decode(meta_bytes)
-                if meta.step != step or meta.layout.total_bytes != total_bytes:
-                    raise StoreClientError(f"store sent step {meta.step} of {total_bytes} bytes, not step {step}")
-                try:
-                    if not is_fully_sharded(job.module):  # shards are checked as they load (apply)
-                        check_fits(job.module, meta.layout)
-                except ValueError as exc:
-                    raise StoreClientError(f"store's snapshot does not fit this model: {exc}") from exc
-                got["meta"], got["buffer"] = meta, FlatBuffer(meta.layout, pin=pin)
-                return got["buffer"].bytes_view()  # type: ignore[no-any-return]
-
-            connection = StoreConnection(address, token=job._link.store_token)
-            try:
-                with job._waits.breakable(self.generation, connection.abort):
-                    connection.fetch(
-                        command.job, rank, step, destination, command.restore_generation, command.traceparent
-                    )
-                self.log.info("snapshot fetched", store=address.store, step=step, skipped=errors)
-                return got["buffer"], got["meta"], "store"
-            except (StoreClientError, ValueError) as exc:
-                self.log.warning("store's copy refused; trying the next", store=address.store, reason=str(exc))
-                errors.append(str(exc))
-            finally:
-                connection.close()
-        raise RestoreUnavailableError(f"no store could provide rank {rank} step {step}: {'; '.join(errors)}")
+        wanted = SnapshotWanted(command.job, rank, step, command.restore_generation, command.traceparent)
+        try:
+            buffer, meta, _ = fetch_from_stores(
+                wanted,
+                stores_in_order(command.stores, command.placement[rank]),  # the rank's own stores first
+                job.module,
+                self.log,
+                token=job._link.store_token,
+                pin=torch.cuda.is_available() and any(p.is_cuda for p in job.module.parameters()),
+                sharded=is_fully_sharded(job.module),
+                breakable=lambda abort: job._waits.breakable(self.generation, abort),
+            )
+        except NoStoreCopyError as exc:
+            raise RestoreUnavailableError(str(exc)) from exc
+        return buffer, meta, "store"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import msgpack
 import torch
 
-__all__ = ["ALIGN_BYTES", "FlatBuffer", "SnapshotLayout", "TensorSpec", "plan_layout"]
+__all__ = ["ALIGN_BYTES", "FlatBuffer", "SnapshotLayout", "TensorSpec", "aligned_bytes", "plan_layout"]
 
 ALIGN_BYTES = 64
 
@@ -68,10 +69,27 @@ class SnapshotLayout:
             layout = cls(specs, int(fields["total_bytes"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed snapshot layout: {exc}") from None
-        for s in layout.specs:
-            if s.dtype not in _DTYPES or s.offset < 0 or s.offset + s.nbytes > layout.total_bytes:
-                raise ValueError(f"malformed snapshot layout entry {s.name}")
+        layout._check_planned()
         return layout
+
+    def _check_planned(self) -> None:
+        """Raise ValueError unless this is the layout `plan_layout` makes of its own entries: each
+        entry's bytes are its shape times its dtype's size, at the next aligned offset, and the total
+        ends with the last one. So the same names, dtypes and shapes mean the same bytes, and a
+        received layout claims no byte its entries do not hold (the total is what gets allocated)."""
+        offset = 0
+        for s in self.specs:
+            if s.dtype not in _DTYPES or any(d < 0 for d in s.shape):
+                raise ValueError(f"malformed snapshot layout entry {s.name}: {s.shape}/{s.dtype}")
+            nbytes = math.prod(s.shape) * _DTYPES[s.dtype].itemsize
+            if (s.offset, s.nbytes) != (offset, nbytes):
+                raise ValueError(
+                    f"malformed snapshot layout entry {s.name}: {s.nbytes} bytes at {s.offset}, where "
+                    f"{s.shape}/{s.dtype} takes {nbytes} at {offset}"
+                )
+            offset += aligned_bytes(nbytes)
+        if self.total_bytes != offset:
+            raise ValueError(f"malformed snapshot layout: {self.total_bytes} bytes, its entries end at {offset}")
 
     @functools.cached_property
     def packed(self) -> bytes:
@@ -102,8 +120,13 @@ def plan_layout(named: Sequence[tuple[str, torch.Tensor]]) -> SnapshotLayout:
             raise TypeError(f"cannot snapshot tensor {name} of dtype {tensor.dtype}")
         nbytes = tensor.numel() * tensor.element_size()
         specs.append(TensorSpec(name, dtype, tuple(tensor.shape), offset, nbytes))
-        offset += (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+        offset += aligned_bytes(nbytes)
     return SnapshotLayout(tuple(specs), offset)
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """`nbytes` rounded up to the next `ALIGN_BYTES`: what an entry of that size takes in a buffer."""
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 class FlatBuffer:

@@ -247,6 +247,12 @@ class SnapshotWorker:
         """Block until the last capture's copy finished (the optimizer pre-hook calls this)."""
         return self._captured.wait(timeout_s)
 
+    def local_steps(self) -> list[int]:
+        """The steps this member's own buffers hold whole, newest first."""
+        if not self.wait_captured(COPY_WAIT_S):
+            return []
+        return sorted((slot.step for slot in self.slots if slot.step >= 0 and slot.buffer is not None), reverse=True)
+
     def local(self, step: int) -> SnapshotSlot | None:
         """The local snapshot of `step`, if one of the buffers holds it."""
         if not self.wait_captured(COPY_WAIT_S):

@@ -2,13 +2,15 @@
 
 Uploads send each chunk straight from the snapshot buffer (a memoryview, no copy) together with its
 small msgpack header in one `sendmsg`; fetches receive straight into the destination buffer with
-`recv_into` and verify every chunk's checksum before the caller may use the bytes.
+`recv_into` and verify every chunk's checksum before the caller may use the bytes. Every fetch has a
+total deadline (`FetchDeadline`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,15 +30,84 @@ from deadpool_protocol.dataplane import (
     encode_frame,
 )
 
-__all__ = ["FetchedSnapshot", "SnapshotCancelledError", "StoreClientError", "StoreConnection", "UploadKey"]
+__all__ = [
+    "FetchDeadline",
+    "FetchDeadlineError",
+    "FetchedSnapshot",
+    "SnapshotCancelledError",
+    "StoreClientError",
+    "StoreConnection",
+    "UploadKey",
+]
 
 CONNECT_TIMEOUT_S = 2.0
 """Connecting to a store, at most: a host that was lost (its link down) answers nothing, and a
 connect in progress cannot be broken from another thread. Stores are a hop or two away."""
+FETCH_BASE_S = 10.0
+"""What a fetch may take besides moving the snapshot's bytes: the connect (at most
+`CONNECT_TIMEOUT_S`), the request, and the store's reply header (its layout, up to
+`HEADER_BYTES_MAX`), with room for a busy host."""
+FETCH_FLOOR_BYTES_PER_S = 16 * 1024 * 1024
+"""The slowest transfer still taken for an honest one: 16 MiB/s, about 60 times below a restore on
+loopback (docs/performance.md) and 7 times below a 1 Gbit/s link."""
+DUE_SLACK_S = 0.01
+"""A receive that timed out this close to the deadline ended because of it (clocks round)."""
 
 
 class StoreClientError(RuntimeError):
     """A store refused or failed an upload or fetch; the text says which and why."""
+
+
+class FetchDeadlineError(StoreClientError):
+    """A fetch took longer than its `FetchDeadline` and was abandoned."""
+
+
+@dataclass(frozen=True)
+class FetchDeadline:
+    """How long one fetch may take in all, from the connect to the last chunk: `base_s`, plus the
+    snapshot's bytes at `floor_bytes_per_s` once the store's reply has said how many.
+
+    Sized by the bytes, not one fixed bound: a rank's snapshot is kilobytes to tens of gigabytes, so a
+    fixed bound either cuts a large honest restore on a slow link or lets a small one trickle for
+    minutes. A store slower than the floor is as good as lost; the next copy is on another store. The
+    socket's timeout cannot bound a fetch: it holds per receive, and a store that sends a byte now and
+    then never trips it. The size is the store's claim, but the caller's `destination` checks it
+    against its own model before the deadline grows by it (`store_restore`), so a store cannot buy a
+    longer deadline than a snapshot of that model could need.
+    """
+
+    base_s: float = FETCH_BASE_S
+    floor_bytes_per_s: float = FETCH_FLOOR_BYTES_PER_S
+
+    def seconds(self, total_bytes: int) -> float:
+        """The whole fetch's bound for a snapshot of `total_bytes`."""
+        return self.base_s + total_bytes / self.floor_bytes_per_s
+
+
+class _Due:
+    """One fetch's deadline on the monotonic clock: no blocking call on its socket outlasts it."""
+
+    def __init__(self, seconds: float, per_call_s: float) -> None:
+        self.started = time.monotonic()
+        self.seconds = seconds
+        """From `started`; it grows once the store's reply has said how many bytes follow."""
+        self.per_call_s = per_call_s
+        """The socket's own timeout, which still bounds each call."""
+
+    def left(self) -> float:
+        return self.started + self.seconds - time.monotonic()
+
+    def arm(self, sock: socket.socket) -> None:
+        """Let the next call on `sock` block for what is left at most; raise if nothing is left."""
+        left = self.left()
+        if left <= 0:
+            raise self.passed()
+        wanted = min(left, self.per_call_s)
+        if wanted != sock.gettimeout():  # a system call: not once per receive of a large fetch
+            sock.settimeout(wanted)
+
+    def passed(self) -> FetchDeadlineError:
+        return FetchDeadlineError(f"abandoned past its deadline of {self.seconds:.1f} s")
 
 
 class SnapshotCancelledError(RuntimeError):
@@ -73,6 +144,8 @@ class StoreConnection:
 
     def close(self) -> None:
         if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
             self._sock = None
 
@@ -85,11 +158,12 @@ class StoreConnection:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _connected(self) -> socket.socket:
+    def _connected(self, due: _Due | None = None) -> socket.socket:
         if self._aborted:
             raise ConnectionAbortedError("the connection was aborted")
         if self._sock is None:
-            sock = socket.create_connection((self.address.host, self.address.port), timeout=CONNECT_TIMEOUT_S)
+            timeout_s = CONNECT_TIMEOUT_S if due is None else min(CONNECT_TIMEOUT_S, max(due.left(), 0.001))
+            sock = socket.create_connection((self.address.host, self.address.port), timeout=timeout_s)
             sock.settimeout(self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
@@ -142,18 +216,23 @@ class StoreConnection:
         destination: Callable[[bytes, int], memoryview],
         generation: int = 0,
         traceparent: str = "",
+        deadline: FetchDeadline | None = None,
     ) -> FetchedSnapshot:
         """Fetch (job, rank, step). `destination(meta, total_bytes)` returns the buffer to fill (and
         may raise StoreClientError to refuse the snapshot before any byte of it is received).
 
         `generation`, if not 0, is the only generation whose copy is valid (the one that committed the
         step); a store holding another's is refused. Every chunk's checksum is verified; a mismatch
-        raises and the buffer must not be used.
+        raises and the buffer must not be used. The whole fetch is bounded by `deadline` (the default
+        `FetchDeadline()`): past it the socket is shut down and FetchDeadlineError raised.
         """
+        bound = deadline or FetchDeadline()
+        due = _Due(bound.base_s, self.timeout_s)
         try:
-            sock = self._connected()
+            sock = self._connected(due)
+            due.arm(sock)
             sock.sendall(encode_frame(Fetch(job, rank, step, self.token, traceparent)))
-            reply = self._read_frame(sock, FetchReply)
+            reply = self._read_frame(sock, FetchReply, due)
             assert isinstance(reply, FetchReply)
             if not reply.ok:
                 raise StoreClientError(f"store {self.address.store}: {reply.error}")
@@ -165,14 +244,19 @@ class StoreConnection:
             target = destination(reply.meta, reply.total_bytes)
             if len(target) != reply.total_bytes:
                 raise StoreClientError("destination buffer does not match the snapshot's size")
+            due.seconds = bound.seconds(reply.total_bytes)  # only now: the size passed `destination`'s checks
             spans = chunk_spans(reply.total_bytes, reply.chunk_bytes)
             if len(spans) != len(reply.checksums):
                 raise StoreClientError("fetch reply lists the wrong number of checksums")
             for (offset, nbytes), checksum in zip(spans, reply.checksums, strict=True):
                 chunk = target[offset : offset + nbytes]
-                _recv_exactly(sock, chunk)
+                _recv_exactly(sock, chunk, due)
                 if chunk_checksum(chunk) != checksum:
                     raise StoreClientError(f"store {self.address.store}: chunk at {offset} fails its checksum")
+            sock.settimeout(self.timeout_s)
+        except FetchDeadlineError as exc:
+            self.close()
+            raise FetchDeadlineError(f"fetch from store {self.address.store} {exc}") from None
         except (OSError, ProtocolError) as exc:
             self.close()
             raise StoreClientError(f"fetch from store {self.address.store} failed: {exc}") from exc
@@ -182,14 +266,14 @@ class StoreConnection:
         return FetchedSnapshot(reply.generation, reply.member, reply.meta, reply.total_bytes)
 
     @staticmethod
-    def _read_frame(sock: socket.socket, expected: type[Frame]) -> Frame:
+    def _read_frame(sock: socket.socket, expected: type[Frame], due: _Due | None = None) -> Frame:
         head = bytearray(FRAME_LENGTH.size)
-        _recv_exactly(sock, memoryview(head))
+        _recv_exactly(sock, memoryview(head), due)
         (length,) = FRAME_LENGTH.unpack(head)
         if length > HEADER_BYTES_MAX:
             raise ProtocolError(f"frame header of {length} bytes exceeds {HEADER_BYTES_MAX}")
         body = bytearray(length)
-        _recv_exactly(sock, memoryview(body))
+        _recv_exactly(sock, memoryview(body), due)
         return decode_frame_header(bytes(body), expected)
 
 
@@ -204,10 +288,18 @@ def _send_all(sock: socket.socket, pieces: list[memoryview]) -> None:
             pieces[0] = pieces[0][sent:]
 
 
-def _recv_exactly(sock: socket.socket, into: memoryview) -> None:
+def _recv_exactly(sock: socket.socket, into: memoryview, due: _Due | None = None) -> None:
+    """Fill `into` from `sock`; with `due`, no receive outlasts the deadline (a trickle included)."""
     got = 0
     while got < len(into):
-        n = sock.recv_into(into[got:])
+        if due is not None:
+            due.arm(sock)
+        try:
+            n = sock.recv_into(into[got:])
+        except TimeoutError:
+            if due is not None and due.left() < DUE_SLACK_S:
+                raise due.passed() from None
+            raise
         if n == 0:
             raise ConnectionError("the store closed the connection")
         got += n

@@ -25,6 +25,7 @@ is the same on every rank and across restarts of the same script.
 from __future__ import annotations
 
 import ctypes
+import math
 import random
 import sys
 from collections.abc import Mapping, Sequence
@@ -37,10 +38,12 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, plan_layout
+from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, aligned_bytes, plan_layout
 from deadpool.state_tree import decode_tree, encode_tree
 
 __all__ = [
+    "SNAPSHOT_MODEL_MULTIPLE_MAX",
+    "SNAPSHOT_SLACK_BYTES",
     "TREE_PREFIX",
     "Partition",
     "SnapshotMeta",
@@ -57,12 +60,21 @@ __all__ = [
     "replica_owners",
     "restore_rng",
     "rng_state",
+    "snapshot_bytes_max",
     "snapshot_now",
     "tensor_state_ids",
 ]
 
 TREE_PREFIX = "state."
 """Snapshot entries named `state.<i>` are the state tree's tensors."""
+SNAPSHOT_MODEL_MULTIPLE_MAX = 256
+"""How many times its model's parameters and buffers a rank's snapshot may hold (`check_fits`). The
+model's own tensors are there once at most; the rest is optimizer state. Adam with amsgrad keeps 3
+tensors the size of each parameter; LBFGS keeps the most: 2 vectors as large as all the parameters
+together, and a history of 2 more per iteration remembered (100 by default), 202 in all."""
+SNAPSHOT_SLACK_BYTES = 64 * 1024 * 1024
+"""A snapshot's bytes allowed on top of `SNAPSHOT_MODEL_MULTIPLE_MAX` times its model: the tensors of
+registered objects (RNG states, a data loader's state, counters) and the alignment of small ones."""
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -362,23 +374,63 @@ class SnapshotMeta:
         return meta
 
 
-def check_fits(module: nn.Module, layout: SnapshotLayout) -> None:
-    """Raise ValueError, saying why, unless every parameter and buffer `layout` holds is one of
-    `module`'s, with its shape and dtype. Checked on a fetched snapshot's layout before its bytes are
-    received, so a snapshot of another model (or a mangled layout) is never loaded."""
-    tensors: dict[str, torch.Tensor] = {f"param.{i}": local_tensor(t) for i, t in enumerate(module.parameters())}
+def snapshot_bytes_max(module: nn.Module) -> int:
+    """The most bytes a rank's snapshot of `module` may hold: `SNAPSHOT_MODEL_MULTIPLE_MAX` times its
+    parameters and buffers (each as it is laid out, aligned), and `SNAPSHOT_SLACK_BYTES`."""
+    tensors = [*module.parameters(), *module.buffers()]
+    own = sum(aligned_bytes(t.numel() * t.element_size()) for t in tensors)  # a DTensor's numel is the whole
+    return SNAPSHOT_MODEL_MULTIPLE_MAX * own + SNAPSHOT_SLACK_BYTES
+
+
+def check_fits(module: nn.Module, layout: SnapshotLayout, sharded: bool = False) -> None:
+    """Raise ValueError, saying why, unless `layout` can be a snapshot of `module`. Checked on a fetched
+    snapshot's layout before its buffer is allocated or a byte of it received, so a snapshot of another
+    model, a mangled layout or one larger than this model's is never loaded:
+    - every parameter and buffer it holds is one of `module`'s, with its shape and dtype (`sharded`, a
+      model sharded with fully_shard: a local shard, of at most the whole tensor's elements);
+    - every optimizer state tensor belongs to one of `module`'s parameters and holds at most as many
+      elements as all of them together (LBFGS's flat vectors, the largest torch.optim keeps);
+    - every other entry is one of the state tree's;
+    - it holds `snapshot_bytes_max(module)` bytes at most.
+    The layout's own consistency (each entry's bytes from its shape and dtype, the total from its
+    entries) is checked when it is decoded (`SnapshotLayout.from_fields`)."""
+    params = list(module.parameters())
+    tensors: dict[str, torch.Tensor] = {f"param.{i}": p for i, p in enumerate(params)}
     tensors |= {f"buffer.{i}": t for i, t in enumerate(module.buffers())}
+    param_elements = sum(p.numel() for p in params)
     for spec in layout.specs:
-        if spec.name.partition(".")[0] not in ("param", "buffer"):
-            continue
-        own = tensors.get(spec.name)
-        if own is None:
-            raise ValueError(f"snapshot holds {spec.name}, which the model does not have")
-        dtype = str(own.dtype).removeprefix("torch.")
-        if tuple(own.shape) != spec.shape or dtype != spec.dtype:
-            raise ValueError(
-                f"snapshot's {spec.name} is {spec.shape}/{spec.dtype}, the model's {tuple(own.shape)}/{dtype}"
-            )
+        kind, _, rest = spec.name.partition(".")
+        elements = math.prod(spec.shape)
+        if kind == "optim":
+            index, _, key = rest.partition(".")
+            if f"param.{index}" not in tensors or not key:
+                raise ValueError(f"snapshot holds {spec.name}, optimizer state of no parameter of the model")
+            if elements > param_elements:
+                raise ValueError(
+                    f"snapshot's {spec.name} holds {elements} elements, the model's parameters {param_elements}"
+                )
+        elif kind in ("param", "buffer"):
+            own = tensors.get(spec.name)
+            if own is None:
+                raise ValueError(f"snapshot holds {spec.name}, which the model does not have")
+            if sharded:
+                if elements > own.numel():
+                    raise ValueError(f"snapshot's {spec.name} holds {elements} elements, the model's {own.numel()}")
+                continue
+            own = local_tensor(own)
+            dtype = str(own.dtype).removeprefix("torch.")
+            if tuple(own.shape) != spec.shape or dtype != spec.dtype:
+                raise ValueError(
+                    f"snapshot's {spec.name} is {spec.shape}/{spec.dtype}, the model's {tuple(own.shape)}/{dtype}"
+                )
+        elif f"{kind}." != TREE_PREFIX or not rest.isdigit():
+            raise ValueError(f"snapshot holds {spec.name}, an entry no capture writes")
+    if layout.total_bytes > snapshot_bytes_max(module):
+        raise ValueError(
+            f"snapshot of {layout.total_bytes} bytes is larger than this model's can be "
+            f"({snapshot_bytes_max(module)}: {SNAPSHOT_MODEL_MULTIPLE_MAX} times its parameters and buffers "
+            f"and {SNAPSHOT_SLACK_BYTES} bytes)"
+        )
 
 
 def load_module(module: nn.Module, parts: Sequence[FlatBuffer]) -> None:

@@ -54,6 +54,26 @@ class UserState(Mapping[str, Any]):
                 "an object that has them, or a factory taking the optimizer and returning one"
             )
 
+    def read_once(self, name: str | None = None) -> None:
+        """Read the state of the object registered as `name` (None: of every registered object) once,
+        now, outside any rebuild.
+
+        A `StatefulDataLoader` with worker processes has no iterator until it is iterated or its state
+        is read; reading its state makes one, which forks the workers and waits, with no bound, until
+        each has started. Left to the first snapshot, that happened inside the formation's rebuild
+        (SEAL), with DeadPool's threads running and nothing able to end the wait: the one wait without
+        a bound between a rank's "rendezvous" and its "rebuild done", where a rank once stayed for
+        minutes while its peer's first collective timed out (issue 21). A ranked member's `attach`
+        reads them before DeadPool starts a thread, so its workers are forked before any exists, and
+        torchdata keeps that iterator for the loop's first `iter(loader)`. A spare's and a resumed
+        job's are left alone: their first rebuild loads a snapshot's state into them (which would stop
+        those workers again), and a resumed formation's SEAL captures that state as loaded
+        (`Job._capture`). Only a spare taken into a formation from scratch still forks them in SEAL.
+        A factory's object is not built yet: only the snapshots read it."""
+        for key, obj in self._kept.items():
+            if name is None or key == name:
+                obj.state_dict()
+
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Build every factory's object for `optimizer` (a new generation's). Raises what a factory
         raises, or TypeError if it returned something without a state."""
