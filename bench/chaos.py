@@ -27,23 +27,42 @@ recoveries), each once the job has recovered from the one before:
     replicas_lost     both stores holding one rank's snapshots SIGKILLed, and that rank with them: the
                       fallback chain ends in the durable tier (the job persists every
                       `--durable-every-steps` steps)
+    all_stores        every store SIGKILLed (and kept down), a rank SIGKILLed 2-4 s later (no RAM copy
+                      left: the durable tier), then the stores started again: the job goes on
+                      unprotected meanwhile, and commits resume once a store is back
+    stale_stores      both swappers SIGSTOPped (the store statuses held back from them), a rank SIGKILLed,
+                      the swappers resumed 2-3 s later: the failure meets a stale view of the stores,
+                      which must not send the job to the durable tier, nor drop the rebuild
+    jetstream_outage  two of the three NATS servers SIGKILLed and kept down for 125-140 s (JetStream loses
+                      its quorum; core NATS goes on through the third), a rank SIGKILLed 1-3 s into it:
+                      its verdict waits in the detector for longer than the old 120 s give-up time
+    disk_full         the durable tier's disk (a tmpfs) filled until persists fail, then freed: training
+                      goes on, and a step is persisted again once there is room
+    clock_step        the control plane's wall clocks (NATS aside: detectors, swappers, stores) stepped
+                      an hour forward, then back (`DEADPOOL_CLOCK_STEP_FILE`), then a rank SIGKILLed: no
+                      false verdict, no delay (the members' clocks stay: their step stamps are what
+                      this benchmark measures downtime with)
 
-Per fault: downtime_s, from the fault to the first step completed by every rank after it (the
-members' own completion times); for a store fault also heal_s, from the fault until the swapper has
-placed the snapshots anew (or seen the store back, empty) and every rank's committed step has its
-replicas again. `lost_committed` counts restores that found no copy of the committed step. A run is
-wedged if no rank completes a step for longer than the slowest recovery the timeouts allow
-(`wedge_s`: collective timeout + heartbeat timeout + fence timeout). Then the same job runs again
+Per fault: downtime_s, from the fault (for a fault that sets a stage and kills a rank in it, from
+that kill) to the first step completed by every rank after it (the members' own completion times);
+for a store fault also heal_s, from the fault until the swapper has placed the snapshots anew (or
+seen the store back, empty) and every rank's committed step has its replicas again.
+`unheard_s_max` is the longest any event waited in a job worker of the leading swapper (read from its
+status every 0.25 s), and `false_verdicts` counts members declared failed that no fault touched.
+`lost_committed` counts restores that found no copy of the committed step. A run is wedged if no rank
+completes a step for longer than the slowest recovery the timeouts allow (`wedge_s`: collective timeout
++ heartbeat timeout + fence timeout; plus the outage itself for `jetstream_outage`). Then the same job runs again
 without faults, and the final weights and optimizer shards of both runs are compared with
 `torch.equal`. A human table, then one JSON object as the last line.
 Goal: 50 faults, wedged 0, lost_committed 0, every store fault healed, bit_identical true,
-overlapping-fault downtime p99 <= 1 s.
+overlapping-fault downtime p99 <= 1 s, unheard_s_max <= 0.5 s, no false verdict.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -68,6 +87,7 @@ from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS, Rebuild
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.logs import get_logger
+from deadpool_runtime.clock_fault import CLOCK_STEP_FILE_ENV
 
 KINDS = (
     "kill",
@@ -83,8 +103,16 @@ KINDS = (
     "store_host",
     "corrupt",
     "replicas_lost",
+    "all_stores",
+    "stale_stores",
+    "jetstream_outage",
+    "disk_full",
+    "clock_step",
 )
 STORE_KINDS = ("store_kill", "store_host")
+KILL_LATER = ("all_stores", "stale_stores", "jetstream_outage", "clock_step")
+"""Faults that set a stage (stores gone, swappers frozen, JetStream away, clocks stepped) and kill a rank
+in it some seconds later: their downtime runs from that kill."""
 OVERLAPPING = ("kill2", "kill_in_recovery", "spare_takeover", "rendezvous_host")
 SPARES_NEEDED = {
     "kill": 1,
@@ -95,6 +123,10 @@ SPARES_NEEDED = {
     "rendezvous_host": 2,
     "corrupt": 1,
     "replicas_lost": 1,
+    "all_stores": 1,
+    "stale_stores": 1,
+    "jetstream_outage": 1,
+    "clock_step": 1,
 }
 NEW_GENERATION = set(SPARES_NEEDED)
 """Faults after which training resumes only in a newer generation."""
@@ -115,7 +147,22 @@ SPARE_WAIT_S = 90.0
 STORES = 3
 """One more than the replication, so a lost store's copies can be made again elsewhere."""
 HEAL_WAIT_S = 30.0
-GOAL = {"faults": 50, "wedged": 0, "lost_committed": 0, "bit_identical": True, "overlap_downtime_s_p99_max": 1.0}
+JETSTREAM_OUTAGE_S = (125.0, 140.0)
+"""Longer than the old 120 s after which an event publisher gave up (a verdict was lost for good)."""
+STALE_STORES_S = (2.0, 3.0)
+"""How long both swappers are frozen: past the store timeout (1.5 s) and the lease (1 s)."""
+ALL_STORES_DOWN_S = (2.0, 4.0)
+DURABLE_TMPFS_BYTES = 64 * 1024 * 1024
+STATUS_POLL_S = 0.25
+GOAL = {
+    "faults": 50,
+    "wedged": 0,
+    "lost_committed": 0,
+    "bit_identical": True,
+    "overlap_downtime_s_p99_max": 1.0,
+    "unheard_s_max": 0.5,
+    "false_verdicts": 0,
+}
 
 
 @dataclass
@@ -145,6 +192,15 @@ class Chaos:
         self.longest_stall_s = 0.0
         self._since = time.time()
         self.last_kill_generation = 0
+        self.stall_allowed_s = WEDGE_S
+        """The longest a step may be missing before the run counts as wedged (longer for an outage
+        that is meant to last)."""
+        self.last_kill_t = 0.0
+        self.touched: set[str] = set()
+        """Members a fault signalled: a verdict on any other member is false."""
+        self.unheard_s_max = 0.0
+        self.clock_file = Path(args.clock_file) if args.clock_file else None
+        self.durable_dir = Path(args.durable_dir) if args.durable_dir else None
 
     # ------------------------------------------------------------------ helpers
 
@@ -157,6 +213,8 @@ class Chaos:
     def _kill(self, member: str, sig: signal.Signals = signal.SIGKILL) -> str:
         """Signal a member; remembers the generation it was in, since training resumes only in a newer one."""
         pid = self._pid(member)
+        self.touched.add(member)
+        self.last_kill_t = time.time()
         self.last_kill_generation = self.watch.rebuild.generation if self.watch.rebuild else 0
         try:
             os.kill(pid, sig)
@@ -185,6 +243,13 @@ class Chaos:
             return body
         except Exception:
             return {}
+
+    async def poll_status(self) -> None:
+        """Keep the longest wait of an event in the leader's job worker (until cancelled)."""
+        while True:
+            status = await self._status()
+            self.unheard_s_max = max(self.unheard_s_max, float(status.get("unheard_s_max", 0.0) or 0.0))
+            await asyncio.sleep(STATUS_POLL_S)
 
     async def ready_spares(self) -> int:
         """Spares the swapper holds that have warmed up (their heartbeats name no section)."""
@@ -280,7 +345,84 @@ class Chaos:
             for name in lost:
                 self.stack.kill(name)
             return f"SIGKILL {', '.join(lost)} (every copy of rank {rank}); {self._kill(victim)}", {"stores": lost}
+        if kind == "all_stores":
+            names = self.stack.names("store")
+            self.stack.hold(*names)
+            for name in names:
+                self.stack.kill(name)
+            await asyncio.sleep(rng.uniform(*ALL_STORES_DOWN_S))
+            victim = self._kill(rng.choice(ranks))
+            await self._next_rebuild(generation)
+            self.stack.release(*names)  # the supervisor starts them again a moment later
+            return f"SIGKILL every store ({', '.join(names)}); then {victim}; stores started again", {}
+        if kind == "stale_stores":
+            swappers = [self.stack.processes[n] for n in self.stack.names("swapper")]
+            for process in swappers:
+                process.send_signal(signal.SIGSTOP)
+            frozen_s = rng.uniform(*STALE_STORES_S)
+            await asyncio.sleep(rng.uniform(0.1, 0.5))
+            victim = self._kill(rng.choice(ranks))
+            await asyncio.sleep(frozen_s)
+            for process in swappers:
+                process.send_signal(signal.SIGCONT)
+            return f"SIGSTOP both swappers; {victim}; SIGCONT after {frozen_s:.1f} s", {"frozen_s": frozen_s}
+        if kind == "jetstream_outage":
+            assert self.stack.cluster is not None and len(self.stack.cluster.servers) >= 3
+            down = rng.sample(self.stack.cluster.servers, 2)
+            keys = [f"nats-{server.name}" for server in down]
+            outage_s = rng.uniform(*JETSTREAM_OUTAGE_S)
+            self.stall_allowed_s = outage_s + WEDGE_S
+            self.stack.hold(*keys)
+            started = time.time()
+            for server in down:
+                server.kill()
+            await asyncio.sleep(rng.uniform(1.0, 3.0))
+            victim = self._kill(rng.choice(ranks))
+            await asyncio.sleep(max(0.0, outage_s - (time.time() - started)))
+            self.stack.release(*keys)
+            servers = ", ".join(server.name for server in down)
+            detail = f"SIGKILL NATS {servers} for {outage_s:.0f} s (no JetStream quorum); {victim}"
+            return detail, {"outage_s": outage_s}
+        if kind == "disk_full":
+            return await self._fill_disk()
+        if kind == "clock_step":
+            if self.clock_file is None:
+                raise ValueError("clock_step needs --clock-file (set before the stack starts)")
+            self.clock_file.write_text("3600\n")
+            await asyncio.sleep(rng.uniform(1.0, 2.0))
+            self.clock_file.write_text("-3600\n")
+            await asyncio.sleep(rng.uniform(1.0, 2.0))
+            victim = self._kill(rng.choice(ranks))
+            self.clock_file.write_text("0\n")
+            return f"wall clocks +1 h, then -1 h; {victim}", {}
         raise ValueError(f"unknown fault kind {kind!r}")
+
+    async def _fill_disk(self) -> tuple[str, dict[str, Any]]:
+        """Fill the durable tier's tmpfs until a persist fails, then free it and wait for a persist."""
+        if self.durable_dir is None:
+            raise ValueError("disk_full needs the durable tier on a tmpfs (--durable-every-steps > 0, as root)")
+        filler = self.durable_dir / "filler"
+        before = _newest_complete_step(self.durable_dir, NPROC)
+        free = os.statvfs(self.durable_dir)
+        with open(filler, "wb") as f, contextlib.suppress(OSError):  # until ENOSPC
+            f.write(bytes(max(0, free.f_bavail * free.f_frsize - 4096)))
+            chunk = bytes(64 * 1024)
+            while True:
+                f.write(chunk)
+                f.flush()
+        full_at = _newest_complete_step(self.durable_dir, NPROC)
+        await asyncio.sleep(self.rng.uniform(2.0, 4.0))  # persists fail meanwhile (every 5 steps)
+        filler.unlink()
+        t_freed = time.time()
+        deadline = t_freed + 60.0
+        while _newest_complete_step(self.durable_dir, NPROC) <= full_at and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        after = _newest_complete_step(self.durable_dir, NPROC)
+        persisted_again_s = round(time.time() - t_freed, 3) if after > full_at else None
+        if persisted_again_s is None:
+            print("  NOT PERSISTED AGAIN: no newer complete step within 60 s of freeing the disk", flush=True)
+        extra = {"persisted_again_s": persisted_again_s, "steps": [before, full_at, after]}
+        return f"durable disk full (newest complete step {full_at}), freed; persisted again: step {after}", extra
 
     async def _healed(self, extra: dict[str, Any]) -> bool:
         """The swapper knows the store is gone (a new placement without it, or the store back with a new
@@ -292,6 +434,16 @@ class Chaos:
         placed = {n for names in status.get("placement", []) for n in names}
         back = any(s["store"] == name and s.get("incarnation", "") != extra["incarnation"] for s in status["stores"])
         return back or (name not in placed and status.get("placement_version") != extra["version"])
+
+    async def _wait_protected(self, timeout_s: float) -> bool:
+        """Stores are back and hold every rank's committed step again: the job is protected."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            status = await self._status()
+            if status and status.get("unprotected") is None and status.get("replicas_short", 1) == 0:
+                return True
+            await asyncio.sleep(0.1)
+        return False
 
     async def _wait_healed(self, extra: dict[str, Any], timeout_s: float) -> bool:
         deadline = time.time() + timeout_s
@@ -316,7 +468,7 @@ class Chaos:
             now = time.time()
             stall = now - max(self.watch.last_step_t(), self.faults[-1].t if self.faults else 0.0, self._since)
             self.longest_stall_s = max(self.longest_stall_s, stall)
-            if stall > WEDGE_S:
+            if stall > self.stall_allowed_s:
                 print(f"  WEDGED: no step for {stall:.1f} s while waiting for {what}", flush=True)
                 self.wedged = True
                 return False
@@ -348,7 +500,7 @@ class Chaos:
         self._since = time.time()
         nats_back_t = 0.0
         for index in range(count):
-            kind = self.rng.choice(kinds)
+            kind = self.args.sequence[index % len(self.args.sequence)] if self.args.sequence else self.rng.choice(kinds)
             need = SPARES_NEEDED.get(kind, 0)
 
             async def ready(need: int = need) -> bool:
@@ -370,7 +522,11 @@ class Chaos:
             generation = self.watch.rebuild.generation if self.watch.rebuild else 0
             steps_index = max(0, len(self.watch.steps_done) - 64)
             t = time.time()
+            self.stall_allowed_s = WEDGE_S
             detail, extra = await self.inject(kind)
+            if kind in KILL_LATER:  # the fault begins before the kill it leads to: downtime counts from the kill
+                extra["t_began"] = round(t, 3)
+                t = max(t, self.last_kill_t)
             fault = Fault(index, kind, t, detail, generation, steps_index, extra=extra)
             self.faults.append(fault)
             # After the last kill, training resumes only in a generation newer than the one it hit.
@@ -379,7 +535,7 @@ class Chaos:
             def back(t: float = t, g: int = min_generation, since: int = steps_index) -> float | None:
                 return self.watch.resumed_at(t, g, since)
 
-            resumed = await self._wait(lambda: back() is not None, WEDGE_S * 2, "recovery")
+            resumed = await self._wait(lambda: back() is not None, self.stall_allowed_s * 2, "recovery")
             if resumed:
                 fault.t_resumed = back() or 0.0
                 fault.downtime_s = fault.t_resumed - t
@@ -388,7 +544,12 @@ class Chaos:
                 fault.extra["heal_s"] = round(time.time() - t, 4) if healed else None
                 if not healed:
                     print(f"  NOT HEALED: {extra['store']}'s copies not made again in {HEAL_WAIT_S:.0f} s", flush=True)
-            if kind == "nats":
+            if kind == "all_stores":
+                healed = await self._wait_protected(HEAL_WAIT_S)
+                fault.extra["heal_s"] = round(time.time() - t, 4) if healed else None
+                if not healed:
+                    print(f"  NOT HEALED: the job still unprotected {HEAL_WAIT_S:.0f} s after its stores came back")
+            if kind in ("nats", "jetstream_outage"):
                 await self._wait(self._services_up, 30.0, "the NATS server to restart")
                 nats_back_t = time.time()
             down = f"{fault.downtime_s:.3f} s" if fault.downtime_s is not None else "NOT RECOVERED"
@@ -404,17 +565,43 @@ class Chaos:
                 return
 
 
+def _newest_complete_step(directory: Path, ranks: int) -> int:
+    """The newest step of the durable tier whose every rank's manifest is written (-1: none)."""
+    steps = [
+        int(p.name.split("_")[1])
+        for p in directory.glob("step_*")
+        if all((p / f"rank_{r:05d}.json").exists() for r in range(ranks))
+    ]
+    return max(steps, default=-1)
+
+
+def durable_dir_of(out: Path) -> Path:
+    return out.parent / f"durable-{out.name}"
+
+
+@contextlib.contextmanager
+def tmpfs(directory: Path, size_bytes: int) -> Any:
+    """A small tmpfs mounted at `directory` for the run (the disk_full fault fills it); unmounted after."""
+    directory.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(directory)], check=True)
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", "--lazy", str(directory)], check=False)
+
+
 async def launch(nats_args: list[str], job: str, args: argparse.Namespace, steps: int, out: Path, log: Path) -> Any:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
     command += ["--nproc", str(NPROC), "--spares", str(SPARES), "--respawns", str(4 * args.faults + 4)]
     command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     if args.durable_every_steps:
-        durable = str(out.parent / f"durable-{out.name}")
+        durable = str(durable_dir_of(out))
         command += ["--durable-dir", durable, "--durable-every-steps", str(args.durable_every_steps)]
     command += [args.script, "--steps", str(steps), "--model-size", args.model_size, "--seed", str(args.seed)]
     command += ["--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k != CLOCK_STEP_FILE_ENV}  # the training host's clock stays
     with open(log, "wb") as sink:
-        return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=subprocess.STDOUT)
+        return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
 
 def summarise(faults: list[Fault]) -> dict[str, Any]:
@@ -440,13 +627,29 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"{workdir} is not empty: a run starts from an empty NATS (no JetStream state of an old run)")
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"work dir {workdir}", flush=True)
-    kinds = [k for k in args.kinds.split(",") if k]
+    args.sequence = [k for k in args.sequence.split(",") if k]
+    kinds = args.sequence or [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown fault kinds: {sorted(unknown)} (choose from {', '.join(KINDS)})")
     steps = args.warm_up_steps + args.faults * args.steps_per_fault
     if "corrupt" in kinds:  # the stores' byte-flipping endpoint (and the members' signals) are armed
         os.environ["DEADPOOL_FAULT_INJECTION"] = "1"
+    args.clock_file, args.durable_dir = "", ""
+    if "clock_step" in kinds:  # every service started from here on reads its wall clock's step there
+        clock_file = workdir / "clock-step"
+        clock_file.write_text("0\n")
+        os.environ[CLOCK_STEP_FILE_ENV] = args.clock_file = str(clock_file)
+    mounts = contextlib.ExitStack()
+    if "disk_full" in kinds:
+        if not args.durable_every_steps:
+            raise SystemExit("disk_full needs the durable tier (--durable-every-steps > 0)")
+        args.durable_dir = str(mounts.enter_context(tmpfs(durable_dir_of(workdir / "chaos"), DURABLE_TMPFS_BYTES)))
+    with mounts:
+        return await run_chaos(args, workdir, kinds, steps)
+
+
+async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], steps: int) -> dict[str, Any]:
     config = StackConfig(
         workdir=workdir,
         nats_nodes=args.nats_nodes,
@@ -475,6 +678,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             stack.nats_args, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log"
         )
         chaos = Chaos(args, stack, nc, watch, job)
+        poller = asyncio.create_task(chaos.poll_status())
         try:
             await chaos.run(kinds, args.faults)
             if chaos.wedged:
@@ -485,6 +689,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 print("  WEDGED: the job did not finish in time", flush=True)
                 chaos.wedged, returncode = True, -1
         finally:
+            poller.cancel()
             if launcher.returncode is None:
                 launcher.kill()
                 await launcher.wait()
@@ -509,13 +714,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     by_kind = summarise(faults)
     overlap = [f.downtime_s for f in faults if f.kind in OVERLAPPING and f.downtime_s is not None]
     recovered = sum(f.downtime_s is not None for f in faults)
-    heals = [f.extra.get("heal_s") for f in faults if f.kind in STORE_KINDS]
+    heals = [f.extra.get("heal_s") for f in faults if f.kind in (*STORE_KINDS, "all_stores")]
     healed = [h for h in heals if h is not None]
     # Committed steps that could not be restored: restores that went below the committed step (to the
     # durable tier), and restores that found nothing at all (the job ended).
     lost_committed = sum(int(i.evidence.get("lost_committed_steps", "0")) for i in incidents)
     lost_committed += sum(f.evidence.get("cause") == "snapshot_unavailable" for f in watch.failures)
     links = [i.evidence.get("restore_link", "") for i in incidents]
+    false_verdicts = sorted({f.member for f in watch.failures if f.member not in chaos.touched})
+    disk_faults = [f for f in faults if f.kind == "disk_full"]
     result = {
         "faults": len(faults),
         "recovered": recovered,
@@ -526,6 +733,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "downtime_s_p99": {k: v["downtime_s_p99"] for k, v in by_kind.items()},
         "overlap_downtime_s_p99": round(percentile(overlap, 99), 4) if overlap else None,
         "lost_steps_max": max((i.lost_steps for i in incidents), default=0),
+        "lost_steps_max_ram": max(
+            (i.lost_steps for i in incidents if i.evidence.get("restore_link") != "durable"), default=0
+        ),
+        "unheard_s_max": round(chaos.unheard_s_max, 4),
+        "false_verdicts": len(false_verdicts),
+        "false_verdict_members": false_verdicts[:10],
+        "disk_full_faults": len(disk_faults),
+        "disk_full_not_persisted_again": sum(f.extra.get("persisted_again_s") is None for f in disk_faults),
         "lost_committed": lost_committed,
         "restore_links": {link: links.count(link) for link in sorted(set(links))},
         "store_faults": len(heals),
@@ -554,6 +769,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         and result["store_not_healed"] == 0
         and identical
         and (result["overlap_downtime_s_p99"] or 0.0) <= GOAL["overlap_downtime_s_p99_max"]
+        and result["unheard_s_max"] <= GOAL["unheard_s_max"]
+        and result["false_verdicts"] == 0
     )
     return result
 
@@ -563,6 +780,9 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from: {', '.join(KINDS)}")
+    parser.add_argument(
+        "--sequence", default="", help="faults in this order (comma-separated, repeated as needed) instead of drawn"
+    )
     parser.add_argument("--script", default=str(default_script()), help="the training script (the example's args)")
     parser.add_argument("--model-size", default="tiny")
     parser.add_argument("--steps-per-fault", type=int, default=120)
@@ -592,6 +812,11 @@ def main() -> None:
     print(
         f"store faults {result['store_faults']}, not healed {result['store_not_healed']}, heal p50 "
         f"{result['heal_s_p50']} s, max {result['heal_s_max']} s; lost committed {result['lost_committed']}"
+    )
+    print(
+        f"longest wait of an event in a job worker {result['unheard_s_max']} s; false verdicts "
+        f"{result['false_verdicts']}; disk-full faults {result['disk_full_faults']}, not persisted again "
+        f"{result['disk_full_not_persisted_again']}"
     )
     print(json.dumps(result))
 

@@ -49,6 +49,8 @@ from deadpool_protocol import (
     MemberHello,
     Rebuild,
     RebuildAck,
+    RunReply,
+    RunStart,
     Subjects,
     decode,
     encode,
@@ -56,6 +58,7 @@ from deadpool_protocol import (
 from deadpool_runtime.credentials import nkey_file
 
 JOB = "scale"
+RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
 STEP_PERIOD_S = 0.5
 HELLO_CONCURRENCY = 64
@@ -123,6 +126,14 @@ async def worker_main(
     await nc.subscribe("bench.silence", cb=on_silence)
 
     gate = asyncio.Semaphore(HELLO_CONCURRENCY)
+    start = RunStart(JOB, 0, RUN, world_size, launcher, time.time())
+    while True:  # every simulated launcher starts the one run, as a job's launchers do
+        try:
+            if decode((await nc.request(subjects.run_start, encode(start), timeout=5)).data, RunReply).accepted:
+                break
+        except Exception:
+            pass
+        await asyncio.sleep(0.2)
 
     async def hello(member: SimulatedMember) -> None:
         async with gate:
@@ -138,6 +149,7 @@ async def worker_main(
                 "127.0.0.1",
                 1,
                 time.time(),
+                run=RUN,
             )
             while True:
                 try:

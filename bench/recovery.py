@@ -66,7 +66,7 @@ async def launch(
     log: Path,
 ) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
-    command += ["--nproc", str(nproc), "--world-size", "4", "--rank-offset", str(rank_offset)]
+    command += ["--nproc", str(nproc), "--world-size", "4", "--rank-offset", str(rank_offset), "--run-id", job]
     command += ["--spares", str(spares), "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     command += [str(default_script()), "--steps", str(args.steps), "--model-size", args.model_size]
     env = {**os.environ, "DEADPOOL_HOST": host, "DEADPOOL_FAULT_INJECTION": "1"}

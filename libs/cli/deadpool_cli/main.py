@@ -104,6 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
     launch.add_argument("--world-size", type=int, default=0, help="ranks in the whole job (default: --nproc)")
     launch.add_argument("--rank-offset", type=int, default=0, help="first rank this host asks for")
+    launch.add_argument(
+        "--hold-without-stores-s",
+        type=float,
+        default=0.0,
+        help="when every snapshot store is lost, hold training until one returns, for at most this long, then "
+        "end the job (default 0: train on unprotected; a lost rank then restores from the durable tier, if any)",
+    )
+    launch.add_argument(
+        "--run-id",
+        default="",
+        help="the run this launcher starts, the same on every launcher of a job over several hosts "
+        "(as torchrun's --rdzv-id; needed with --world-size); default: a new one. A job name holds one "
+        "run at a time, and a finished job's name can be launched again",
+    )
     launch.add_argument("--rendezvous-host", default="127.0.0.1", help="address other hosts reach this host at")
     launch.add_argument("--respawns", type=int, default=0, help="replace up to N dead members with fresh spares")
     launch.add_argument(
@@ -143,6 +157,18 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="every rank awaiting a rebuild this long, nobody failed: regroup them (0: the heartbeat timeout)",
+    )
+    detector.add_argument(
+        "--rebuild-lag-s",
+        type=float,
+        default=30.0,
+        help="a rank still rebuilding this long after another rank of its generation finished: hung",
+    )
+    detector.add_argument(
+        "--rebuild-max-s",
+        type=float,
+        default=600.0,
+        help="a rank rebuilding one generation this long, whatever the others do: hung (0: no bound)",
     )
     _add_replicas(detector)
 
@@ -226,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                 hang_floor_s=args.hang_floor_s,
                 first_step_s=args.first_step_s,
                 regroup_after_s=args.regroup_after_s,
+                rebuild_lag_s=args.rebuild_lag_s,
+                rebuild_max_s=args.rebuild_max_s,
             )
         except ValueError as exc:
             sys.exit(f"deadpool detector: {exc}")
@@ -341,6 +369,7 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool.member_config import ENV
     from deadpool_cli.stack import Stack, StackConfig
     from deadpool_protocol.logs import configure_logging, get_logger
+    from deadpool_protocol.names import require_name
     from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
     from deadpool_runtime.credentials import member_nkey_file, nkey_file
     from deadpool_runtime.lifecycle import run_service
@@ -348,6 +377,19 @@ def _launch(args: argparse.Namespace) -> int:
     configure_logging("launcher")
     name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
     job = args.job or f"{name.replace('.', '_')}-{secrets.token_hex(3)}"
+    if args.world_size > args.nproc and not args.run_id:
+        print(
+            "deadpool launch: a job over several launchers (--world-size above --nproc) needs --run-id, "
+            "the same on each (as torchrun's --rdzv-id): it says which launchers start one run together",
+            file=sys.stderr,
+        )
+        return 2
+    if args.run_id:
+        try:
+            require_name(args.run_id, "--run-id")
+        except ValueError as exc:
+            print(f"deadpool launch: {exc}", file=sys.stderr)
+            return 2
     member_env: dict[str, str] = {}
     if args.durable_dir:
         member_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
@@ -407,6 +449,8 @@ def _launch(args: argparse.Namespace) -> int:
                 devices=devices,
                 nkey_file=launcher_nkey,
                 member_nkey_file=member_nkey,
+                run=args.run_id,
+                hold_without_stores_s=args.hold_without_stores_s,
             )
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 

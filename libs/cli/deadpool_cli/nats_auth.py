@@ -6,7 +6,8 @@ The permissions are the protocol's trust boundaries:
   replication requests;
 - only detectors publish verdicts (failure, straggler, group broken);
 - only stores publish store status and snapshot completions;
-- launchers publish their host's heartbeat batches and child exits, and answer fences;
+- launchers start runs (only they may: a member cannot squat a job name), publish their host's heartbeat
+  batches and child exits, and answer fences;
 - members publish heartbeats, reports and acks, and receive commands;
 - `admin` (operators, `deadpool status`, tests) may do anything.
 Everything that answers a request (a hello, a fence, a micro-service ping) does so with
@@ -79,7 +80,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "subscribe": [_ANY.commit, _STORE_OWN, _SERVICE, _REPLIES],
     },
     "launcher": {
-        "publish": [_ANY.heartbeat_batch, *event_subjects("*", ("child_exit",))],
+        "publish": [_ANY.heartbeat_batch, _ANY.run_start, *event_subjects("*", ("child_exit",))],
         "subscribe": [
             _TO_LAUNCHER,
             _FENCE,

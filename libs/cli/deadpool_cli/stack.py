@@ -94,6 +94,9 @@ class Stack:
         self._stopping = False
         self._supervisor: asyncio.Task[None] | None = None
         self.restarts: dict[str, int] = {}
+        self.held: set[str] = set()
+        """Services (and `nats-<name>` servers) the supervisor leaves dead until `release` (faults that
+        keep a part of DeadPool away for a while)."""
         self.logdir = config.workdir / "logs"
         self.credentials: Path | None = Path(config.credentials) if config.credentials else None
         """The credentials directory every component of this stack reads (None: no auth)."""
@@ -195,12 +198,22 @@ class Stack:
         process.wait()
         return process.pid
 
+    def hold(self, *names: str) -> None:
+        """Keep these services (or `nats-<name>` servers) dead once they die, until `release`."""
+        self.held.update(names)
+
+    def release(self, *names: str) -> None:
+        """Let the supervisor start these again (after `restart_after_s`, counted from now)."""
+        self.held.difference_update(names)
+
     async def _supervise(self) -> None:
         died: dict[str, float] = {}
         while not self._stopping:
             now = time.monotonic()
+            for name in self.held:
+                died.pop(name, None)
             for name, process in list(self.processes.items()):
-                if process.poll() is None:
+                if process.poll() is None or name in self.held:
                     continue
                 died.setdefault(name, now)
                 if now - died[name] >= self.config.restart_after_s:
@@ -209,8 +222,8 @@ class Stack:
                     self._start(name)
             if self.cluster is not None:
                 for server in self.cluster.servers:
-                    if server.process is not None and not server.running():
-                        key = f"nats-{server.name}"
+                    key = f"nats-{server.name}"
+                    if server.process is not None and not server.running() and key not in self.held:
                         died.setdefault(key, now)
                         if now - died[key] >= self.config.restart_after_s:
                             try:

@@ -78,6 +78,15 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
         )
     if not state["stores"]:
         lines.append("  stores: none alive")
+    unprotected = state.get("unprotected")
+    if unprotected:
+        steps = [beat["step"] for beat in members.values() if beat.get("rank", -1) >= 0]
+        since = unprotected["since_committed_step"]
+        at_risk = f"{max(steps) - since} step(s) at risk" if steps else "steps at risk unknown (no heartbeats)"
+        lines.append(
+            f"  UNPROTECTED for {unprotected['for_s']:.0f} s: no snapshot store receives this job's snapshots "
+            f"since committed step {since}; {at_risk} (a lost rank restores from the durable tier, if any)"
+        )
     for inc in state["incidents"][-INCIDENTS_SHOWN:]:
         lines.append(
             f"  incident {inc['incident_id']}: rank {inc['rank']} {inc['reason']}, downtime {inc['downtime_s']:.3f} s, "
