@@ -5,6 +5,7 @@ that no launcher started cannot take a name."""
 from __future__ import annotations
 
 from deadpool_protocol import (
+    Failure,
     GenerationVoid,
     GroupBroken,
     JobFinished,
@@ -141,3 +142,16 @@ def test_without_the_hold_policy_training_goes_on_unprotected() -> None:
     assert published(decision, GenerationVoid) == [] and core.jobs["j"].held_since is None
     (placement,) = published(decision, Placement)
     assert "unprotected" in placement.reason
+
+
+def test_a_rank_lost_while_training_is_held_is_swapped_and_the_new_generation_held_too() -> None:
+    core, formation = held_job(hold_s=60.0)
+    core.on_hello(hello("spare", -1, "r"), 0.1)
+    core.tick(2.0)  # every store lost: held
+    core.on_failure(Failure("j", 1, formation.ranks[1], 1, "exit", {}, 3.0, 3.0), 3.0)
+    (swap,) = published(core.tick(3.1), Rebuild)  # the vacant rank's rebuild goes out, held or not
+    assert swap.ranks[1] == "spare" and not swap.local
+    for rank, member in enumerate(swap.ranks):
+        core.on_ack(RebuildAck("j", swap.generation, member, rank, 4, 5, "durable", {}, 4.0), 4.0)
+    (void,) = published(core.tick(4.1), GenerationVoid)  # still no store: the new generation is held too
+    assert void.generation == swap.generation and core.jobs["j"].held_since == 2.0

@@ -113,3 +113,19 @@ def test_status_shows_each_rank_with_its_step_and_heartbeat_age() -> None:
     assert any("store s0" in line and "2.0 of 1024 MiB" in line and "ranks [0, 1]" in line for line in lines)
     assert sum(line.startswith("  incident") for line in lines) == 5  # the recent ones
     assert any("no detector answered" in line for line in render(STATE, None))
+
+
+def test_status_says_loudly_when_no_store_protects_the_job_and_how_many_steps_are_at_risk() -> None:
+    unprotected = STATE | {"stores": [], "unprotected": {"since_committed_step": 41, "for_s": 95.0}}
+    watched = {
+        "watched": {
+            "m0": {"rank": 0, "step": 57, "heartbeat_age_s": 0.1},
+            "m1": {"rank": 1, "step": 56, "heartbeat_age_s": 0.2},
+        },
+        "median_step_s": 0.2,
+    }
+    lines = render(unprotected, watched)
+    assert "  stores: none alive" in lines
+    (loud,) = [line for line in lines if "UNPROTECTED" in line]
+    assert "for 95 s" in loud and "since committed step 41" in loud and "16 step(s) at risk" in loud
+    assert not any("UNPROTECTED" in line for line in render(STATE, watched))

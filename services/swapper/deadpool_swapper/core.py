@@ -1102,14 +1102,17 @@ class SwapperCore:
         """Every store is lost and the run holds training then: the generation is voided, so every rank
         stops at once (the step in flight abandoned) and awaits the next one, which comes when a store
         returns (`_resume_training`) or, past the run's bound, the job's end."""
-        if state.hold_without_stores_s <= 0 or state.held_since is not None or not state.formed:
+        if state.hold_without_stores_s <= 0 or not state.formed:
             return []
-        state.held_since = now
+        first = state.held_since is None
+        if first:
+            state.held_since = now
         why = (
             f"every snapshot store is lost: training is held until one returns "
             f"(at most {state.hold_without_stores_s:.0f} s)"
         )
-        return [Persist(state.job), *self._void(state, now, why)]
+        voided = self._void(state, now, why)  # again for a generation that formed meanwhile (a rank's swap)
+        return [Persist(state.job), *voided] if first or voided else []
 
     def _resume_training(self, state: JobState, now: float) -> list[Action]:
         """A store is back while training is held: the same members regroup, each restoring the newest
