@@ -208,10 +208,14 @@ async def test_a_verdict_made_while_jetstream_is_away_for_longer_than_the_old_gi
             stop = asyncio.Event()
             reader = EventReader(nc, [S.failure], on_event, get_logger(test="jetstream-outage"), (Failure,))
             async with running(reader.start(stop, start_seq=1)):
-                verdict = await asyncio.wait_for(stored.get(), RECOVERY_WAIT_S)
-                swap = await asyncio.wait_for(rebuilds.get(), RECOVERY_WAIT_S)
-                while swap.generation == 1:
+                try:
+                    verdict = await asyncio.wait_for(stored.get(), RECOVERY_WAIT_S)
                     swap = await asyncio.wait_for(rebuilds.get(), RECOVERY_WAIT_S)
+                    while swap.generation == 1:
+                        swap = await asyncio.wait_for(rebuilds.get(), RECOVERY_WAIT_S)
+                except TimeoutError:
+                    print_service_logs(tmp_path, stored_so_far=stored.qsize())
+                    raise
             stop.set()
             await reader.stop()
     assert outage_s > OLD_PUBLISH_DEADLINE_S
@@ -227,3 +231,14 @@ async def stream_info_or_none(nc: Client) -> StreamInfo | None:
         return await nc.jetstream(timeout=2.0).stream_info(EVENTS_STREAM)
     except (TimeoutError, nats.errors.Error):
         return None
+
+
+def print_service_logs(log_dir: Path, **context: object) -> None:
+    """What the detector and the swapper said, without their heartbeat lines: on a failure, the
+    output says where recovery stopped."""
+    print(f"recovery did not complete: {context}")
+    for log in sorted(log_dir.glob("*.log")):
+        lines = [line for line in log.read_text(errors="replace").splitlines() if "heartbeat" not in line]
+        print(f"--- {log.name}: last {min(len(lines), 25)} of {len(lines)} lines")
+        for line in lines[-25:]:
+            print(line[:240])

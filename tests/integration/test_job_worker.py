@@ -125,6 +125,54 @@ async def test_a_worker_reads_every_event_in_order_with_deadlines_past_and_rules
         await worker.stop()
 
 
+async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_empty_stream(nc: Client) -> None:
+    """A job that started on an empty events stream is saved at position 0; a failure stored after
+    that save and before a new leader's worker starts must reach the new leader. (Seen: the new worker
+    took 0 for "no position" and read from the stream's end: the verdict was skipped, and the job was
+    left to the detector's repeats and its ranks' bounds.)"""
+    log = get_logger()
+    await ensure_events_stream(nc)
+    records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
+
+    async def publish(_: Publish) -> None:
+        pass
+
+    async def fence(_: Fence) -> float:
+        return 0.0
+
+    first = SwapperCore(SwapperConfig(replication=2))
+    formed(first, time.monotonic())
+    old_leader = JobWorker(JOB, first, records, nc, log, publish, fence, lambda: True, await stream_position(nc))
+    old_leader.start()
+    await until(lambda: first.jobs[JOB].stream_id != "", "the job's state placed in the stream")
+    await old_leader.stop()
+    assert first.jobs[JOB].applied_seq == 0  # position 0 of the still empty stream
+    await records.save(first.jobs[JOB], time.monotonic())
+
+    failure = Failure(JOB, 1, "r1", 1, "exit", {}, time.time(), time.time())
+    assert await EventPublisher(nc, log).publish(Subjects.for_job(JOB).failure, failure)  # no leader hears it
+
+    now = time.monotonic()
+    second = SwapperCore(SwapperConfig(replication=2))
+    state = await records.load(JOB, now)
+    assert state is not None and state.applied_seq == 0
+    second.jobs[JOB] = state
+    for i in range(2):
+        second.on_store_status(StoreStatus(f"store{i}", "127.0.0.1", 5000 + i, 0, 10**9, 0, 0.0), now)
+    published: list[Message] = []
+
+    async def keep(action: Publish) -> None:
+        published.append(action.message)
+
+    new_leader = JobWorker(JOB, second, records, nc, log, keep, fence, lambda: True, await stream_position(nc))
+    new_leader.start()
+    try:
+        await until(lambda: any(isinstance(m, Rebuild) and m.generation == 2 for m in published), "rank 1 swapped")
+        assert state.applied_seq == 1
+    finally:
+        await new_leader.stop()
+
+
 async def until(condition: Any, what: str) -> None:
     deadline = time.monotonic() + LIVENESS_BOUND_S
     while not condition():

@@ -188,9 +188,9 @@ class JobWorker:
 
     async def _start_reader(self) -> None:
         """Follow this job's events from just after what its state already includes."""
-        state = self.state
-        if state is not None and state.stream_id == self._stream_id and state.applied_seq > 0:
-            start = state.applied_seq + 1
+        if self._counts_in_stream():
+            assert self.state is not None
+            start = self.state.applied_seq + 1  # 1 for a state saved while the stream was still empty
         else:  # a new job, or a stream that was created again: from now on
             start = self._stream_last + 1
         self._start_seq = start
@@ -198,11 +198,17 @@ class JobWorker:
         self._reader = EventReader(self.nc, event_subjects(self.job, SWAPPER_EVENTS), self._on_event, self.log)
         await self._reader.start(self._stop, start_seq=start)
 
+    def _counts_in_stream(self) -> bool:
+        """Whether the state's `applied_seq` is a position in this incarnation of the events stream.
+        Its value alone does not say so: 0 is where a job that started on an empty stream stands, and
+        reading from "now" instead skipped every event stored before a new leader took over."""
+        state = self.state
+        return state is not None and bool(self._stream_id) and state.stream_id == self._stream_id
+
     def _adopt_position(self) -> None:
         """A state that does not count in this stream yet starts where this worker's reader starts."""
-        state = self.state
-        if state is not None and (state.stream_id != self._stream_id or state.applied_seq <= 0):
-            state.stream_id, state.applied_seq = self._stream_id, self._start_seq - 1
+        if self.state is not None and not self._counts_in_stream():
+            self.state.stream_id, self.state.applied_seq = self._stream_id, self._start_seq - 1
 
     async def _on_event(self, message: Message, seq: int) -> None:
         await self.inbox.put(Event(message, seq))

@@ -28,6 +28,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from deadpool_runtime import stopped_within
+from deadpool_runtime.log_limit import RefusalLog
 
 __all__ = ["LEASE_BUCKET", "LeaderLease", "LeaseConfig"]
 
@@ -59,6 +60,8 @@ class LeaderLease:
         self.holder = holder
         self.config = config
         self.log = log
+        self._failures = RefusalLog(log)
+        """A KV away for minutes fails every round (10 a second): a few lines per period, then a count."""
         self._revision: int | None = None
         """Our own revision of the lease while we hold it."""
         self._valid_until = 0.0
@@ -96,7 +99,7 @@ class LeaderLease:
             else:
                 await self._watch(started)
         except (TimeoutError, nats.errors.Error) as exc:  # KV unreachable: we cannot renew
-            self.log.warning("lease round failed", error=repr(exc), held=self.held())
+            self._failures.warning("lease round failed", error=repr(exc), held=self.held())
         if self._revision is not None and not self.held():
             self.log.warning("lease lapsed: not renewed in time", holder=self.holder)
             self._revision = None

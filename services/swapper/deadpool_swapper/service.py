@@ -143,7 +143,8 @@ class SwapperService:
             states = await self.records.load_all(time.monotonic())
             stream = await stream_position(self.nc)
         except (TimeoutError, nats.errors.Error) as exc:
-            self.log.error("cannot take the lead: job records unreachable; giving the lease up", error=repr(exc))
+            why = "cannot take the lead: job records unreachable; giving the lease up"
+            self._refusals.warning(why, error=repr(exc))
             await self.lease.release()  # a lease held by an instance that cannot act would wedge every job
             return
         self.core.jobs = {s.job: s for s in states}
