@@ -116,9 +116,12 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
         ("deadpool-member", "deadpool.step.duration"),
         ("deadpool-member", "deadpool.hook.stall"),
         ("deadpool-member", "deadpool.snapshot.bytes"),
+        ("deadpool-member", "deadpool.member.steps_at_risk"),
         ("deadpool-swapper", "deadpool.recoveries"),
         ("deadpool-swapper", "deadpool.recovery.downtime"),
         ("deadpool-swapper", "deadpool.job.committed_step"),
+        ("deadpool-swapper", "deadpool.job.unprotected"),
+        ("deadpool-swapper", "deadpool.job.unprotected_since_step"),
         ("deadpool-store", "deadpool.store.memory.used"),
     } <= metrics, sorted(metrics)
 

@@ -224,6 +224,8 @@ class Job:
         """Which placement of the generation `_placement` is (the rebuild's is 0; see `Placement`)."""
         self._unprotected: tuple[int, float] | None = None
         """(first step, when it was last said) while no store receives this rank's snapshots."""
+        self._steps_at_risk = 0
+        """Steps trained since no store receives this rank's snapshots (0 while one does)."""
         self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
         self._finished = False
         self._closed = False
@@ -394,6 +396,14 @@ class Job:
             "deadpool.hook.stall", unit="s", description="the training thread's time inside DeadPool, per step"
         )
         captured = meter.create_counter("deadpool.snapshot.bytes", unit="By", description="snapshot bytes captured")
+        self._metrics.gauge(
+            "deadpool.member.steps_at_risk",
+            "{step}",
+            "steps trained since no snapshot store receives this rank's snapshots (0 while one does)",
+            lambda: [
+                (float(self._steps_at_risk), {"job": self.config.job, "rank": -1 if self.rank is None else self.rank})
+            ],
+        )
 
         def record(step: dict[str, Any]) -> None:
             attrs: dict[str, str | int] = {"job": self.config.job, "rank": -1 if self.rank is None else self.rank}
@@ -668,11 +678,13 @@ class Job:
             if self._unprotected is not None:
                 self.log.warning("snapshots reach a store again", step=step, unprotected_since=self._unprotected[0])
             self._unprotected = None
+            self._steps_at_risk = 0
             return
         now = time.monotonic()
         if self._unprotected is None:
             self._unprotected = (step, now - UNPROTECTED_LOG_S)
         since, said = self._unprotected
+        self._steps_at_risk = step - since + 1
         if now - said >= UNPROTECTED_LOG_S:
             self._unprotected = (since, now)
             self.log.warning(

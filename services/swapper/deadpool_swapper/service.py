@@ -273,6 +273,13 @@ class SwapperService:
             "1 while no snapshot store receives the job's snapshots (a lost rank has no RAM copy)",
             per_job(lambda s: float(s.unprotected_since is not None)),
         )
+        self.metrics.gauge(
+            "deadpool.job.unprotected_since_step",
+            "{step}",
+            "the committed step when the job became unprotected (-1 while protected): every step after it "
+            "is at risk (each member's deadpool.member.steps_at_risk counts them)",
+            per_job(lambda s: float(s.unprotected_step if s.unprotected_since is not None else -1)),
+        )
 
     def _log_incident(self, incident: Incident) -> None:
         self.log.info(
