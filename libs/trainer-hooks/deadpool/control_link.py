@@ -127,11 +127,19 @@ class ControlLink:
         self._thread.start()
         if not self._ready.wait(CONNECT_TIMEOUT_S):
             raise ConnectionError(f"no NATS connection to {self.config.nats_url} within {CONNECT_TIMEOUT_S} s")
+        deadline = time.monotonic() + self.config.hello_wait_s
         with self._cond:
-            while not self._registered and not self._refused:
-                self._cond.wait()
-            if self._refused:
-                raise MemberRefusedError(f"the swapper refused member {self.config.member}: {self._refused}")
+            while not self._registered and not self._refused and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            registered, refused = self._registered, self._refused
+        if refused:
+            raise MemberRefusedError(f"the swapper refused member {self.config.member}: {refused}")
+        if not registered:
+            self.close()
+            raise ConnectionError(
+                f"no swapper answered member {self.config.member}'s hello within {self.config.hello_wait_s} s "
+                f"(is DeadPool up at {self.config.nats_url}, and its JetStream reachable?)"
+            )
 
     def latest_rebuild(self) -> tuple[Rebuild | None, float]:
         """The newest rebuild command seen, and when it arrived (wall clock)."""

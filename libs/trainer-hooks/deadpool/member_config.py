@@ -36,6 +36,7 @@ class ENV:
     HEARTBEAT_PERIOD_S = "DEADPOOL_HEARTBEAT_PERIOD_S"
     PG_TIMEOUT_S = "DEADPOOL_PG_TIMEOUT_S"
     REBUILD_WAIT_S = "DEADPOOL_REBUILD_WAIT_S"
+    HELLO_WAIT_S = "DEADPOOL_HELLO_WAIT_S"
     RENDEZVOUS_WAIT_S = "DEADPOOL_RENDEZVOUS_WAIT_S"
     BACKEND = "DEADPOOL_BACKEND"
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
@@ -77,6 +78,9 @@ class MemberConfig:
     rebuild_wait_s: float = 300.0
     """How long a member that left a broken collective, or could not form a generation, waits for the
     swapper's next command: a last resort (the swapper answers every failure within seconds)."""
+    hello_wait_s: float = 600.0
+    """How long a member waits for the swapper to answer its hello (no swapper leads: DeadPool is not
+    up, or its JetStream is away); past it the member ends saying so, like torchrun's join timeout."""
     rendezvous_wait_s: float = 0.0
     """How long a member keeps trying to reach a generation's rendezvous store (unless the generation
     is superseded first); 0 means the collective timeout."""
@@ -131,6 +135,8 @@ class MemberConfig:
                 f"pg_timeout_s ({self.pg_timeout_s}) must be well above heartbeat_period_s "
                 f"({self.heartbeat_period_s}): see deadpool_protocol.timeouts"
             )
+        if self.hello_wait_s <= 0:
+            raise ValueError("hello_wait_s must be positive")
         if self.rendezvous_wait_s < 0:
             raise ValueError("rendezvous_wait_s must not be negative")
         if self.rendezvous_wait_s == 0:
@@ -171,6 +177,7 @@ class MemberConfig:
             heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
             pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
             rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
+            hello_wait_s=float(env.get(ENV.HELLO_WAIT_S, "600")),
             rendezvous_wait_s=float(env.get(ENV.RENDEZVOUS_WAIT_S, "0")),
             backend=env.get(ENV.BACKEND, ""),
             snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
