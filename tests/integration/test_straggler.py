@@ -30,7 +30,7 @@ async def test_a_slow_rank_is_reported_as_a_straggler_and_nobody_is_swapped(tmp_
 
         await nc.subscribe(Subjects.for_job("slow").straggler, cb=on_straggler)
         command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", "slow"]
-        command += ["--nproc", "3", "--spares", "0", str(SCRIPT), "--steps", "300", "--model-size", "tiny"]
+        command += ["--nproc", "3", "--spares", "0", str(SCRIPT), "--steps", "200", "--model-size", "tiny"]
         env = {**os.environ, "DEADPOOL_FAULT_INJECTION": "1"}
         with open(tmp_path / "launch.log", "wb") as log:
             launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log, env=env)
