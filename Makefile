@@ -18,8 +18,9 @@ STAMP := $(VENV)/.installed
 demo: $(STAMP)
 	$(BIN)/deadpool demo $(DEMO_ARGS)
 
+# -n 2: the tests that mostly wait run beside the others, which run one at a time (tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

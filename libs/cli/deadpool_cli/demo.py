@@ -74,6 +74,9 @@ class DemoConfig:
     script: str = ""
     run_timeout_s: float = 600.0
     reference: bool = True
+    reference_from: str = ""
+    """The run dir of an earlier demo whose uninterrupted run is compared with, instead of training the
+    reference again (several faults, one reference): its training must be this one's (checked)."""
     fault: str = "kill"
     """kill (SIGKILL), stop (SIGSTOP: frozen, heartbeats too), hang (the training thread stuck in Python,
     heartbeats going on), exception (raised in the training thread), reset (the rank's process-group
@@ -94,6 +97,33 @@ class DemoConfig:
             raise ValueError(f"--kill-rank must be between 0 and {self.nproc - 1}")
         if self.spares < 1:
             raise ValueError("the demo swaps in a spare: use --spares 1 or more")
+        if self.reference_from and not self.reference:
+            raise ValueError("--reference-from names a reference to compare with: drop --no-reference")
+
+
+REFERENCE_RUN = "ref"
+"""The folder of a run dir that holds the uninterrupted run's final states."""
+TRAINING_FILE = "training.json"
+"""Written beside a reference's final states: the training they come from (see `training_of`)."""
+
+
+def training_of(cfg: DemoConfig) -> dict[str, Any]:
+    """What decides a run's final weights: two runs equal in these, with no fault, train the same."""
+    script = Path(cfg.script) if cfg.script else default_script()
+    fields = {k: getattr(cfg, k) for k in ("steps", "nproc", "model_size", "device", "seed")}
+    return {**fields, "script": str(script.resolve())}
+
+
+def reused_reference(cfg: DemoConfig) -> Path:
+    """The final states of `cfg.reference_from`'s reference run, refused unless it trained as `cfg` does."""
+    ref = Path(cfg.reference_from) / REFERENCE_RUN
+    try:
+        trained = json.loads((ref / TRAINING_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--reference-from {cfg.reference_from}: no finished reference run there ({exc})") from exc
+    if trained != training_of(cfg):
+        raise ValueError(f"--reference-from {cfg.reference_from}: it trained {trained}, this run {training_of(cfg)}")
+    return ref
 
 
 @dataclass
@@ -307,11 +337,14 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"(launcher exit code {swap['returncode']})"
     )
     ref = report["runs"].get("reference")
-    if ref:
-        w(
-            f"  reference run without failure: {'finished' if ref['finished'] else 'DID NOT FINISH'} "
-            f"in {ref['wall_s']:.1f} s"
-        )
+    if ref or report["reference_from"]:
+        if ref:
+            w(
+                f"  reference run without failure: {'finished' if ref['finished'] else 'DID NOT FINISH'} "
+                f"in {ref['wall_s']:.1f} s"
+            )
+        else:
+            w(f"  reference run without failure: the one in {report['reference_from']} (same training)")
         lost = report.get("time_lost_s")
         if lost is not None:
             span = report["time_lost_span"]
@@ -348,6 +381,7 @@ def _timeline(trace_file: Path, out: Path) -> str:
 
 async def run_demo(cfg: DemoConfig) -> int:
     cfg.check()
+    reused = reused_reference(cfg) if cfg.reference_from else None
     run_dir = Path(cfg.run_dir) if cfg.run_dir else Path(tempfile.mkdtemp(prefix="deadpool-demo-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(3)
@@ -378,7 +412,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 run_dir / "logs" / "run-swap.log",
             )
             ref = None
-            if cfg.reference:
+            if cfg.reference and reused is None:
                 print("run 2: the same training without a failure, for reference ...", flush=True)
                 ref = await _train(
                     nc,
@@ -386,16 +420,18 @@ async def run_demo(cfg: DemoConfig) -> int:
                     cfg,
                     f"demo-ref-{token}",
                     0,
-                    run_dir / "ref",
+                    run_dir / REFERENCE_RUN,
                     False,
                     run_dir / "logs" / "run-ref.log",
                 )
+                if ref.returncode == 0 and ref.finished:
+                    (run_dir / REFERENCE_RUN / TRAINING_FILE).write_text(json.dumps(training_of(cfg)) + "\n")
         finally:
             await nc.close()
 
     identical, tensors, diffs = (False, 0, ["no reference run"])
-    if ref is not None:
-        identical, tensors, diffs = compare_final_states(run_dir / "swap", run_dir / "ref")
+    if ref is not None or reused is not None:
+        identical, tensors, diffs = compare_final_states(run_dir / "swap", reused or run_dir / REFERENCE_RUN)
     kill = swap.kill
     report: dict[str, Any] = {
         "recovered": bool(swap.returncode == 0 and swap.finished and kill is not None and swap.incidents),
@@ -443,6 +479,7 @@ async def run_demo(cfg: DemoConfig) -> int:
             },
         },
         "run_dir": str(run_dir),
+        "reference_from": str(reused) if reused is not None else None,
         "timeline": _timeline(run_dir / "traces.jsonl", run_dir / "timeline.png"),
         "time_lost_s": None,  # how much longer than the reference run (None without one)
         "time_lost_span": None,

@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-dir", default="", help="where logs and final states go (default: a new temp dir)")
     demo.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
     demo.add_argument(
+        "--reference-from",
+        default="",
+        metavar="RUN_DIR",
+        help="compare with the reference run of an earlier demo's --run-dir (same training, checked) "
+        "instead of training it again",
+    )
+    demo.add_argument(
         "--fault",
         default="kill",
         choices=["kill", "stop", "hang", "exception", "reset"],
@@ -351,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
             report=args.report,
             run_dir=args.run_dir,
             reference=not args.no_reference,
+            reference_from=args.reference_from,
             fault=args.fault,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             hang_floor_s=args.hang_floor_s,
