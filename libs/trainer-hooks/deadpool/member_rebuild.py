@@ -386,7 +386,10 @@ class MemberRebuild:
             if time.monotonic() > deadline:
                 break
         if request is None or not request.done.is_set() or not request.sealed_on:
-            self.log.warning("step 0 snapshot not stored before training; an early failure cannot be recovered")
+            self.log.warning(
+                "first snapshot not stored before training; a failure before the next one cannot be recovered",
+                step=self.job._next_step,
+            )
 
     def report_unavailable(self, reason: str) -> None:
         """Tell the swapper this member found no copy of the restore step (it waits for the next command)."""
@@ -404,9 +407,9 @@ class MemberRebuild:
         self._send_ack(self.source, restored, last_completed)
         self.log.info(
             "rebuild done",
-            restore_step=command.restore_step,
+            restore_step=restored,
             source=self.source,
-            lost_steps=max(0, last_completed - command.restore_step) if self.survivor else 0,
+            lost_steps=max(0, last_completed - restored) if self.survivor else 0,
             took_s=round(self.marks["ready"] - self.marks["begin"], 4),
             marks={k: round(v - command.t_decided, 4) for k, v in self.marks.items()},
         )
