@@ -1,4 +1,8 @@
-"""How `make test` spreads the suite over pytest-xdist's two workers.
+"""The suite's layers and how `make test` spreads them over pytest-xdist's two workers.
+
+Layers: every test is marked by its directory, `unit` (no process, no network: `pytest -m unit`),
+`integration` (a real nats-server and real processes) or `chaos` (the short chaos run). A marker set
+in a conftest's `pytestmark` reaches no test, so they are set here, at collection.
 
 Nearly every test starts real processes that take the machine's CPU (each imports torch) and times
 real detections, so two of them at once would slow each other into false verdicts: they all run on one
@@ -14,6 +18,7 @@ lands on either worker.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +26,17 @@ from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
 BESIDE_OTHERS = frozenset({"tests/integration/test_jetstream_outage.py"})
 """Modules that mostly wait (measured: the JetStream outage test, 145 s at under 10 % of a core)."""
+
+
+LAYERS = ("unit", "integration", "chaos")
+"""The directories under tests/, each its own marker."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if tests in item.path.parents and (layer := item.path.relative_to(tests).parts[0]) in LAYERS:
+            item.add_marker(layer)
 
 
 class SerialBesideWaiting(LoadScopeScheduling):  # type: ignore[misc]

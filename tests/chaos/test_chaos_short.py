@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEQUENCE = (
     "kill",
@@ -41,6 +43,7 @@ after some 350 of the 630 steps (each waits for warm spares and settles first), 
 TIMEOUT_S = 1200.0
 
 
+@pytest.mark.timeout(600)  # a faulted run and its reference, one after the other: 225 s measured
 def test_ten_faults_with_deadpools_own_heal_without_a_wedge_and_end_bit_identical(tmp_path: Path) -> None:
     command = [sys.executable, "chaos.py", "--faults", str(FAULTS), "--seed", str(SEED), "--workdir", str(tmp_path)]
     command += ["--sequence", ",".join(SEQUENCE), "--steps-per-fault", str(STEPS_PER_FAULT)]

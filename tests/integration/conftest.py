@@ -22,8 +22,6 @@ from nats.aio.client import Client
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import answers_ping
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:

@@ -129,6 +129,7 @@ async def events_stream_leader(nc: Client) -> str:
         await asyncio.sleep(0.2)
 
 
+@pytest.mark.timeout(480)  # JetStream is held away for 125 s on purpose: 145 s measured, 240 s is too close
 async def test_a_verdict_made_while_jetstream_is_away_for_longer_than_the_old_give_up_time_is_stored_and_acted_on(
     cluster: NatsCluster, services: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
