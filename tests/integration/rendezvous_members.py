@@ -78,7 +78,7 @@ class Member:
 def lone_host(port_out: Any, results: Any, newer: Any, again: Any) -> None:
     """Hosts generation 1 of a world of 2 whose other member never comes, is told of generation 2,
     then forms generation 2 with a fresh member (a process that never saw generation 1)."""
-    from deadpool.generation_waits import SupersededError
+    from deadpool.errors import SupersededError
 
     me = Member("a")
     port_out.put(me.rendezvous.port)
@@ -102,7 +102,7 @@ def fresh_member(host_port: int, results: Any) -> None:
 
 def client_of_frozen_host(host_port: int, results: Any, newer: Any) -> None:
     """Joins generation 1, hosted by a member that is frozen (SIGSTOP), and is told of generation 2."""
-    from deadpool.generation_waits import SupersededError
+    from deadpool.errors import SupersededError
 
     me = Member("b")
     me.supersede_on(newer, 2)

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from deadpool.generation_waits import GenerationWaits, SupersededError
+from deadpool.errors import SupersededError
+from deadpool.generation_waits import GenerationWaits
 
 
 def test_a_newer_rebuild_or_a_void_notice_supersedes_a_generation_and_only_older_ones() -> None:

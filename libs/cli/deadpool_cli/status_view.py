@@ -18,6 +18,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool_protocol import SWAPPER_STATUS
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = ["DETECTOR_STATUS", "render", "show_status"]
 
@@ -27,7 +28,7 @@ INCIDENTS_SHOWN = 5
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-class NoAnswerError(RuntimeError):
+class NoAnswerError(DeadPoolError, RuntimeError):
     pass
 
 

@@ -4,6 +4,7 @@ The ground floor of the project: it imports nothing of ours and performs no I/O.
 """
 
 from deadpool_protocol.codec import PROTOCOL_VERSION, decode, decode_any, encode
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.messages import (
     FIRST_STEP_SECTION,
     NO_RANK,
@@ -51,6 +52,7 @@ __all__ = [
     "SWAPPER_STATUS",
     "ChildExit",
     "Commit",
+    "DeadPoolError",
     "Failure",
     "FailureReason",
     "FenceReply",

@@ -38,6 +38,7 @@ from deadpool_protocol.bounds import (
     Traceparent,
     Where,
 )
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.names import is_valid_name
 
 __all__ = [
@@ -91,7 +92,7 @@ it to the first-step hang threshold, not to the job's recent step times."""
 RESTORE_SOURCES = frozenset({"local", "store", "durable", "fresh", "unavailable"})
 
 
-class ProtocolError(ValueError):
+class ProtocolError(DeadPoolError, ValueError):
     """A message that cannot be accepted; the text says why (it goes into the log line)."""
 
 

@@ -46,6 +46,7 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
 __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
@@ -56,7 +57,7 @@ CLOSE_EVENTS_WAIT_S = 5.0
 """At close, how long the link waits for events still being stored (a done report, an error)."""
 
 
-class MemberRefusedError(RuntimeError):
+class MemberRefusedError(DeadPoolError, RuntimeError):
     """The swapper refused this member's registration (the text says why)."""
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deadpool.member_config import ENV
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = ["DevicePlan", "DeviceShortageError", "detect_devices", "plan_devices"]
 
@@ -35,7 +36,7 @@ NVIDIA_DEVICE_FILES = Path("/dev")
 """/dev/nvidia0, /dev/nvidia1, ...: where the driver's folder is not mounted (some containers)."""
 
 
-class DeviceShortageError(ValueError):
+class DeviceShortageError(DeadPoolError, ValueError):
     """The host has fewer devices than members to give one each (the message says what to do)."""
 
 

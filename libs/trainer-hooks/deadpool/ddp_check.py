@@ -5,13 +5,15 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from deadpool_protocol.errors import DeadPoolError
+
 __all__ = ["BucketRebuildError", "check_wrapped", "find_ddp"]
 
 WRAPPERS_MAX = 8
 """How many wrappers deep a DDP is looked for (torch.compile's, and the like)."""
 
 
-class BucketRebuildError(ValueError):
+class BucketRebuildError(DeadPoolError, ValueError):
     """A DDP wrapper that rebuilds its gradient buckets would break bit-identical recovery."""
 
 

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.step_agreement import agree_on_newest
 from deadpool.training_state import SnapshotMeta
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = [
     "DurableError",
@@ -72,7 +73,7 @@ NO_STEP = -1
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
-class DurableError(RuntimeError):
+class DurableError(DeadPoolError, RuntimeError):
     """A persisted step cannot be used (missing, of another job or world, or failing its checksums)."""
 
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from deadpool_protocol.errors import DeadPoolError
+
 __all__ = [
     "ENV_FAULT_INJECTION",
     "SLOW_STEP_S",
@@ -53,7 +55,7 @@ def step_delay_s() -> float:
     return _delay_s
 
 
-class InjectedFaultError(RuntimeError):
+class InjectedFaultError(DeadPoolError, RuntimeError):
     """A fault injected with SIGUSR2."""
 
 

@@ -19,11 +19,9 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["GenerationWaits", "SupersededError"]
+from deadpool.errors import SupersededError
 
-
-class SupersededError(Exception):
-    """The generation being formed was superseded (a newer rebuild, a void notice, the job's end)."""
+__all__ = ["GenerationWaits"]
 
 
 class GenerationWaits:

@@ -39,17 +39,19 @@ from deadpool.control_link import Command, ControlLink
 from deadpool.cpu_placement import TRAIN_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.ddp_check import BucketRebuildError, check_wrapped, find_ddp
 from deadpool.durable_tier import DurableWriter
-from deadpool.failure_origin import is_collective_error
-from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
-from deadpool.generation_waits import GenerationWaits, SupersededError
-from deadpool.member_config import MemberConfig
-from deadpool.member_rebuild import (
+from deadpool.errors import (
+    JobFailedError,
     MemberCannotContinueError,
     MemberFencedError,
-    MemberRebuild,
     RendezvousFailedError,
     RestoreUnavailableError,
+    SupersededError,
 )
+from deadpool.failure_origin import is_collective_error
+from deadpool.fault_injection import act_on_pending_fault, arm_from_env, step_delay_s
+from deadpool.generation_waits import GenerationWaits
+from deadpool.member_config import MemberConfig
+from deadpool.member_rebuild import MemberRebuild
 from deadpool.noting_group import FailureNote, NotingGroup
 from deadpool.process_group import GenerationGroup, Rendezvous, pick_backend
 from deadpool.sharded_module import fresh_copy, is_fully_sharded, meta_template
@@ -121,10 +123,6 @@ FORM_LEAVE_S = 1.5
 """After a group's creation was broken, how long the training thread may take to leave it."""
 GROUP_RETIRE_MARGIN_S = 5.0
 """A dropped process group is freed this long after its collective timeout (see `GenerationGroup`)."""
-
-
-class JobFailedError(RuntimeError):
-    """The swapper ended the job (the text says why); this member stops with it."""
 
 
 class _LoadedState:

@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.names import host_name, require_name
 from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime.credentials import NKEY_ENV
@@ -16,7 +17,7 @@ from deadpool_runtime.credentials import NKEY_ENV
 __all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
 
 
-class NotLaunchedError(RuntimeError):
+class NotLaunchedError(DeadPoolError, RuntimeError):
     """The process was not started by `deadpool launch`, so it has no job, member id or NATS address."""
 
 

@@ -43,6 +43,12 @@ import torch
 from deadpool.control_link import Progress
 from deadpool.ddp_check import check_wrapped
 from deadpool.durable_tier import agree_on_step
+from deadpool.errors import (
+    MemberCannotContinueError,
+    MemberFencedError,
+    RendezvousFailedError,
+    RestoreUnavailableError,
+)
 from deadpool.failure_origin import is_collective_error
 from deadpool.noting_group import skip_step_after_failure
 from deadpool.process_group import RendezvousUnreachableError
@@ -65,14 +71,7 @@ from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, Rebuild, Rebui
 if TYPE_CHECKING:
     from deadpool.job import Job
 
-__all__ = [
-    "MemberCannotContinueError",
-    "MemberFencedError",
-    "MemberRebuild",
-    "RebuildState",
-    "RendezvousFailedError",
-    "RestoreUnavailableError",
-]
+__all__ = ["MemberRebuild", "RebuildState"]
 
 FORMATION_SNAPSHOT_WAIT_S = 120.0
 SEAL_POLL_S = 0.1
@@ -87,26 +86,6 @@ class RebuildState(enum.Enum):
     APPLY = "apply"
     SEAL = "seal"
     ACK = "ack"
-
-
-class MemberFencedError(RuntimeError):
-    """This member was declared failed and replaced; it must not touch the job's collectives again."""
-
-
-class RendezvousFailedError(Exception):
-    """The generation's process group could not be formed (the cause is chained)."""
-
-
-class RestoreUnavailableError(Exception):
-    """No copy of the rebuild's restore step (or of any durable step) could be had; the text says why."""
-
-
-class MemberCannotContinueError(RuntimeError):
-    """This member cannot carry out the rebuild for a reason a spare would meet too (`cause`)."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
 
 
 class MemberRebuild:

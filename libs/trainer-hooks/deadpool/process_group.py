@@ -25,8 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deadpool.generation_waits import GenerationWaits, SupersededError
+from deadpool.errors import SupersededError
+from deadpool.generation_waits import GenerationWaits
 from deadpool_protocol import Rebuild
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = [
     "CONNECT_ATTEMPT_S",
@@ -146,7 +148,7 @@ class Rendezvous:
         return dist.PrefixStore(f"{command.job}/g{generation}/", client), opened
 
 
-class RendezvousUnreachableError(RuntimeError):
+class RendezvousUnreachableError(DeadPoolError, RuntimeError):
     """The generation's rendezvous store could not be reached within the bound."""
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.training_state import SnapshotMeta
 from deadpool_protocol.dataplane import chunk_spans
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = [
     "EXCHANGE_CHUNK_BYTES",
@@ -37,7 +38,7 @@ EXCHANGE_CHUNK_BYTES = 64 << 20
 """The device staging buffer of the exchange on NCCL: the most GPU memory a rebuild's exchange takes."""
 
 
-class ReplicaMismatchError(RuntimeError):
+class ReplicaMismatchError(DeadPoolError, RuntimeError):
     """The ranks' snapshots do not belong together (different steps, or partitions of different worlds)."""
 
 

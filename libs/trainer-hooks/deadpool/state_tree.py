@@ -18,6 +18,8 @@ from typing import Any
 import msgpack
 import torch
 
+from deadpool_protocol.errors import DeadPoolError
+
 __all__ = ["MAX_TREE_TENSORS", "TreeError", "decode_tree", "encode_tree"]
 
 _TUPLE = 1
@@ -30,7 +32,7 @@ process's current device; the CPU where no GPU is left)."""
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
-class TreeError(TypeError):
+class TreeError(DeadPoolError, TypeError):
     """A value cannot be captured exactly; the text names where it is and what it is."""
 
 

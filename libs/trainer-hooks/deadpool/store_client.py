@@ -29,6 +29,7 @@ from deadpool_protocol.dataplane import (
     decode_frame_header,
     encode_frame,
 )
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = [
     "FetchDeadline",
@@ -54,7 +55,7 @@ DUE_SLACK_S = 0.01
 """A receive that timed out this close to the deadline ended because of it (clocks round)."""
 
 
-class StoreClientError(RuntimeError):
+class StoreClientError(DeadPoolError, RuntimeError):
     """A store refused or failed an upload or fetch; the text says which and why."""
 
 
@@ -110,7 +111,7 @@ class _Due:
         return FetchDeadlineError(f"abandoned past its deadline of {self.seconds:.1f} s")
 
 
-class SnapshotCancelledError(RuntimeError):
+class SnapshotCancelledError(DeadPoolError, RuntimeError):
     """An upload was abandoned because its snapshot became obsolete (a rebuild happened)."""
 
 

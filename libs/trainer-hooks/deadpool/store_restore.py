@@ -25,6 +25,7 @@ from deadpool.snapshot_layout import FlatBuffer
 from deadpool.store_client import FetchDeadline, StoreClientError, StoreConnection
 from deadpool.training_state import SnapshotMeta, check_fits
 from deadpool_protocol import StoreAddress
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = ["Breakable", "NoStoreCopyError", "SnapshotWanted", "fetch_from_stores", "stores_in_order"]
 
@@ -32,7 +33,7 @@ Breakable = Callable[[Callable[[], None]], AbstractContextManager[None]]
 """Runs a fetch as a wait of the generation, given the fetch's abort (`GenerationWaits.breakable`)."""
 
 
-class NoStoreCopyError(Exception):
+class NoStoreCopyError(DeadPoolError):
     """No store provided a copy that could be used; the text gives each store's reason."""
 
 

@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
+from deadpool_protocol.errors import DeadPoolError
 
 __all__ = ["SnapshotKey", "SnapshotMemory", "StoreError", "StoredSnapshot"]
 
@@ -35,7 +36,7 @@ SnapshotKey = tuple[str, int, int]
 """(job, rank, step)"""
 
 
-class StoreError(Exception):
+class StoreError(DeadPoolError):
     """A request the store refuses; the text goes back to the client."""
 
 

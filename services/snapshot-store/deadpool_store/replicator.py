@@ -22,6 +22,7 @@ from deadpool_protocol.dataplane import (
     decode_frame_header,
     encode_frame,
 )
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_store.memory import StoredSnapshot
 
 __all__ = ["ReplicaRefusedError", "push_snapshot"]
@@ -29,7 +30,7 @@ __all__ = ["ReplicaRefusedError", "push_snapshot"]
 CONNECT_TIMEOUT_S = 2.0
 
 
-class ReplicaRefusedError(RuntimeError):
+class ReplicaRefusedError(DeadPoolError, RuntimeError):
     """The target store refused the copy (the text is its reason)."""
 
 

@@ -32,6 +32,7 @@ from nats.js.kv import KeyValue
 
 from deadpool_protocol import Incident, ProtocolError, Rebuild, RebuildAck
 from deadpool_protocol.codec import from_fields, to_fields
+from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.job_record import (
     JOBS_BUCKET,
     PART_SEPARATOR,
@@ -66,11 +67,11 @@ PAYLOAD_MARGIN_BYTES = 4096
 """Room left in a NATS message for the KV's subject and headers beside a record's head or part."""
 
 
-class RecordConflictError(RuntimeError):
+class RecordConflictError(DeadPoolError, RuntimeError):
     """The job record changed under us: another swapper wrote it (this one is no longer the leader)."""
 
 
-class RecordTooLargeError(RuntimeError):
+class RecordTooLargeError(DeadPoolError, RuntimeError):
     """The job record cannot be stored, even compressed and in parts: the input that made it so is
     refused (the caller reloads the last stored record), never retried for ever."""
 
@@ -226,7 +227,7 @@ def state_from_record(data: bytes, now: float) -> JobState:
     return state
 
 
-class UnreadableRecordError(RuntimeError):
+class UnreadableRecordError(DeadPoolError, RuntimeError):
     """A job record exists but cannot be read: acting on the job as if it were new would start its
     generations again from 1, so the swapper acts on it not at all (and says so)."""
 
