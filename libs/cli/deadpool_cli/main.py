@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import secrets
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "status":
         try:
             sys.exit(asyncio.run(_status(args)))
-        except KeyboardInterrupt:  # the way out of --watch
+        except KeyboardInterrupt:  # Ctrl-C while connecting
             sys.exit(0)
     elif command == "ping":
         sys.exit(asyncio.run(_ping(args)))
@@ -546,7 +547,12 @@ async def _status(args: argparse.Namespace) -> int:
 
     nkey, _ = _role_files(args, "admin")
     nc = await nats.connect(servers=server_urls(args.nats), nkeys_seed=nkey or None)
+    stop = asyncio.Event()
+    if args.watch:  # Ctrl-C ends the watch after the view being drawn, never by cancelling a request in flight
+        asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
     try:
-        return await show_status(nc, args.job, as_json=args.json, watch_s=args.interval_s if args.watch else 0.0)
+        return await show_status(
+            nc, args.job, as_json=args.json, watch_s=args.interval_s if args.watch else 0.0, stop=stop
+        )
     finally:
         await nc.close()

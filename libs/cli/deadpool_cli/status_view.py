@@ -9,6 +9,7 @@ shown as such and asked again next time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from typing import Any
@@ -105,9 +106,14 @@ async def _view(nc: Client, job: str) -> tuple[dict[str, Any], dict[str, Any] | 
     return state, watched
 
 
-async def show_status(nc: Client, job: str, as_json: bool = False, watch_s: float = 0.0) -> int:
-    """Print the job once (exit code 0; 2 if no swapper answered), or every `watch_s` until cancelled."""
-    while True:
+async def show_status(
+    nc: Client, job: str, as_json: bool = False, watch_s: float = 0.0, stop: asyncio.Event | None = None
+) -> int:
+    """Print the job once (exit code 0; 2 if no swapper answered), or every `watch_s` until `stop` is set
+    (Ctrl-C). Why an event and not the task's cancellation: under Python 3.11 a cancellation that meets
+    a request's reply can be swallowed, and the watch then went on drawing after Ctrl-C."""
+    stop = stop or asyncio.Event()
+    while not stop.is_set():
         try:
             state, watched = await _view(nc, job)
         except NoAnswerError as exc:
@@ -123,4 +129,6 @@ async def show_status(nc: Client, job: str, as_json: bool = False, watch_s: floa
                 print(prefix + "\n".join(render(state, watched)), flush=True)
         if not watch_s:
             return 0
-        await asyncio.sleep(watch_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), watch_s)
+    return 0
