@@ -61,6 +61,15 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
         assert {i.reason for i in watch.incidents} == {"heartbeat"}
         assert len({i.generation for i in watch.incidents}) == 1, "both ranks should move in one generation"
         assert all(i.lost_steps <= 1 for i in watch.incidents)
+        # The members' phases, as their heartbeats told them (`MemberPhase`): each spare that took a
+        # rank warmed up, waited, and trained; the ranks formed the job in a rebuild first.
+        takers = {i.replacement for i in watch.incidents}
+        for member in takers:
+            assert in_order(watch.members[member].phases, ["warming", "spare", "training"]), watch.members[member]
+        formed = [m for m, view in watch.members.items() if m not in takers and "training" in view.phases]
+        assert formed and all(
+            in_order([p.split(":")[0] for p in watch.members[m].phases], ["rebuilding", "training"]) for m in formed
+        ), {m: watch.members[m].phases for m in formed}
 
         reference = tmp_path / "reference"
         solo = await launch(stack.nats_args, "lost-host-ref", "hosta", 0, 0, reference, tmp_path / "ref-a.log")
@@ -70,6 +79,12 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
         await nc.close()
     identical, tensors, differences = compare_final_states(out, reference)
     assert identical and tensors > 0, differences[:5]
+
+
+def in_order(seen: list[str], wanted: list[str]) -> bool:
+    """`wanted` appears in `seen` in this order (not necessarily next to each other)."""
+    rest = iter(seen)
+    return all(any(s == w for s in rest) for w in wanted)
 
 
 def min_rank_step(watch: JobWatch) -> int:

@@ -19,10 +19,12 @@ from deadpool_protocol import (
     MemberDone,
     MemberError,
     MemberHello,
+    MemberPhase,
     Message,
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildState,
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
@@ -58,6 +60,7 @@ EXAMPLES: list[Message] = [
     MemberHello("j", 0, "m0", "host", 42, "l0", 0, 4, "127.0.0.1", 4000, 1.0),
     HelloReply("j", 1, "m0", True, "registered"),
     Heartbeat("j", 1, "m0", 0, 42, 10, True, 2.0, 3.0, 1),
+    Heartbeat("j", 1, "m0", 0, 42, 10, False, 2.0, 3.0, phase=MemberPhase.REBUILDING, rebuild_state=RebuildState.FORM),
     MemberError("j", 1, "m0", 0, "boom", 1.0),
     MemberDone("j", 1, "m0", 0, 100),
     ChildExit("j", 1, "l0", "m0", 42, -9, 1.0),
@@ -154,6 +157,36 @@ def test_decode_refuses_a_rebuild_that_breaks_the_rules(overrides: dict[str, obj
     body = msgpack.unpackb(encode(rebuild()))
     body.update(overrides)
     with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("sleeping", "'sleeping' is not a MemberPhase"),
+        ("TRAINING", "is not a MemberPhase"),  # a value, never a name
+        (3, "expected a MemberPhase, got int"),
+        (None, "expected a MemberPhase, got NoneType"),  # the phase is never None
+        (["training"], "expected a MemberPhase, got list"),
+        ("x" * 100_000, "is not a MemberPhase"),
+    ],
+)
+def test_a_phase_must_be_one_of_the_member_phases(value: object, reason: str) -> None:
+    body = msgpack.unpackb(encode(Heartbeat("j", 1, "m0", 0, 42, 10, True, 2.0, 3.0)))
+    body["phase"] = value
+    with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+def test_a_phase_and_a_rebuild_state_decode_as_their_enums() -> None:
+    body = msgpack.unpackb(encode(Heartbeat("j", 1, "m0", 0, 42, 10, True, 2.0, 3.0)))
+    body |= {"phase": "rebuilding", "rebuild_state": "exchange"}
+    beat = decode(msgpack.packb(body), Heartbeat)
+    assert beat.phase is MemberPhase.REBUILDING and beat.rebuild_state is RebuildState.EXCHANGE
+    body["rebuild_state"] = None
+    assert decode(msgpack.packb(body), Heartbeat).rebuild_state is None
+    body["rebuild_state"] = "training"  # a phase is not a rebuild state
+    with pytest.raises(ProtocolError, match="matches none of"):
         decode_any(msgpack.packb(body))
 
 

@@ -8,7 +8,9 @@ longer be saved, and the job stopped (issue 21).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
+import types
 import typing
 from typing import Any
 
@@ -236,6 +238,9 @@ def test_every_field_of_every_message_has_a_bound_or_is_a_number() -> None:
         origin = typing.get_origin(base)
         if base in (int, float, bool):
             return []
+        options = typing.get_args(base) if origin in (typing.Union, types.UnionType) else (base,)
+        if all(o is type(None) or (isinstance(o, type) and issubclass(o, enum.StrEnum)) for o in options):
+            return []  # one of a few short words (or None): the codec looks it up among them
         if bound is None and not dataclasses.is_dataclass(base):
             return [where]
         if origin is list:

@@ -129,3 +129,18 @@ def test_status_says_loudly_when_no_store_protects_the_job_and_how_many_steps_ar
     (loud,) = [line for line in lines if "UNPROTECTED" in line]
     assert "for 95 s" in loud and "since committed step 41" in loud and "16 step(s) at risk" in loud
     assert not any("UNPROTECTED" in line for line in render(STATE, watched))
+
+
+def test_status_shows_each_members_phase_and_the_state_of_a_rebuild_under_way() -> None:
+    watched = {
+        "watched": {
+            "m0": {"rank": 0, "step": 42, "heartbeat_age_s": 0.1, "phase": "training", "rebuild_state": ""},
+            "m1": {"rank": 1, "step": 40, "heartbeat_age_s": 0.2, "phase": "rebuilding", "rebuild_state": "form"},
+            "m2": {"rank": -1, "step": -1, "heartbeat_age_s": 0.3, "phase": "warming", "rebuild_state": ""},
+        },
+        "median_step_s": 0.2,
+    }
+    lines = render(STATE, watched)
+    assert "  rank 0: m0 (host a, pid 10): training, step 42, heartbeat 0.1 s ago, step time 0.200 s" in lines
+    assert "  rank 1: m1 (host b, pid 11): rebuilding (form), step 40, heartbeat 0.2 s ago, step time 0.200 s" in lines
+    assert "  spares: m2 (warming)" in lines

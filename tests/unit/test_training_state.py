@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from deadpool.ddp_check import find_ddp
-from deadpool.job import BucketRebuildError, check_wrapped
+from deadpool.ddp_check import BucketRebuildError, check_wrapped, find_ddp
 from deadpool.snapshot_layout import ALIGN_BYTES, FlatBuffer, SnapshotLayout, plan_layout
 from deadpool.training_state import (
     SnapshotMeta,

@@ -47,6 +47,9 @@ class MemberView:
     awaiting: bool = False
     step_completed_t: float = 0.0
     step_times: list[float] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    """The phases its heartbeats told, in order, each once a run (`MemberPhase`; a rebuild's states
+    as 'rebuilding:form')."""
     _last_step_t: float = 0.0
 
 
@@ -107,6 +110,9 @@ class JobWatch:
             self.steps_done.append(StepDone(hb.step_completed_t, hb.member, hb.rank, hb.generation, hb.step))
             view.step_completed_t = hb.step_completed_t
         view.section, view.rebuilding, view.awaiting = hb.section, hb.rebuilding, hb.awaiting_rebuild
+        phase = f"{hb.phase}:{hb.rebuild_state}" if hb.rebuild_state else str(hb.phase)
+        if not view.phases or view.phases[-1] != phase:
+            view.phases.append(phase)
         view.pid, view.rank, view.generation, view.step = hb.pid, hb.rank, hb.generation, hb.step
         view.in_step, view.step_started_t, view.waiting, view.where, view.beat_t = (
             hb.in_step,

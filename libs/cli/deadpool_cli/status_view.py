@@ -61,12 +61,17 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
     for rank, member in enumerate(state["ranks"]):
         info = state["members"].get(member, {})
         beat = members.get(member, {})
-        seen = f"step {beat['step']}, heartbeat {beat['heartbeat_age_s']:.1f} s ago" if beat else "no heartbeat yet"
+        seen = (
+            f"{_phase(beat)}step {beat['step']}, heartbeat {beat['heartbeat_age_s']:.1f} s ago"
+            if beat
+            else "no heartbeat yet"
+        )
         lines.append(
             f"  rank {rank}: {member} (host {info.get('host', '?')}, pid {info.get('pid', '?')}): {seen}, "
             f"step time {step_time}"
         )
-    lines.append(f"  spares: {', '.join(state['spares']) or 'none'}")
+    spares = [f"{name} ({_phase(members[name]).rstrip(', ')})" if name in members else name for name in state["spares"]]
+    lines.append(f"  spares: {', '.join(spares) or 'none'}")
     lag, short = state.get("commit_lag_steps", 0), state.get("replicas_short", 0)
     lines.append(f"  commit lag: {lag} step(s) stored past the committed one; ranks short of replicas: {short}")
     placement = state.get("placement", [])
@@ -95,6 +100,14 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
             f"lost {inc['lost_steps']} step(s)"
         )
     return lines
+
+
+def _phase(beat: dict[str, Any]) -> str:
+    """'rebuilding (form), ' from a heartbeat's phase and rebuild state ('' from a detector that sends none)."""
+    phase, state = beat.get("phase", ""), beat.get("rebuild_state", "")
+    if not phase:
+        return ""
+    return f"{phase} ({state}), " if state else f"{phase}, "
 
 
 async def _view(nc: Client, job: str) -> tuple[dict[str, Any], dict[str, Any] | None]:

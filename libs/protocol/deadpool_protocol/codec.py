@@ -11,6 +11,7 @@ broke) but never quotes more than a few characters of what was sent; callers log
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -150,6 +151,8 @@ def decode_any(data: bytes) -> Message:
 
 SHOWN_CHARS_MAX = 64
 """How much of a value that was refused a reason quotes."""
+ENUM_CHARS_MAX = 64
+"""The longest value of a `StrEnum` field looked up (every value is a short word)."""
 
 
 def shown(value: Any) -> str:
@@ -171,11 +174,13 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
     plan, names = _plan(cls)  # type: ignore[arg-type]  # classes are hashable
     values: dict[str, Any] = {}
-    for name, hint, scalar, most, counted, required in plan:
+    for name, hint, scalar, most, counted, required, named in plan:
         if name in body:
             value = body[name]
             kind = type(value)
-            if scalar is None:
+            if named is not None and (kind is str or value is None) and value in named:
+                values[name] = named[value]  # a StrEnum's value (or None where the field may be None)
+            elif scalar is None:
                 values[name] = _check_type(value, hint, f"{where}.{name}")
             elif kind is scalar and (
                 # a str or bytes within its bound for sure (a str bounded in UTF-8 bytes that is not
@@ -202,10 +207,13 @@ _SCALARS: tuple[type, ...] = (int, str, float, bool, bytes)
 
 
 @functools.cache
-def _plan(cls: type) -> tuple[list[tuple[str, Any, type | None, int, bool, bool]], frozenset[str]]:
+def _plan(
+    cls: type,
+) -> tuple[list[tuple[str, Any, type | None, int, bool, bool, dict[Any, Any] | None]], frozenset[str]]:
     """Per field: its name, its type hint, the exact scalar type or None, the most a str or bytes of
     it may hold (-1 for other scalars), whether `len()` measures that (not for a str bounded in UTF-8
-    bytes), whether it is required; and the field names."""
+    bytes), whether it is required, and for a `StrEnum` field its members by value (None among them
+    where the field may be None); and the field names."""
     hints = typing.get_type_hints(cls, include_extras=True)
     plan = []
     for f in dataclasses.fields(cls):
@@ -215,8 +223,18 @@ def _plan(cls: type) -> tuple[list[tuple[str, Any, type | None, int, bool, bool]
         most = bound.most if bound is not None and scalar in (str, bytes) else -1
         counted = scalar is bytes or (bound is not None and bound.unit != "bytes")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        plan.append((f.name, hint, scalar, most, counted, required))
+        plan.append((f.name, hint, scalar, most, counted, required, _named(base)))
     return plan, frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _named(hint: Any) -> dict[Any, Any] | None:
+    """A `StrEnum` type's members by value (with None for `StrEnum | None`), else None."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    enums = [o for o in options if isinstance(o, type) and issubclass(o, enum.StrEnum)]
+    if len(enums) != 1 or any(o is not enums[0] and o is not type(None) for o in options):
+        return None
+    named: dict[Any, Any] = {member.value: member for member in enums[0]}
+    return named | {None: None} if type(None) in options else named
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:
@@ -277,4 +295,11 @@ def _check_base(value: Any, hint: Any, where: str) -> Any:
         raise ProtocolError(f"{where}: {type(value).__name__} matches none of {hint}")
     if dataclasses.is_dataclass(hint):
         return from_fields(typing.cast(type, hint), value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where}: expected a {hint.__name__}, got {type(value).__name__}")
+        member = hint._value2member_map_.get(value) if len(value) <= ENUM_CHARS_MAX else None
+        if member is None:
+            raise ProtocolError(f"{where}: {shown(value)} is not a {hint.__name__}")
+        return member
     raise TypeError(f"{where}: the codec does not know type {hint!r}")  # a bug in messages.py

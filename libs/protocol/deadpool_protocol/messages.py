@@ -13,6 +13,7 @@ built.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
@@ -66,11 +67,13 @@ __all__ = [
     "MemberError",
     "MemberErrorCause",
     "MemberHello",
+    "MemberPhase",
     "Message",
     "Placement",
     "ProtocolError",
     "Rebuild",
     "RebuildAck",
+    "RebuildState",
     "Replicate",
     "RunReply",
     "RunStart",
@@ -235,6 +238,41 @@ class HelloReply(JobMessage):
         _need(len(self.store_token) in (0, TOKEN_BYTES), f"a store token of {len(self.store_token)} bytes")
 
 
+class MemberPhase(enum.StrEnum):
+    """Where a member is in its life (the member's state machine: `deadpool.member_lifecycle`)."""
+
+    SPARE = "spare"
+    """Holds no rank: a warm spare, or a member before the job's first formation."""
+    WARMING = "warming"
+    """A spare building its wrapper and optimizer once, so that taking a rank costs no imports."""
+    REBUILDING = "rebuilding"
+    """Carrying out a rebuild (`rebuild_state` says which state of it)."""
+    TRAINING = "training"
+    """Holds a rank and runs steps."""
+    RECOVERING = "recovering"
+    """Left a broken process group (or a rebuild that could not complete); awaits the next command."""
+    LEFT_EARLY = "left_early"
+    """The training loop ended before its last step; the rank is done when the script ends."""
+    FINISHING = "finishing"
+    """After the last step: reports done until the job finishes."""
+    DONE = "done"
+    """The job finished, or this member left it."""
+    CLOSED = "closed"
+
+
+class RebuildState(enum.StrEnum):
+    """The states of a member's rebuild, in order (`deadpool.member_rebuild`)."""
+
+    LEAVE = "leave"
+    RESTORE = "restore"
+    CONNECT = "connect"
+    FORM = "form"
+    EXCHANGE = "exchange"
+    APPLY = "apply"
+    SEAL = "seal"
+    ACK = "ack"
+
+
 @dataclass(frozen=True, slots=True)
 class Heartbeat(JobMessage):
     """Sent by every member from its own thread, every heartbeat period."""
@@ -267,6 +305,9 @@ class Heartbeat(JobMessage):
     on the control plane and its peers, never a hang culprit, and not yet "awaiting"."""
     step_completed_t: float = 0.0
     """When `step` was completed (wall clock), so recovery can be timed to the step, not the beat."""
+    phase: MemberPhase = MemberPhase.SPARE
+    rebuild_state: RebuildState | None = None
+    """The state of the rebuild under way (`phase` REBUILDING), else None."""
 
     def check(self) -> None:
         JobMessage.check(self)

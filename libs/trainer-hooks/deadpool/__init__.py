@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deadpool.job import Job, OptimizerFactory, Wrapper
+    from deadpool.job import Job
     from deadpool.member_config import MemberConfig
+    from deadpool.training_objects import OptimizerFactory, Wrapper
 
 __all__ = ["attach", "ddp", "local_device"]
 
@@ -39,16 +40,20 @@ def local_device() -> Any:
     return device
 
 
-def ddp(module: Any, group: Any) -> Any:
+class _NotingDDP:
     """`wrap=deadpool.ddp`: DistributedDataParallel as the job needs it (`find_unused_parameters=True`,
     see `ddp_check`), over a group whose failures do not raise but end the step in a recovery
-    (`noting_group`): the loop body needs no `with job.step()`."""
-    from torch.nn.parallel import DistributedDataParallel
+    (`noting_group`): the loop body needs no `with job.step()`. A `training_objects.NotesFailures`."""
 
-    return DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
+    notes_failures = True
+
+    def __call__(self, module: Any, group: Any) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
 
 
-ddp.notes_failures = True  # type: ignore[attr-defined]
+ddp = _NotingDDP()
 
 
 def attach(
@@ -75,10 +80,11 @@ def attach(
 
     from deadpool.job import Job
     from deadpool.member_config import MemberConfig
+    from deadpool.member_lifecycle import Member
     from deadpool_protocol.logs import configure_logging, get_logger
 
     config = config or MemberConfig.from_env()
     if not structlog.is_configured():
         configure_logging("member")
     log = get_logger(job=config.job, member=config.member)
-    return Job(model, optimizer, wrap, config, log, state)
+    return Job(Member(model, optimizer, wrap, config, log, state))

@@ -38,10 +38,12 @@ from deadpool_protocol import (
     JobFinished,
     JobMessage,
     MemberHello,
+    MemberPhase,
     Placement,
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildState,
     Subjects,
     decode,
     encode,
@@ -75,6 +77,8 @@ class Progress:
     awaiting_rebuild: bool = False
     rebuilding: bool = False
     step_completed_t: float = 0.0
+    phase: MemberPhase = MemberPhase.SPARE
+    rebuild_state: RebuildState | None = None
 
 
 Command = Rebuild | GenerationVoid | JobFinished
@@ -288,6 +292,8 @@ class ControlLink:
                 awaiting_rebuild=p.awaiting_rebuild,
                 rebuilding=p.rebuilding,
                 step_completed_t=p.step_completed_t,
+                phase=p.phase,
+                rebuild_state=p.rebuild_state,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))

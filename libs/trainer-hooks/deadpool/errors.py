@@ -10,6 +10,8 @@ Inside a rebuild (never reaching the user; each decides what the member waits fo
 - `SupersededError`: a newer generation, a void notice or the job's end broke a wait of this one.
 - `RendezvousFailedError`: the generation's process group could not be formed.
 - `RestoreUnavailableError`: no copy of the restore step could be had; the swapper tries the next link.
+
+A bug: `PhaseError`, a change of the member's phase its state machine does not hold (`member_lifecycle`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "JobFailedError",
     "MemberCannotContinueError",
     "MemberFencedError",
+    "PhaseError",
     "RendezvousFailedError",
     "RestoreUnavailableError",
     "SupersededError",
@@ -53,3 +56,7 @@ class RendezvousFailedError(DeadPoolError):
 
 class RestoreUnavailableError(DeadPoolError):
     """No copy of the rebuild's restore step (or of any durable step) could be had; the text says why."""
+
+
+class PhaseError(DeadPoolError, AssertionError):
+    """A change of phase the member's state machine does not hold: a bug in DeadPool, never the user's."""

@@ -31,17 +31,16 @@ Three other ways out, each a specific exception for the job to act on:
 
 from __future__ import annotations
 
-import enum
 import time
 import traceback
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from deadpool.control_link import Progress
-from deadpool.ddp_check import check_wrapped
+from deadpool.control_link import ControlLink, Progress
 from deadpool.durable_tier import agree_on_step
 from deadpool.errors import (
     MemberCannotContinueError,
@@ -50,13 +49,17 @@ from deadpool.errors import (
     RestoreUnavailableError,
 )
 from deadpool.failure_origin import is_collective_error
-from deadpool.noting_group import skip_step_after_failure
-from deadpool.process_group import RendezvousUnreachableError
+from deadpool.generation_waits import GenerationWaits
+from deadpool.member_config import MemberConfig
+from deadpool.member_state import MemberState, RebuildResult
+from deadpool.process_group import GenerationGroup, Rendezvous, RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
 from deadpool.sharded_module import is_fully_sharded
 from deadpool.snapshot_layout import FlatBuffer
+from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.step_agreement import agree_on_newest
 from deadpool.store_restore import NoStoreCopyError, SnapshotWanted, fetch_from_stores, stores_in_order
+from deadpool.training_objects import TrainingObjects
 from deadpool.training_state import (
     Partition,
     SnapshotMeta,
@@ -66,39 +69,56 @@ from deadpool.training_state import (
     load_user_state,
     restore_rng,
 )
-from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, Rebuild, RebuildAck
+from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, MemberPhase, Rebuild, RebuildAck, RebuildState
+from deadpool_runtime.tracing import Tracing
 
-if TYPE_CHECKING:
-    from deadpool.job import Job
-
-__all__ = ["MemberRebuild", "RebuildState"]
+__all__ = ["FirstStepTrace", "MemberRebuild", "RebuildParts"]
 
 FORMATION_SNAPSHOT_WAIT_S = 120.0
 SEAL_POLL_S = 0.1
 
 
-class RebuildState(enum.Enum):
-    LEAVE = "leave"
-    RESTORE = "restore"
-    CONNECT = "connect"
-    FORM = "form"
-    EXCHANGE = "exchange"
-    APPLY = "apply"
-    SEAL = "seal"
-    ACK = "ack"
+FirstStepTrace = tuple[str, float, dict[str, Any]]
+"""(parent context, ready time, attributes) of the `first_step` span a recovery still owes."""
+
+
+@dataclass(frozen=True)
+class RebuildParts:
+    """The member's parts a rebuild works with, the same for every rebuild of the member's life."""
+
+    config: MemberConfig
+    log: Any
+    link: ControlLink
+    waits: GenerationWaits
+    rendezvous: Rendezvous
+    group: GenerationGroup
+    backend: str
+    worker: SnapshotWorker
+    objects: TrainingObjects
+    tracing: Tracing
+    initial_rng: Any
+    """The RNG state at attach: where a formation that must be started again starts from."""
+    leave_group: Callable[[], None]
+    """Drop the wrappers that hold the process group, then break and destroy the group."""
+    adopt: Callable[[RebuildResult], None]
+    """The one place the job takes a rebuild's result (before SEAL, which snapshots as the rank)."""
+    capture: Callable[[int, Mapping[str, Any] | None], Any]
+    """Start the snapshot of a step (see `Job._capture`)."""
 
 
 class MemberRebuild:
-    """Carries out one generation's rebuild on behalf of `job` (which it updates when it succeeds)."""
+    """Carries out one generation's rebuild for a member that stood at `before`; the job adopts the
+    result (`RebuildParts.adopt`) once the rank is ready to train."""
 
-    def __init__(self, job: Job, command: Rebuild, marks: dict[str, float]) -> None:
-        self.job = job
+    def __init__(self, parts: RebuildParts, before: MemberState, command: Rebuild, marks: dict[str, float]) -> None:
+        self.parts = parts
+        self.before = before
         self.command = command
         self.marks = marks
         self.generation = command.generation
-        self.rank = command.rank_of(job.config.member)
-        self.survivor = job.rank is not None
-        self.log = job.log.bind(generation=command.generation, rank=self.rank)
+        self.rank = command.rank_of(parts.config.member)
+        self.survivor = before.rank is not None
+        self.log = parts.log.bind(generation=command.generation, rank=self.rank)
         self.state = RebuildState.LEAVE
         self.snapshot: FlatBuffer | None = None
         self.meta: SnapshotMeta | None = None
@@ -107,9 +127,12 @@ class MemberRebuild:
         self.loaded_user: dict[str, Any] | None = None
         """The registered objects' states APPLY loaded from the snapshot (SEAL captures them as loaded)."""
         self.group: Any = None
+        self.result: RebuildResult | None = None
+        self.first_step_trace: FirstStepTrace | None = None
+        """Set by ACK when the swapper traces the incident: the job records the first step under it."""
         self._store: Any = None
         self._store_sockets: dict[int, str] = {}
-        config = job.config
+        config = parts.config
         self.resuming = command.durable or (command.restore_step == NO_STEP and bool(config.resume_from))
         """Restoring from the durable tier (a job resumed with `--resume-from`, or no RAM copy left): the
         ranks agree on the step once grouped."""
@@ -117,19 +140,21 @@ class MemberRebuild:
 
     def run(self) -> bool:
         """Carry the rebuild out; True if this member holds a rank in the end, False if it stays a spare."""
-        job = self.job
+        parts = self.parts
         if self.rank == NO_RANK:
             if self.survivor:
-                job._leave_group()
-                raise MemberFencedError(f"member {job.config.member} was replaced in generation {self.generation}")
-            job.generation = self.generation  # still a spare
-            job._link.progress = replace(job._link.progress, generation=self.generation)
-            return False
+                parts.leave_group()
+                raise MemberFencedError(f"member {parts.config.member} was replaced in generation {self.generation}")
+            return False  # still a spare
         self.marks["begin"] = time.time()
-        job._link.progress = Progress(
-            generation=self.generation, rank=self.rank, step=job._completed_step, rebuilding=True
+        parts.link.progress = Progress(
+            generation=self.generation,
+            rank=self.rank,
+            step=self.before.completed_step,
+            rebuilding=True,
+            phase=MemberPhase.REBUILDING,
         )
-        last_completed = job._completed_step if self.survivor else NO_STEP
+        last_completed = self.before.completed_step if self.survivor else NO_STEP
         for state, action in (
             (RebuildState.LEAVE, self.leave),
             (RebuildState.RESTORE, self.restore),
@@ -140,8 +165,9 @@ class MemberRebuild:
             (RebuildState.SEAL, self.seal),
             (RebuildState.ACK, lambda: self.ack(last_completed)),
         ):
-            job._waits.check(self.generation)
+            parts.waits.check(self.generation)
             self.state = state
+            parts.link.progress = replace(parts.link.progress, rebuild_state=state)  # shown by `deadpool status`
             action()
         return True
 
@@ -150,8 +176,8 @@ class MemberRebuild:
     def leave(self) -> None:
         if self.survivor:
             self.marks.setdefault("out", time.time())
-            self.job._leave_group()
-        self.job._worker.cancel_uploads_before(self.generation)
+            self.parts.leave_group()
+        self.parts.worker.cancel_uploads_before(self.generation)
 
     def restore(self) -> None:
         command = self.command
@@ -160,42 +186,42 @@ class MemberRebuild:
         elif self.resuming or command.local:
             pass  # read once the group exists (`exchange`): every rank must take the same step
         elif self.survivor:  # formation again (a member died in the first one): back to the start
-            for param in self.job.module.parameters():
+            for param in self.parts.objects.module.parameters():
                 param.grad = None  # of a first step that never completed; no optimizer step ran
-            restore_rng(self.job._initial_rng)
+            restore_rng(self.parts.initial_rng)
         self.marks["restored"] = time.time()
 
     def connect(self) -> None:
-        job, command = self.job, self.command
-        deadline = time.monotonic() + job.config.rendezvous_wait_s
-        host = "this member" if command.rendezvous_member == job.config.member else command.rendezvous_member
+        parts, command = self.parts, self.command
+        deadline = time.monotonic() + parts.config.rendezvous_wait_s
+        host = "this member" if command.rendezvous_member == parts.config.member else command.rendezvous_member
         self.log.info(
             "rendezvous", host=host, address=f"{command.rendezvous_host}:{command.rendezvous_port}", ranks=command.ranks
         )
         try:
-            self._store, self._store_sockets = job._rendezvous.store_for(
-                command, job.config.member, job._waits, deadline
+            self._store, self._store_sockets = parts.rendezvous.store_for(
+                command, parts.config.member, parts.waits, deadline
             )
         except RendezvousUnreachableError as exc:
             raise RendezvousFailedError(str(exc)) from exc
 
     def form(self) -> None:
-        job, command = self.job, self.command
-        service_ports = {job._rendezvous.port, command.rendezvous_port, *(a.port for a in command.stores)}
-        service_ports |= job._link.server_ports()
+        parts, command = self.parts, self.command
+        service_ports = {parts.rendezvous.port, command.rendezvous_port, *(a.port for a in command.stores)}
+        service_ports |= parts.link.server_ports()
         try:
-            self.group = job._group.create(
+            self.group = parts.group.create(
                 self._store,
                 self.rank,
                 command.world_size,
-                job._backend,
-                job.config.pg_timeout_s,
+                parts.backend,
+                parts.config.pg_timeout_s,
                 self.generation,
                 service_ports,
                 self._store_sockets,
             )
         except RuntimeError as exc:  # torch's DistError family: a member never came, or we were broken
-            job._waits.check(self.generation)
+            parts.waits.check(self.generation)
             raise RendezvousFailedError(f"process group of generation {self.generation} not formed: {exc}") from exc
 
     def _take(self, snapshot: FlatBuffer, meta: SnapshotMeta, source: str) -> None:
@@ -208,8 +234,9 @@ class MemberRebuild:
                 f"not rank {self.rank} of {command.world_size}",
             )
         self.snapshot, self.meta, self.source = snapshot, meta, source
-        if not meta.partitioned and not is_fully_sharded(self.job.module):  # else: once resharded (apply)
-            load_module(self.job.module, [snapshot])
+        module = self.parts.objects.module
+        if not meta.partitioned and not is_fully_sharded(module):  # else: once resharded (apply)
+            load_module(module, [snapshot])
 
     def exchange(self) -> None:
         if self.resuming:
@@ -224,21 +251,21 @@ class MemberRebuild:
             except ReplicaMismatchError as exc:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
             except RuntimeError as exc:  # the new group broke under the exchange
-                self.job._waits.check(self.generation)
+                self.parts.waits.check(self.generation)
                 raise RendezvousFailedError(f"replica exchange of generation {self.generation}: {exc}") from exc
             if self.meta.partitioned:
-                load_module(self.job.module, [self.snapshot, *self.replicas])
+                load_module(self.parts.objects.module, [self.snapshot, *self.replicas])
         self.marks["rendezvous"] = time.time()
 
     def _restore_newest_own(self) -> None:
         """Training was held while every store was lost: agree with every rank on the newest step all of
         them hold in their own buffers (none is in a store), and load ours."""
-        worker = self.job._worker
+        worker = self.parts.worker
         mine = worker.local_steps()
         try:
             step = agree_on_newest(mine, self.group, exchange_device(self.group))
         except RuntimeError as exc:  # the new group broke under the agreement
-            self.job._waits.check(self.generation)
+            self.parts.waits.check(self.generation)
             raise RendezvousFailedError(f"agreeing on a step in generation {self.generation}: {exc}") from exc
         slot = worker.local(step) if step != NO_STEP else None
         if slot is None or slot.buffer is None:  # every rank finds the same: they all say so
@@ -257,7 +284,7 @@ class MemberRebuild:
                 directory, self.rank, world, self.group, exchange_device(self.group)
             )
         except RuntimeError as exc:  # the new group broke under the agreement
-            self.job._waits.check(self.generation)
+            self.parts.waits.check(self.generation)
             raise RendezvousFailedError(f"durable resume of generation {self.generation}: {exc}") from exc
         for reason in refused:
             self.log.warning("persisted step refused", reason=reason)
@@ -268,9 +295,10 @@ class MemberRebuild:
             if self.command.durable:
                 raise RestoreUnavailableError(why)
             raise MemberCannotContinueError(MemberErrorCause.SNAPSHOT_UNAVAILABLE, why)
+        module = self.parts.objects.module
         try:
-            if not is_fully_sharded(self.job.module):  # shards are checked as they load (apply)
-                check_fits(self.job.module, meta.layout)
+            if not is_fully_sharded(module):  # shards are checked as they load (apply)
+                check_fits(module, meta.layout)
         except ValueError as exc:
             raise MemberCannotContinueError(
                 MemberErrorCause.REPLICAS_DISAGREE, f"{directory} step {step} does not fit this model: {exc}"
@@ -281,31 +309,18 @@ class MemberRebuild:
                 f"{directory} step {step} rank {self.rank} is partition {meta.partition}, not of {world} ranks",
             )
         self.snapshot, self.meta, self.source = buffer, meta, "durable"
-        if not meta.partitioned and not is_fully_sharded(self.job.module):
-            load_module(self.job.module, [buffer])
+        if not meta.partitioned and not is_fully_sharded(module):
+            load_module(module, [buffer])
         self.log.info("resumed from the durable tier", directory=str(directory), step=step)
 
     def apply(self) -> None:
-        job = self.job
+        parts, objects, command = self.parts, self.parts.objects, self.command
         try:
-            module, fresh = job._module_to_wrap()
-            job._note.clear()
-            model = job._wrap(module, job._group_for_wrap(self.group)) if job._wrap else module
-            if job._note.error is not None:  # DDP's checks and broadcast at construction failed, without raising
-                raise RendezvousFailedError(f"the new group broke while wrapping: {job._note.error}")
-            check_wrapped(model)
-            if is_fully_sharded(module) and job._own_optimizer is not None:
-                raise TypeError("a model sharded with fully_shard needs an optimizer factory: its parameters change")
-            if fresh:
-                self._load_into_fresh(module)
-            job.module = module
-            optimizer = job._factory(list(job.module.parameters())) if job._factory else job._own_optimizer
-            assert optimizer is not None
-            job.state.bind(optimizer)  # before the optimizer's state is loaded: see `user_state`
+            model, optimizer = objects.build(self.group, self._load_into_fresh)
         except (MemberCannotContinueError, RendezvousFailedError):
             raise
         except Exception as exc:
-            job._waits.check(self.generation)  # broken because the generation was superseded
+            parts.waits.check(self.generation)  # broken because the generation was superseded
             if is_collective_error(exc):  # DDP broadcasts at construction: the new group broke under it
                 raise RendezvousFailedError(f"the new group broke while wrapping: {exc}") from exc
             # The user's code: every member would meet it.
@@ -313,17 +328,14 @@ class MemberRebuild:
             raise MemberCannotContinueError(
                 MemberErrorCause.USER_CODE, f"the wrapper or optimizer factory raised during a rebuild: {text}"
             ) from exc
-        if optimizer is not job._hooked_optimizer:  # the user's own optimizer is hooked once
-            optimizer.register_step_pre_hook(lambda *_: job._fence_optimizer_step())
-            skip_step_after_failure(optimizer, job._note)
-            job._hooked_optimizer = optimizer
-        step = 0
+        objects.hook(optimizer)
+        step, extra_state = 0, None
         if self.snapshot is not None and self.meta is not None:
             # A fetched snapshot is ours alone: the optimizer state may live in it, uncopied.
             try:
                 tree = self.meta.decode_tree(self.snapshot)
                 load_optimizer(
-                    job.module,
+                    objects.module,
                     optimizer,
                     [self.snapshot, *self.replicas],
                     tree,
@@ -331,9 +343,8 @@ class MemberRebuild:
                 )
             except ValueError as exc:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
-            job._restores += 1
             try:
-                load_user_state(job.state, tree)
+                load_user_state(objects.state, tree)
                 self.loaded_user = tree["user"]
             except Exception as exc:  # the user's load_state_dict, or a snapshot of other objects
                 text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
@@ -341,46 +352,58 @@ class MemberRebuild:
                     MemberErrorCause.USER_CODE, f"registered state could not be restored: {text}"
                 ) from exc
             restore_rng(self.meta.rng)
-            job.extra_state = dict(self.meta.extra)
+            extra_state = dict(self.meta.extra)
             step = self.meta.step
-        command = self.command
-        job.model, job.optimizer, job._plan = model, optimizer, None
-        job.rank, job.world_size, job.generation = self.rank, command.world_size, self.generation
         stores = {s.store: s for s in command.stores}
-        job._placement = [stores[name] for name in command.placement[self.rank]]
-        job._placement_version = 0
-        job._next_step = job._completed_step = step
-        job._first_step_pending = True
-        job._worker.forget_after(step)
+        self.result = RebuildResult(
+            rank=self.rank,
+            world_size=command.world_size,
+            generation=self.generation,
+            step=step,
+            placement=tuple(stores[name] for name in command.placement[self.rank]),
+            model=model,
+            optimizer=optimizer,
+            extra_state=extra_state,
+        )
+        parts.adopt(self.result)
 
     def seal(self) -> None:
         """Formation: store the first step (0, or the resumed one) before training, so a recovery always has
         a committed step to go to."""
         if self.command.restore_step != NO_STEP:
             return
-        request = self.job._capture(self.job._next_step, self.loaded_user)  # step 0, or the resumed step
+        assert self.result is not None
+        step = self.result.step  # step 0, or the resumed step
+        request = self.parts.capture(step, self.loaded_user)
         deadline = time.monotonic() + FORMATION_SNAPSHOT_WAIT_S
         while request is not None and not request.done.wait(SEAL_POLL_S):
-            self.job._waits.check(self.generation)
+            self.parts.waits.check(self.generation)
             if time.monotonic() > deadline:
                 break
         if request is None or not request.done.is_set() or not request.sealed_on:
             self.log.warning(
                 "first snapshot not stored before training; a failure before the next one cannot be recovered",
-                step=self.job._next_step,
+                step=step,
             )
 
     def report_unavailable(self, reason: str) -> None:
         """Tell the swapper this member found no copy of the restore step (it waits for the next command)."""
-        job = self.job
-        job._link.progress = replace(job._link.progress, rebuilding=False, awaiting_rebuild=True)
-        last_completed = job._completed_step if self.survivor else NO_STEP
+        link = self.parts.link
+        link.progress = replace(link.progress, rebuilding=False, awaiting_rebuild=True)
+        last_completed = self.before.completed_step if self.survivor else NO_STEP
         self._send_ack("unavailable", self.command.restore_step, last_completed)
         self.log.warning("restore unavailable; the swapper tries the next link", reason=reason[:500])
 
     def ack(self, last_completed: int) -> None:
-        job, command = self.job, self.command
-        job._link.progress = Progress(generation=self.generation, rank=self.rank, step=job._completed_step)
+        command, result = self.command, self.result
+        assert result is not None
+        self.parts.link.progress = Progress(
+            generation=self.generation,
+            rank=self.rank,
+            step=result.step,
+            phase=MemberPhase.REBUILDING,
+            rebuild_state=RebuildState.ACK,
+        )
         agreed = self.source == "durable" or command.local  # the ranks chose the step themselves
         restored = self.meta.step if agreed and self.meta else command.restore_step
         self._send_ack(self.source, restored, last_completed)
@@ -396,25 +419,25 @@ class MemberRebuild:
 
     def _trace(self) -> None:
         """This member's spans of the incident the rebuild answers, under the swapper's `recovery`."""
-        job, command, marks = self.job, self.command, self.marks
-        if not command.traceparent or not job._tracing.on:
+        config, tracing, command, marks = self.parts.config, self.parts.tracing, self.command, self.marks
+        if not command.traceparent or not tracing.on:
             return
         attrs: dict[str, Any] = {
             "job": command.job,
             "generation": self.generation,
             "rank": self.rank,
-            "member": job.config.member,
-            "host": job.config.host,
+            "member": config.member,
+            "host": config.host,
             "incident": command.incident,
         }
         parent = command.traceparent
         if "out" in marks:
-            job._tracing.record("abort", parent, marks.get("received", marks["out"]), marks["out"], attrs)
+            tracing.record("abort", parent, marks.get("received", marks["out"]), marks["out"], attrs)
         restored = {"source": self.source, "bytes": self.snapshot.layout.total_bytes if self.snapshot else 0}
-        job._tracing.record("restore", parent, marks["begin"], marks["restored"], attrs | restored)
-        job._tracing.record("rendezvous", parent, marks["restored"], marks.get("rendezvous", marks["restored"]), attrs)
-        job._tracing.record("apply", parent, marks.get("rendezvous", marks["restored"]), marks["ready"], attrs)
-        job._first_step_trace = (parent, marks["ready"], attrs)
+        tracing.record("restore", parent, marks["begin"], marks["restored"], attrs | restored)
+        tracing.record("rendezvous", parent, marks["restored"], marks.get("rendezvous", marks["restored"]), attrs)
+        tracing.record("apply", parent, marks.get("rendezvous", marks["restored"]), marks["ready"], attrs)
+        self.first_step_trace = (parent, marks["ready"], attrs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -426,7 +449,7 @@ class MemberRebuild:
                 MemberErrorCause.SNAPSHOT_UNAVAILABLE,
                 "a model sharded with fully_shard must be re-formed from scratch: restart the job",
             )
-        device = self.job._param_device
+        device = self.parts.objects.param_device
         module.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
         try:
             load_module(module, [self.snapshot, *self.replicas])
@@ -434,13 +457,13 @@ class MemberRebuild:
             raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, f"shards do not fit: {exc}") from exc
 
     def _send_ack(self, source: str, restore_step: int, last_completed: int) -> None:
-        job = self.job
+        config = self.parts.config
         self.marks["ready"] = time.time()
-        job._link.ack(
+        self.parts.link.ack(
             RebuildAck(
-                job=job.config.job,
+                job=config.job,
                 generation=self.generation,
-                member=job.config.member,
+                member=config.member,
                 rank=self.rank,
                 restore_step=restore_step,
                 last_completed_step=last_completed,
@@ -452,9 +475,10 @@ class MemberRebuild:
 
     def _snapshot_for(self, step: int) -> tuple[FlatBuffer, SnapshotMeta, str]:
         """The snapshot of (rank, step): from our own buffer if we have it, else from a store."""
-        job, command, rank = self.job, self.command, self.rank
-        if job.rank == rank:
-            slot = job._worker.local(step)
+        parts, command, rank = self.parts, self.command, self.rank
+        module = parts.objects.module
+        if self.before.rank == rank:
+            slot = parts.worker.local(step)
             if slot is not None and slot.buffer is not None:
                 return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
         wanted = SnapshotWanted(command.job, rank, step, command.restore_generation, command.traceparent)
@@ -462,12 +486,12 @@ class MemberRebuild:
             buffer, meta, _ = fetch_from_stores(
                 wanted,
                 stores_in_order(command.stores, command.placement[rank]),  # the rank's own stores first
-                job.module,
+                module,
                 self.log,
-                token=job._link.store_token,
-                pin=torch.cuda.is_available() and any(p.is_cuda for p in job.module.parameters()),
-                sharded=is_fully_sharded(job.module),
-                breakable=lambda abort: job._waits.breakable(self.generation, abort),
+                token=parts.link.store_token,
+                pin=torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()),
+                sharded=is_fully_sharded(module),
+                breakable=lambda abort: parts.waits.breakable(self.generation, abort),
             )
         except NoStoreCopyError as exc:
             raise RestoreUnavailableError(str(exc)) from exc

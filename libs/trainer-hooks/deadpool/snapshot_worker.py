@@ -286,6 +286,25 @@ class SnapshotWorker:
         will be recomputed."""
         self._cancel_below_generation = generation
 
+    def figures(self) -> dict[str, int | float]:
+        """What the worker did, for the member's stats file (`DEADPOOL_STATS_DIR`)."""
+        durable = self.durable
+        return {
+            "snapshots_skipped": self.skipped,
+            "snapshot_waits": self.waits,
+            "durable_persisted": durable.persisted if durable else 0,
+            "durable_skipped": durable.skipped if durable else 0,
+            "durable_bytes": durable.bytes_written if durable else 0,
+            "durable_s": durable.seconds if durable else 0.0,
+            "durable_failed": durable.failed if durable else 0,
+            "durable_disk_full": durable.disk_full if durable else 0,
+            "snapshots_streamed": self.captures,
+            "snapshot_copy_cpu_s": self.copy_cpu_s,
+            "snapshot_stream_cpu_s": self.stream_cpu_s,
+            "snapshot_copy_gpu_s": self.copy_gpu_s,
+            "snapshot_copy_gpu_bytes": self.copy_gpu_bytes,
+        }
+
     def close(self) -> None:
         self._requests.put(None)
         for thread in self._threads:

@@ -222,6 +222,9 @@ class Watched:
     where: str = ""
     section: str = ""
     host: str = ""
+    phase: str = ""
+    """Its last heartbeat's `MemberPhase`, and the state of its rebuild if one is under way (for `deadpool status`)."""
+    rebuild_state: str = ""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
@@ -305,6 +308,7 @@ class DetectorCore:
             watched.progress_t = now
         watched.last_step = hb.step
         watched.pid = hb.pid
+        watched.phase, watched.rebuild_state = hb.phase, hb.rebuild_state or ""
         watched.waiting = hb.waiting or hb.awaiting_rebuild or hb.rebuilding
         awaiting = hb.awaiting_rebuild and not hb.rebuilding and hb.generation >= view.generation
         if not awaiting:

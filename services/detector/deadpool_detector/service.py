@@ -291,6 +291,8 @@ class DetectorService:
                         "step": w.last_step,
                         "done": w.done,
                         "host": w.host,
+                        "phase": w.phase,
+                        "rebuild_state": w.rebuild_state,
                         "heartbeat_age_s": round(now - w.last_seen, 3),
                     }
                     for m, w in view.members.items()

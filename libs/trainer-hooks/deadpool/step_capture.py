@@ -1,0 +1,209 @@
+"""What a snapshot of a step holds and where it goes.
+
+The plan of a snapshot's tensors is made again only when they change (the optimizer's state appeared
+or was replaced, a registered object's tensors changed shape); a replicated model (DDP) is snapshotted
+one share per rank. The stores are the rank's placement, taken anew whenever the swapper places the
+rank's snapshots elsewhere (a store lost or back). While no store receives them, that is said every
+`UNPROTECTED_LOG_S`, and counted in `steps_at_risk`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from deadpool.control_link import ControlLink
+from deadpool.ddp_check import find_ddp
+from deadpool.durable_tier import DurableWriter
+from deadpool.errors import MemberCannotContinueError
+from deadpool.member_config import MemberConfig
+from deadpool.snapshot_layout import SnapshotLayout, plan_layout
+from deadpool.snapshot_worker import SnapshotWorker
+from deadpool.state_tree import TreeError
+from deadpool.step_stats import StepStats
+from deadpool.store_client import UploadKey
+from deadpool.training_objects import TrainingObjects
+from deadpool.training_state import (
+    WHOLE,
+    Partition,
+    SnapshotMeta,
+    SnapshotSources,
+    StateTree,
+    capture_tree,
+    collect_sources,
+    tensor_state_ids,
+)
+from deadpool_protocol import MemberErrorCause, Placement, StoreAddress
+
+__all__ = ["UNPROTECTED_LOG_S", "StepCapture", "snapshot_worker"]
+
+UNPROTECTED_LOG_S = 30.0
+"""While every store is lost, a member says so this often (the swapper and `deadpool status` too)."""
+PlanKey = tuple[tuple[int, ...], Partition, tuple[Any, ...]]
+
+
+def snapshot_worker(config: MemberConfig, log: Any) -> SnapshotWorker:
+    """The member's snapshot worker, with the durable tier if the job has one."""
+    durable = (
+        DurableWriter(
+            config.durable_dir,
+            config.job,
+            config.durable_every_steps,
+            config.durable_keep,
+            log,
+            config.durable_every_s,
+            config.durable_grid_steps,
+        )
+        if config.durable_dir
+        else None
+    )
+    return SnapshotWorker(
+        log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, config.snapshot_wait_s, durable
+    )
+
+
+class _LoadedState:
+    """A registered object's state as a rebuild has just loaded it, captured in the object's place."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
+
+
+class StepCapture:
+    """The snapshots of one rank of one generation at a time (`place` starts each generation's)."""
+
+    def __init__(
+        self,
+        config: MemberConfig,
+        log: Any,
+        worker: SnapshotWorker,
+        objects: TrainingObjects,
+        link: ControlLink,
+        stats: StepStats,
+    ) -> None:
+        self.config = config
+        self.log = log
+        self.worker = worker
+        self.objects = objects
+        self.link = link
+        self.stats = stats
+        self.rank: int | None = None
+        self.world_size = config.world_size
+        self.generation = 0
+        self.placement: list[StoreAddress] = []
+        self.placement_version = 0
+        """Which placement of the generation `placement` is (the rebuild's is 0; see `Placement`)."""
+        self.steps_at_risk = 0
+        """Steps trained since no store receives this rank's snapshots (0 while one does)."""
+        self._unprotected: tuple[int, float] | None = None
+        """(first step, when it was last said) while no store receives this rank's snapshots."""
+        self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
+
+    def place(self, rank: int, world_size: int, generation: int, placement: list[StoreAddress]) -> None:
+        """A rebuild made this member `rank` of `generation`, its snapshots going to `placement`."""
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.placement = placement
+        self.placement_version = 0
+        self._plan = None
+
+    def forget_plan(self) -> None:
+        """The tensors a plan names belong to a wrapper and optimizer being dropped."""
+        self._plan = None
+
+    def capture(self, step: int, extra_state: dict[str, Any], loaded: Mapping[str, Any] | None = None) -> Any:
+        """Start the snapshot of `step`. `loaded`: the registered objects' states a rebuild has just
+        loaded, captured as they are rather than read back (a resumed formation's SEAL: a data loader
+        given a state has no iterator until the loop iterates it, and reading its state would fork
+        its workers inside the rebuild; see `UserState.read_once`)."""
+        assert self.rank is not None
+        self._adopt_placement()
+        objects = self.objects
+        user = objects.state if loaded is None else {name: _LoadedState(state) for name, state in loaded.items()}
+        try:
+            tree = capture_tree(objects.module, objects.optimizer, user)
+        except TreeError as exc:  # every member would meet it: end the job, saying what cannot be held
+            raise MemberCannotContinueError(MemberErrorCause.USER_CODE, f"state cannot be snapshotted: {exc}") from exc
+        sources, layout = self._sources(tree)
+        meta = SnapshotMeta.capture(step, layout, tree, sources, extra_state).encode()
+        key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
+        self._say_if_unprotected(step)
+        durable = self.worker.durable
+        persist = self.world_size if durable is not None and durable.due(step) else 0
+        return self.worker.capture(key, layout, sources, meta, self.placement, persist)
+
+    def on_placement(self, placement: Placement) -> None:
+        """Control thread: uploads to stores this rank's snapshots no longer go to are abandoned now
+        (one blocked on a lost host would otherwise hold the stream until its socket timeout)."""
+        rank = self.rank
+        if rank is None or placement.generation != self.generation or rank >= len(placement.placement):
+            return
+        self.worker.drop_stores(keep=set(placement.placement[rank]))
+
+    def _partition(self) -> Partition:
+        """Snapshot only a share of the parameters when they are replicated (data parallelism)."""
+        replicated = find_ddp(self.objects.model) is not None and self.config.snapshot_partition
+        if not replicated or self.rank is None or self.world_size < 2:
+            return WHOLE
+        return Partition(self.rank, self.world_size)
+
+    def _sources(self, tree: StateTree) -> tuple[SnapshotSources, SnapshotLayout]:
+        """The snapshot's plan: made again whenever the optimizer's state tensors are other tensors
+        (state appeared, or was replaced) or the state tree's tensors changed shape; otherwise only
+        the tree's tensors of this capture are put in."""
+        partition = self._partition()
+        optimizer = self.objects.optimizer
+        key: PlanKey = (tensor_state_ids(optimizer), partition, tree.signature)
+        if self._plan is None or self._plan[0] != key:
+            sources = collect_sources(self.objects.module, optimizer, partition, tree)
+            layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+            self._plan = (key, sources, layout)
+            self.stats.snapshot_bytes, self.stats.snapshot_bytes_whole = layout.total_bytes, sources.whole_bytes
+        _, sources, layout = self._plan
+        sources.take_tree(tree.tensors)
+        return sources, layout
+
+    def _adopt_placement(self) -> None:
+        """Stream from now on where the swapper's newest placement of this generation says (a store was
+        lost, or one came back): no rebuild, the next snapshot simply goes elsewhere."""
+        newest = self.link.latest_placement()
+        if newest is None or newest.generation != self.generation or newest.version <= self.placement_version:
+            return
+        assert self.rank is not None
+        addresses = {s.store: s for s in newest.stores}
+        self.placement = [addresses[name] for name in newest.placement[self.rank]]
+        self.placement_version = newest.version
+        self.log.info(
+            "snapshots placed anew",
+            version=newest.version,
+            stores=[s.store for s in self.placement],
+            why=newest.reason,
+        )
+
+    def _say_if_unprotected(self, step: int) -> None:
+        """While no store receives this rank's snapshots (every store was lost), say so every
+        `UNPROTECTED_LOG_S`, with how many steps have been trained since: a lost rank would restore
+        from the durable tier, if the job has one."""
+        if self.placement:
+            if self._unprotected is not None:
+                self.log.warning("snapshots reach a store again", step=step, unprotected_since=self._unprotected[0])
+            self._unprotected = None
+            self.steps_at_risk = 0
+            return
+        now = time.monotonic()
+        if self._unprotected is None:
+            self._unprotected = (step, now - UNPROTECTED_LOG_S)
+        since, said = self._unprotected
+        self.steps_at_risk = step - since + 1
+        if now - said >= UNPROTECTED_LOG_S:
+            self._unprotected = (since, now)
+            self.log.warning(
+                "training unprotected: no snapshot store receives this rank's snapshots",
+                step=step,
+                since_step=since,
+                steps_at_risk=step - since + 1,
+                durable_tier=self.worker.durable is not None,
+            )
