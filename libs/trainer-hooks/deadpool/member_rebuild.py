@@ -13,10 +13,10 @@
 "Breakable": the wait belongs to the generation, and the control thread breaks it (shuts its sockets
 down) the moment the generation is superseded: a newer rebuild, a void notice, the job's end. The
 machine checks for supersession between states too, so a member never spends a state's whole bound
-on a generation that can no longer form; it raises `SupersededError` and the job starts over with the
+on a generation that can no longer form; it raises `SupersededError` and `member_recovery` starts over with the
 newest command.
 
-Three other ways out, each a specific exception for the job to act on:
+Three other ways out, each a specific exception for `member_recovery` to act on:
 - `RendezvousFailedError`: the group could not be formed (a peer died meanwhile, the host is
   unreachable). Not this member's fault: it awaits the next command, and the swapper or the detector
   provides one (a failure's rebuild, or a regroup).
@@ -101,13 +101,13 @@ class RebuildParts:
     leave_group: Callable[[], None]
     """Drop the wrappers that hold the process group, then break and destroy the group."""
     adopt: Callable[[RebuildResult], None]
-    """The one place the job takes a rebuild's result (before SEAL, which snapshots as the rank)."""
+    """The one place the member takes a rebuild's result (before SEAL, which snapshots as the rank)."""
     capture: Callable[[int, Mapping[str, Any] | None], Any]
-    """Start the snapshot of a step (see `Job._capture`)."""
+    """Start the snapshot of a step (`StepCapture.capture`, with the member's `extra_state`)."""
 
 
 class MemberRebuild:
-    """Carries out one generation's rebuild for a member that stood at `before`; the job adopts the
+    """Carries out one generation's rebuild for a member that stood at `before`; the member adopts the
     result (`RebuildParts.adopt`) once the rank is ready to train."""
 
     def __init__(self, parts: RebuildParts, before: MemberState, command: Rebuild, marks: dict[str, float]) -> None:
@@ -129,7 +129,7 @@ class MemberRebuild:
         self.group: Any = None
         self.result: RebuildResult | None = None
         self.first_step_trace: FirstStepTrace | None = None
-        """Set by ACK when the swapper traces the incident: the job records the first step under it."""
+        """Set by ACK when the swapper traces the incident: the member records the first step under it."""
         self._store: Any = None
         self._store_sockets: dict[int, str] = {}
         config = parts.config
