@@ -84,7 +84,7 @@ from deadpool_cli.demo import default_script
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
-from deadpool_protocol import SWAPPER_STATUS, Rebuild
+from deadpool_protocol import SWAPPER_STATUS, MemberErrorCause, Rebuild
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.logs import get_logger
 from deadpool_runtime.clock_fault import CLOCK_STEP_FILE_ENV
@@ -720,7 +720,7 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
     # Committed steps that could not be restored: restores that went below the committed step (to the
     # durable tier), and restores that found nothing at all (the job ended).
     lost_committed = sum(int(i.evidence.get("lost_committed_steps", "0")) for i in incidents)
-    lost_committed += sum(f.evidence.get("cause") == "snapshot_unavailable" for f in watch.failures)
+    lost_committed += sum(f.cause is MemberErrorCause.SNAPSHOT_UNAVAILABLE for f in watch.failures)
     links = [i.evidence.get("restore_link", "") for i in incidents]
     false_verdicts = sorted({f.member for f in watch.failures if f.member not in chaos.touched})
     disk_faults = [f for f in faults if f.kind == "disk_full"]

@@ -49,6 +49,8 @@ from deadpool_protocol import (
     MemberHello,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     RunReply,
     RunStart,
     Subjects,
@@ -96,7 +98,7 @@ async def worker_main(
             member.generation, member.rank = rebuild.generation, rebuild.rank_of(member.name)
             if member.rank != NO_RANK:
                 now = time.time()
-                marks = {"received": now, "begin": now, "restored": now, "rendezvous": now, "ready": now}
+                marks = RebuildMarks(received=now, begin=now, restored=now, rendezvous=now, ready=now)
                 ack = RebuildAck(
                     JOB,
                     rebuild.generation,
@@ -104,7 +106,7 @@ async def worker_main(
                     member.rank,
                     rebuild.restore_step,
                     member.step,
-                    "local",
+                    RestoreSource.LOCAL,
                     marks,
                     now,
                 )

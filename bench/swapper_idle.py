@@ -38,6 +38,8 @@ from deadpool_protocol import (
     MemberHello,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     RunReply,
     RunStart,
     StepResumed,
@@ -87,7 +89,9 @@ async def form(nc: Client, events: EventPublisher, job: str) -> Rebuild:
     formation = await asyncio.wait_for(rebuilds.get(), 60)
     await sub.unsubscribe()
     for rank, member in enumerate(formation.ranks):
-        ack = RebuildAck(job, formation.generation, member, rank, -1, -1, "fresh", {}, time.time())
+        ack = RebuildAck(
+            job, formation.generation, member, rank, -1, -1, RestoreSource.FRESH, RebuildMarks(), time.time()
+        )
         await events.publish(subjects.rebuild_ack, ack)
     return formation
 

@@ -23,6 +23,7 @@ from deadpool_cli.nats_auth import authorization_config, create_credentials, cre
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
+    FailureReason,
     FenceRequest,
     HelloReply,
     MemberHello,
@@ -47,7 +48,7 @@ FORGED_REBUILD = Rebuild(
     JOB, 1 << 40, 1, ["attacker-0"], [], "attacker-0", "127.0.0.1", 1, 0, [], [[]], "", time.time()
 )
 FORGED_FENCE = FenceRequest(JOB, 1, "victim-0", "forged")
-FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, "heartbeat", {}, time.time(), time.time())
+FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, FailureReason.HEARTBEAT, {}, time.time(), time.time())
 SQUATTED_RUN = RunStart(JOB, 0, "squatter", 1, "squatter", time.time())
 """A member's key starting a run of a job of one rank, to hold the name before the real job comes."""
 

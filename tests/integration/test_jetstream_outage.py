@@ -42,6 +42,8 @@ from deadpool_protocol import (
     Message,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     StoreStatus,
     Subjects,
     decode,
@@ -182,7 +184,9 @@ async def test_a_verdict_made_while_jetstream_is_away_for_longer_than_the_old_gi
         async with running(members_beat()):
             for member in formation.ranks:
                 now = time.time()
-                ack = RebuildAck(JOB, 1, member, formation.rank_of(member), -1, -1, "fresh", {"ready": now}, now)
+                ack = RebuildAck(
+                    JOB, 1, member, formation.rank_of(member), -1, -1, RestoreSource.FRESH, RebuildMarks(ready=now), now
+                )
                 await nc.publish(S.rebuild_ack, encode(ack))
             while (await leader_status(nc, JOB))["rebuild_pending"]:
                 await asyncio.sleep(0.1)  # polling a status: the swapper publishes no event for this

@@ -16,10 +16,13 @@ from nats.aio.client import Client
 
 from deadpool_protocol import (
     Failure,
+    FailureReason,
     MemberHello,
     Message,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     SnapshotComplete,
     StoreStatus,
     Subjects,
@@ -66,8 +69,8 @@ def formed(core: SwapperCore, now: float) -> Rebuild:
     (formation,) = [a.message for d in decisions for a in d.actions if isinstance(a, Publish)]
     assert isinstance(formation, Rebuild)
     for rank, member in enumerate(formation.ranks):
-        marks = {"received": 0.0, "ready": 0.0}
-        core.on_ack(RebuildAck(JOB, 1, member, rank, -1, -1, "fresh", marks, 0.0), now)
+        marks = RebuildMarks(received=0.0, ready=0.0)
+        core.on_ack(RebuildAck(JOB, 1, member, rank, -1, -1, RestoreSource.FRESH, marks, 0.0), now)
     assert core.jobs[JOB].formed and core.jobs[JOB].pending is None
     return formation
 
@@ -112,7 +115,7 @@ async def test_a_worker_reads_every_event_in_order_with_deadlines_past_and_rules
 
         # A rule that can never be satisfied (no store for the vacant rank's rebuild to place on, and
         # none comes) must not stop the worker from hearing the failure, nor make it spin.
-        failure = Failure(JOB, 1, "r1", 1, "exit", {}, time.time(), time.time())
+        failure = Failure(JOB, 1, "r1", 1, FailureReason.EXIT, {}, time.time(), time.time())
         assert await events.publish(subjects.failure, failure)
         await until(lambda: any(isinstance(m, Rebuild) and m.generation == 2 for m in published), "rank 1 swapped")
         (rebuild,) = [m for m in published if isinstance(m, Rebuild) and m.generation == 2]
@@ -149,7 +152,7 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
     assert first.jobs[JOB].applied_seq == 0  # position 0 of the still empty stream
     await records.save(first.jobs[JOB], time.monotonic())
 
-    failure = Failure(JOB, 1, "r1", 1, "exit", {}, time.time(), time.time())
+    failure = Failure(JOB, 1, "r1", 1, FailureReason.EXIT, {}, time.time(), time.time())
     assert await EventPublisher(nc, log).publish(Subjects.for_job(JOB).failure, failure)  # no leader hears it
 
     now = time.monotonic()

@@ -21,6 +21,8 @@ from deadpool_protocol import (
     MemberHello,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     Subjects,
     decode,
     encode,
@@ -83,12 +85,13 @@ async def test_a_job_of_4096_ranks_with_long_names_forms(nc: Client, spawn_servi
     assert len(encode(formation)) < nc.max_payload
 
     events = EventPublisher(nc, get_logger())
-    marks = {"received": time.time(), "ready": time.time()}
+    marks = RebuildMarks(received=time.time(), ready=time.time())
 
     async def ack(rank: int) -> None:
         async with gate:
             ok = await events.publish(
-                subjects.rebuild_ack, RebuildAck(JOB, 1, names[rank], rank, -1, -1, "fresh", marks, time.time())
+                subjects.rebuild_ack,
+                RebuildAck(JOB, 1, names[rank], rank, -1, -1, RestoreSource.FRESH, marks, time.time()),
             )
             assert ok
 

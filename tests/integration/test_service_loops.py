@@ -58,12 +58,12 @@ async def test_a_job_worker_holds_a_bounded_amount_while_its_record_cannot_be_sa
     await ensure_events_stream(nc)
     core = SwapperCore(SwapperConfig())
     worker = JobWorker("bounds", core, records, nc, log, _nothing, _no_fence, lambda: True, await stream_position(nc))
-    repeat = Publish("commit", Commit("bounds", 1, 7))
+    repeat = Publish(Commit("bounds", 1, 7))
     for _ in range(100):  # the same command retransmitted while nothing can be saved: held once
-        worker._take(Decision([repeat], "tick"))
+        worker._take(Decision([repeat], "tick", routine=True))
     assert worker._held.count(repeat) == 1
     for step in range(HELD_MAX + 500):
-        worker._take(Decision([Publish("commit", Commit("bounds", 1, 100 + step))], "commit"))
+        worker._take(Decision([Publish(Commit("bounds", 1, 100 + step))], "commit"))
     assert len(worker._held) == HELD_MAX and worker._held[-1].message == Commit("bounds", 1, 100 + HELD_MAX + 499)
     hello = MemberHello("bounds", 0, "m0", "h", 1, "l0", 0, 1, "127.0.0.1", 4000, 0.0)
     for _ in range(REPLIES_HELD_MAX + 10):

@@ -14,11 +14,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from deadpool_protocol import (
     SWAPPER_STATUS,
     Failure,
+    FailureReason,
     HelloReply,
     Incident,
     MemberHello,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     StepResumed,
     StoreStatus,
     Subjects,
@@ -85,8 +88,8 @@ def ack(rebuild: Rebuild, member: str) -> RebuildAck:
         rebuild.rank_of(member),
         rebuild.restore_step,
         -1,
-        "fresh" if rebuild.restore_step < 0 else "local",
-        {"begin": now, "ready": now},
+        RestoreSource.FRESH if rebuild.restore_step < 0 else RestoreSource.LOCAL,
+        RebuildMarks(begin=now, ready=now),
         now,
     )
 
@@ -112,7 +115,7 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
         await nc.publish(S.rebuild_ack, encode(ack(formation, member)))
 
     now = time.time()
-    await nc.publish(S.failure, encode(Failure("job1", 1, "r1", 1, "exit", {"signal": "9"}, now, now)))
+    await nc.publish(S.failure, encode(Failure("job1", 1, "r1", 1, FailureReason.EXIT, {"signal": "9"}, now, now)))
     swap = await asyncio.wait_for(rebuilds.get(), 10)
     while swap.generation == 1:  # retransmissions of formation until its acks were processed
         swap = await asyncio.wait_for(rebuilds.get(), 10)
@@ -166,16 +169,18 @@ async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spaw
             reply = await nc.request(Subjects.for_job(job).hello, encode(job_hello(job, member, hint, f"l{job}")), 10)
             assert decode(reply.data, HelloReply).accepted
         formation = await asyncio.wait_for(rebuilds[job].get(), 10)
-        ack_message = RebuildAck(job, 1, f"{job}0", 0, -1, -1, "fresh", {"ready": time.time()}, time.time())
+        ack_message = RebuildAck(
+            job, 1, f"{job}0", 0, -1, -1, RestoreSource.FRESH, RebuildMarks(ready=time.time()), time.time()
+        )
         await nc.publish(Subjects.for_job(job).rebuild_ack, encode(ack_message))
         assert formation.generation == 1
     await asyncio.sleep(0.5)
     now = time.time()
-    hung = Failure("a", 1, "a0", 0, "heartbeat", {}, now, now)  # needs a fence: the process may still run
+    hung = Failure("a", 1, "a0", 0, FailureReason.HEARTBEAT, {}, now, now)  # needs a fence: the process may still run
     await nc.publish(Subjects.for_job("a").failure, encode(hung))
     await asyncio.sleep(0.2)
     started = time.monotonic()
-    crashed = Failure("b", 1, "b0", 0, "exit", {}, now, now)  # an exit needs no fence
+    crashed = Failure("b", 1, "b0", 0, FailureReason.EXIT, {}, now, now)  # an exit needs no fence
     await nc.publish(Subjects.for_job("b").failure, encode(crashed))
     swap_b = await asyncio.wait_for(rebuilds["b"].get(), 10)
     while swap_b.generation == 1:

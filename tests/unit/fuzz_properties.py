@@ -11,6 +11,7 @@ numbers, names that are not names), which get much deeper into validation than r
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import types
@@ -94,6 +95,8 @@ def _plausible(hint: Any) -> st.SearchStrategy[Any]:
         return st.sampled_from(VALID_NAMES)
     if hint is bytes:
         return st.binary(max_size=16)
+    if isinstance(hint, type) and issubclass(hint, enum.StrEnum):
+        return st.sampled_from(list(hint))
     if origin is list:
         (item,) = typing.get_args(hint)
         return st.lists(_plausible(item), max_size=4)

@@ -9,6 +9,7 @@ from deadpool_protocol import (
     ChildExit,
     Commit,
     Failure,
+    FailureReason,
     FenceReply,
     FenceRequest,
     GroupBroken,
@@ -18,13 +19,16 @@ from deadpool_protocol import (
     JobFinished,
     MemberDone,
     MemberError,
+    MemberErrorCause,
     MemberHello,
     MemberPhase,
     Message,
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
     RebuildState,
+    RestoreSource,
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
@@ -33,6 +37,7 @@ from deadpool_protocol import (
     decode_any,
     encode,
 )
+from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.dataplane import Fetch, PutChunk, Seal, decode_frame_header, encode_frame
 
 
@@ -64,9 +69,9 @@ EXAMPLES: list[Message] = [
     MemberError("j", 1, "m0", 0, "boom", 1.0),
     MemberDone("j", 1, "m0", 0, 100),
     ChildExit("j", 1, "l0", "m0", 42, -9, 1.0),
-    Failure("j", 1, "m0", 0, "exit", {"returncode": "-9"}, 1.0, 1.1),
+    Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
     rebuild(),
-    RebuildAck("j", 2, "m0", 0, 7, 8, "local", {"out": 1.0, "ready": 2.0}, 2.0),
+    RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
     SnapshotComplete("j", 1, "s0", 0, "m0", 5, 1024),
@@ -188,6 +193,64 @@ def test_a_phase_and_a_rebuild_state_decode_as_their_enums() -> None:
     body["rebuild_state"] = "training"  # a phase is not a rebuild state
     with pytest.raises(ProtocolError, match="matches none of"):
         decode_any(msgpack.packb(body))
+
+
+LOST_HOST = Failure("j", 1, "m0", 0, FailureReason.HEARTBEAT, {}, 1.0, 1.1, lost_host="a", lost_host_members=2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("reason", "crash", "'crash' is not a FailureReason"),
+        ("reason", "EXIT", "is not a FailureReason"),
+        ("cause", "user code", "is not a MemberErrorCause"),
+        ("cause", None, "expected a MemberErrorCause, got NoneType"),
+        ("lost_host_members", "2", "expected int, got str"),  # no longer text parsed back
+        ("lost_host_members", -1, "out of range"),
+        ("lost_host_members", MEMBERS_PER_JOB_MAX + 1, "out of range"),
+        ("lost_host_members", 0, "a lost host comes with its members lost"),
+        ("lost_host", "", "a lost host comes with its members lost"),
+    ],
+)
+def test_a_verdicts_typed_fields_are_checked(field: str, value: object, reason: str) -> None:
+    body = msgpack.unpackb(encode(LOST_HOST))
+    body[field] = value
+    with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+def test_a_verdicts_cause_and_lost_host_decode_typed() -> None:
+    body = msgpack.unpackb(encode(LOST_HOST)) | {"reason": "error", "cause": "user_code"}
+    failure = decode(msgpack.packb(body), Failure)
+    assert failure.reason is FailureReason.ERROR and failure.cause is MemberErrorCause.USER_CODE
+    assert failure.lost_host == "a" and failure.lost_host_members == 2
+    assert failure.reason.needs_fence and failure.cause.ends_job
+    assert not FailureReason.EXIT.needs_fence and not MemberErrorCause.STEP.ends_job
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("restore_source", "elsewhere", "'elsewhere' is not a RestoreSource"),
+        ("marks", {"begun": 1.0}, "unknown fields"),  # a mark is a field, never a free key
+        ("marks", {"ready": -1.0}, "a time mark is negative"),
+        ("marks", {"ready": "soon"}, "matches none of"),
+        ("marks", [1.0, 2.0], "expected a map"),
+    ],
+)
+def test_an_acks_source_and_marks_are_checked(field: str, value: object, reason: str) -> None:
+    body = msgpack.unpackb(encode(RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(), 2.0)))
+    body[field] = value
+    with pytest.raises(ProtocolError, match=reason):
+        decode_any(msgpack.packb(body))
+
+
+def test_marks_of_an_older_record_decode_as_the_typed_record() -> None:
+    """A job record saved before the marks were typed holds them as a map of the same names."""
+    body = msgpack.unpackb(encode(RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.STORE, RebuildMarks(), 2.0)))
+    body["marks"] = {"received": 1.0, "begin": 1.5, "ready": 2.0}
+    ack = decode(msgpack.packb(body), RebuildAck)
+    assert ack.marks == RebuildMarks(received=1.0, begin=1.5, ready=2.0) and ack.restore_source is RestoreSource.STORE
 
 
 def test_decode_refuses_an_oversized_message() -> None:

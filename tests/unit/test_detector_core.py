@@ -247,7 +247,7 @@ def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
         core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, t, host="b"), t)
     failures = core.check(1.25)  # m0 silent for 1.05 s, m1 for 1.0 s: both, together
     assert sorted(f.member for f in failures) == ["m0", "m1"]
-    assert all(f.evidence["host_members_silent"] == "2" and f.evidence["host"] == "a" for f in failures)
+    assert all(f.lost_host == "a" and f.lost_host_members == 2 for f in failures)
 
 
 def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:

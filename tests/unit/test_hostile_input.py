@@ -19,6 +19,7 @@ from deadpool_detector.core import DetectorConfig, DetectorCore
 from deadpool_protocol import (
     ChildExit,
     Failure,
+    FailureReason,
     Heartbeat,
     JobFinished,
     ProtocolError,
@@ -95,13 +96,13 @@ def test_chunks_and_manifests_outside_their_bounds_are_refused() -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_times_that_are_not_finite_are_refused_at_decoding(bad: float) -> None:
-    failure = Failure("j", 1, "m0", 0, "exit", {}, bad, 1.0)
+    failure = Failure("j", 1, "m0", 0, FailureReason.EXIT, {}, bad, 1.0)
     with pytest.raises(ProtocolError, match="not a finite number"):
         decode_any(encode(failure))
     beat = Heartbeat("j", 1, "m0", 0, 100, 3, True, 1.0, bad)
     with pytest.raises(ProtocolError, match="not a finite number"):
         decode_any(encode(beat))
-    assert decode_any(encode(Failure("j", 1, "m0", 0, "exit", {}, 1.0, 1.0))).KIND == "failure"
+    assert decode_any(encode(Failure("j", 1, "m0", 0, FailureReason.EXIT, {}, 1.0, 1.0))).KIND == "failure"
 
 
 def test_a_heartbeat_from_a_far_generation_is_refused_and_real_rebuilds_still_count() -> None:

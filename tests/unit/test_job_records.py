@@ -7,7 +7,7 @@ import random
 import msgpack
 import pytest
 
-from deadpool_protocol import Failure, ProtocolError, Rebuild
+from deadpool_protocol import Failure, FailureReason, ProtocolError, Rebuild, RestoreSource
 from deadpool_protocol.job_record import (
     RECORD_BYTES_MAX,
     decode_stored,
@@ -21,7 +21,7 @@ from tests.unit.test_swapper_core import ack, fail, formed_core, published
 
 def test_a_record_holds_the_rebuild_in_flight_with_its_acks_and_the_open_incidents() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
     state = core.jobs["j"]
     state.applied_seq, state.stream_id = 42, "2026-12-01T00:00:00+00:00"
@@ -38,14 +38,14 @@ def test_a_record_holds_the_rebuild_in_flight_with_its_acks_and_the_open_inciden
 
 def test_a_new_leader_completes_the_loaded_rebuild_when_the_last_ack_arrives() -> None:
     core, _ = formed_core(spares=("s1",))
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
     record = state_to_record(core.jobs["j"], 5.5)
     successor, _ = formed_core()
     successor.jobs["j"] = state_from_record(record, 5.5)
     (again,) = published(successor.tick(6.6), Rebuild)  # retransmitted at once: it is pending
     assert again == rebuild
-    decision = successor.on_ack(ack(rebuild, "s1", 6.7, source="store"), 6.7)
+    decision = successor.on_ack(ack(rebuild, "s1", 6.7, source=RestoreSource.STORE), 6.7)
     assert "recovered" in decision.reason and successor.jobs["j"].pending is None
 
 
@@ -89,7 +89,7 @@ def test_a_record_carries_its_timers_as_ages_so_a_loader_on_another_clock_keeps_
     """A new leader ran 10 min behind the old one and rebuilt 601 s after the failure: the record held
     the old leader's wall-clock instants. Now it holds ages, read on the loader's own clock."""
     core, _ = formed_core(spares=("s1",))
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # the last call holds the rebuild
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # the last call holds the rebuild
     state = core.jobs["j"]
     hold_left_s = state.hold_until - 5.0
     assert hold_left_s > 0

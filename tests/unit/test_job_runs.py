@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from deadpool_protocol import (
     Failure,
+    FailureReason,
     GenerationVoid,
     GroupBroken,
     JobFinished,
@@ -14,6 +15,8 @@ from deadpool_protocol import (
     Placement,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     RunStart,
     SnapshotComplete,
     StoreStatus,
@@ -41,7 +44,9 @@ def run_to_the_end(core: SwapperCore, run: str, now: float) -> Rebuild:
     decisions = [core.on_hello(hello(f"{run}-m{r}", r, run), now)[1] for r in range(W)]
     (formation,) = [m for d in decisions for m in published(d, Rebuild)]
     for rank, member in enumerate(formation.ranks):
-        core.on_ack(RebuildAck("j", formation.generation, member, rank, -1, -1, "fresh", {}, now), now)
+        core.on_ack(
+            RebuildAck("j", formation.generation, member, rank, -1, -1, RestoreSource.FRESH, RebuildMarks(), now), now
+        )
     for rank, member in enumerate(formation.ranks):
         decision = core.on_done(MemberDone("j", formation.generation, member, rank, 10), now)
     assert published(decision, JobFinished) and core.jobs["j"].finished
@@ -103,7 +108,7 @@ def held_job(hold_s: float) -> tuple[SwapperCore, Rebuild]:
     decisions = [core.on_hello(hello(f"m{r}", r, "r"), 0.0)[1] for r in range(W)]
     (formation,) = [m for d in decisions for m in published(d, Rebuild)]
     for rank, member in enumerate(formation.ranks):
-        core.on_ack(RebuildAck("j", 1, member, rank, -1, -1, "fresh", {}, 0.0), 0.0)
+        core.on_ack(RebuildAck("j", 1, member, rank, -1, -1, RestoreSource.FRESH, RebuildMarks(), 0.0), 0.0)
     for rank, member in enumerate(formation.ranks):
         core.on_snapshot_complete(SnapshotComplete("j", 1, "s0", rank, member, 4, 100), 0.5)
     assert core.jobs["j"].committed_step == 4
@@ -123,7 +128,9 @@ def test_a_run_that_holds_training_without_stores_stops_every_rank_and_resumes_f
     assert resume.local and not resume.durable and resume.restore_step == -1
     assert resume.ranks == formation.ranks and resume.placement == [["s1"], ["s1"]]
     for rank, member in enumerate(resume.ranks):  # the ranks agreed on step 9, beyond the last commit
-        core.on_ack(RebuildAck("j", resume.generation, member, rank, 9, 10, "local", {}, 32.0), 32.0)
+        core.on_ack(
+            RebuildAck("j", resume.generation, member, rank, 9, 10, RestoreSource.LOCAL, RebuildMarks(), 32.0), 32.0
+        )
     state = core.jobs["j"]
     assert state.committed_step == 9 and state.held_since is None and state.pending is None
 
@@ -148,10 +155,12 @@ def test_a_rank_lost_while_training_is_held_is_swapped_and_the_new_generation_he
     core, formation = held_job(hold_s=60.0)
     core.on_hello(hello("spare", -1, "r"), 0.1)
     core.tick(2.0)  # every store lost: held
-    core.on_failure(Failure("j", 1, formation.ranks[1], 1, "exit", {}, 3.0, 3.0), 3.0)
+    core.on_failure(Failure("j", 1, formation.ranks[1], 1, FailureReason.EXIT, {}, 3.0, 3.0), 3.0)
     (swap,) = published(core.tick(3.1), Rebuild)  # the vacant rank's rebuild goes out, held or not
     assert swap.ranks[1] == "spare" and not swap.local
     for rank, member in enumerate(swap.ranks):
-        core.on_ack(RebuildAck("j", swap.generation, member, rank, 4, 5, "durable", {}, 4.0), 4.0)
+        core.on_ack(
+            RebuildAck("j", swap.generation, member, rank, 4, 5, RestoreSource.DURABLE, RebuildMarks(), 4.0), 4.0
+        )
     (void,) = published(core.tick(4.1), GenerationVoid)  # still no store: the new generation is held too
     assert void.generation == swap.generation and core.jobs["j"].held_since == 2.0

@@ -21,6 +21,7 @@ from deadpool_protocol import (
     ChildExit,
     Commit,
     Failure,
+    FailureReason,
     FenceReply,
     FenceRequest,
     GenerationVoid,
@@ -32,13 +33,16 @@ from deadpool_protocol import (
     JobFinished,
     MemberDone,
     MemberError,
+    MemberErrorCause,
     MemberHello,
     Message,
     Placement,
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
     Replicate,
+    RestoreSource,
     RunReply,
     RunStart,
     SnapshotComplete,
@@ -92,12 +96,12 @@ EXAMPLES: list[Message] = [
     StepResumed("j", 2, "m0", 0, 8, 2.0),
     Straggler("j", 1, "m0", 0, {"busy_share": "0.9"}, 1.0),
     ChildExit("j", 1, "l0", "m0", 42, -9, 1.0),
-    Failure("j", 1, "m0", 0, "exit", {"returncode": "-9"}, 1.0, 1.1),
+    Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
     GroupBroken("j", 1, ["m0", "m1"], {"first_to_leave": "m0"}, 1.0, 3.0),
     Rebuild("j", 2, 2, ["m0", "m1"], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], [["s0"], ["s0"]], "j-1", 12.5),
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),
-    RebuildAck("j", 2, "m0", 0, 7, 8, "local", {"out": 1.0, "ready": 2.0}, 2.0),
+    RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
     GenerationVoid("j", 1, "rank 0 failed", 1.0),
@@ -191,8 +195,13 @@ def test_honest_messages_at_every_bound_are_accepted() -> None:
     beat = Heartbeat(name, 1, name, 0, 42, 10, True, 2.0, 3.0, 1, True, "w" * WHERE_CHARS_MAX, "s" * SECTION_CHARS_MAX)
     assert round_trips(HeartbeatBatch(name, 1, name, [beat] * 100))
     assert round_trips(MemberError("j", 1, "m0", 0, text, 1.0))
-    assert round_trips(Failure("j", 1, "m0", 0, "error", evidence, 1.0, 1.1))
-    assert round_trips(RebuildAck("j", 2, "m0", 0, 7, 8, "local", marks, 2.0))
+    assert round_trips(Failure("j", 1, "m0", 0, FailureReason.ERROR, evidence, 1.0, 1.1))
+    every_mark = RebuildMarks(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert round_trips(RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, every_mark, 2.0))
+    lost = Failure(
+        "j", 1, "m0", 0, FailureReason.HEARTBEAT, {}, 1.0, 1.1, "", MemberErrorCause.STEP, host, MEMBERS_PER_JOB_MAX
+    )
+    assert round_trips(lost)
     assert round_trips(Incident("j", 2, "j-1", 0, "m0", "m2", text, 1.0, 1.1, 1.2, 2.0, 7, 0, marks, evidence))
     assert round_trips(JobFinished("j", 3, 100, True, text))
     assert round_trips(StoreStatus(name, host, 5000, 10, 100, 1, 1.0, host, 0, "a1b2c3"))
@@ -239,6 +248,8 @@ def test_every_field_of_every_message_has_a_bound_or_is_a_number() -> None:
         if base in (int, float, bool):
             return []
         options = typing.get_args(base) if origin in (typing.Union, types.UnionType) else (base,)
+        if all(o is type(None) or o in (int, float, bool) for o in options):
+            return []  # a number or None
         if all(o is type(None) or (isinstance(o, type) and issubclass(o, enum.StrEnum)) for o in options):
             return []  # one of a few short words (or None): the codec looks it up among them
         if bound is None and not dataclasses.is_dataclass(base):

@@ -11,13 +11,16 @@ from typing import Any
 from deadpool_protocol import (
     Commit,
     Failure,
+    FailureReason,
     Incident,
     JobFinished,
     MemberHello,
     Placement,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
     Replicate,
+    RestoreSource,
     SnapshotComplete,
     StoreStatus,
 )
@@ -47,8 +50,8 @@ def formed(now: float = 0.0) -> tuple[SwapperCore, Rebuild]:
         _, decision = core.on_hello(hello, now)
     (formation,) = published(decision, Rebuild)
     for member in formation.ranks:
-        marks = {"begin": now, "restored": now, "rendezvous": now, "ready": now}
-        core.on_ack(RebuildAck("j", 1, member, formation.rank_of(member), -1, -1, "fresh", marks, now), now)
+        marks = RebuildMarks(begin=now, restored=now, rendezvous=now, ready=now)
+        core.on_ack(RebuildAck("j", 1, member, formation.rank_of(member), -1, -1, RestoreSource.FRESH, marks, now), now)
     return core, formation
 
 
@@ -129,7 +132,7 @@ def test_a_rebuild_names_the_generation_whose_copies_of_the_committed_step_are_v
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
     core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.6), 0.6)
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 0.7, 0.7), 0.7)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 0.7, 0.7), 0.7)
     announce(core, 0.8)
     (rebuild,) = published(core.tick(0.8), Rebuild)
     assert rebuild.restore_step == 4 and rebuild.restore_generation == 1
@@ -182,16 +185,16 @@ def test_a_store_restarted_under_its_name_is_known_empty_and_the_committed_step_
 
 
 def kill_rank(core: SwapperCore, member: str, rank: int, now: float) -> Rebuild:
-    core.on_failure(Failure("j", core.jobs["j"].generation, member, rank, "exit", {}, now, now), now)
+    core.on_failure(Failure("j", core.jobs["j"].generation, member, rank, FailureReason.EXIT, {}, now, now), now)
     (rebuild,) = published(core.tick(now + 0.1), Rebuild)
     assert isinstance(rebuild, Rebuild)
     return rebuild
 
 
-def ack_all(core: SwapperCore, rebuild: Rebuild, source: str, restored: int, now: float) -> Decision:
+def ack_all(core: SwapperCore, rebuild: Rebuild, source: RestoreSource, restored: int, now: float) -> Decision:
     decision = Decision([], "")
     for member in rebuild.ranks:
-        marks = {"begin": now, "restored": now, "rendezvous": now, "ready": now}
+        marks = RebuildMarks(begin=now, restored=now, rendezvous=now, ready=now)
         ack = RebuildAck("j", rebuild.generation, member, rebuild.rank_of(member), restored, 5, source, marks, now)
         decision = core.on_ack(ack, now)
     return decision
@@ -211,7 +214,7 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
 
     sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 0, "r0", 3, 1000)
     core.on_snapshot_complete(sc, 2.2)  # the resumed step, sealed before the acks
-    ack_all(core, rebuild, "durable", 3, 2.3)
+    ack_all(core, rebuild, RestoreSource.DURABLE, 3, 2.3)
     (incident,) = published(first_steps(core, rebuild, 2.5), Incident)
     state = core.jobs["j"]
     assert state.committed_step == 3 and state.committed_generation == rebuild.generation
@@ -221,8 +224,10 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
 
 def unavailable(core: SwapperCore, rebuild: Rebuild, rank: int, now: float) -> Decision:
     member = rebuild.ranks[rank]
-    marks = {"begin": now, "ready": now}
-    ack = RebuildAck("j", rebuild.generation, member, rank, rebuild.restore_step, -1, "unavailable", marks, now)
+    marks = RebuildMarks(begin=now, ready=now)
+    ack = RebuildAck(
+        "j", rebuild.generation, member, rank, rebuild.restore_step, -1, RestoreSource.UNAVAILABLE, marks, now
+    )
     return core.on_ack(ack, now)
 
 

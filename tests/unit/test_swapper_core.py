@@ -9,14 +9,18 @@ import pytest
 from deadpool_protocol import (
     Commit,
     Failure,
+    FailureReason,
     GenerationVoid,
     GroupBroken,
     Incident,
     JobFinished,
     MemberDone,
+    MemberErrorCause,
     MemberHello,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     SnapshotComplete,
     StepResumed,
     StoreStatus,
@@ -34,10 +38,11 @@ def published(decision: Decision, kind: type[Any]) -> list[Any]:
     return [a.message for a in decision.actions if isinstance(a, Publish) and isinstance(a.message, kind)]
 
 
-def ack(rebuild: Rebuild, member: str, t: float, source: str = "local", last: int = -1) -> RebuildAck:
-    marks = {"received": t - 0.3, "begin": t - 0.3, "restored": t - 0.2, "rendezvous": t - 0.1, "ready": t}
-    if source == "local":
-        marks["out"] = t - 0.35
+def ack(
+    rebuild: Rebuild, member: str, t: float, source: RestoreSource = RestoreSource.LOCAL, last: int = -1
+) -> RebuildAck:
+    out = t - 0.35 if source is RestoreSource.LOCAL else None
+    marks = RebuildMarks(received=t - 0.3, out=out, begin=t - 0.3, restored=t - 0.2, rendezvous=t - 0.1, ready=t)
     return RebuildAck(
         "j", rebuild.generation, member, rebuild.rank_of(member), rebuild.restore_step, last, source, marks, t
     )
@@ -70,7 +75,7 @@ def formed_core(stores: int = 2, spares: tuple[str, ...] = ("s",)) -> tuple[Swap
     decisions += [core.on_hello(hello(s, -1, host="h1"), 0.2)[1] for s in spares]
     (formation,) = [r for d in decisions for r in published(d, Rebuild)]
     for member in formation.ranks:
-        core.on_ack(ack(formation, member, 1.0, source="fresh"), 1.0)
+        core.on_ack(ack(formation, member, 1.0, source=RestoreSource.FRESH), 1.0)
     return core, formation
 
 
@@ -120,7 +125,7 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
-    decision = fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02)
+    decision = fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02)
     (rebuild,) = published(decision, Rebuild)
     assert rebuild.generation == 2
     assert rebuild.ranks == ["r0", "other-host"]
@@ -131,7 +136,7 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
 
 def test_a_member_that_may_still_run_is_fenced_and_its_generation_voided_before_the_rebuild() -> None:
     core, _ = formed_core()
-    decision = fail(core, Failure("j", 1, "r0", 0, "hang", {}, 5.0, 6.0), 6.0)
+    decision = fail(core, Failure("j", 1, "r0", 0, FailureReason.HANG, {}, 5.0, 6.0), 6.0)
     kinds = [type(a).__name__ for a in decision.actions if type(a).__name__ != "Persist"]
     assert kinds == ["Fence", "Publish", "Publish"]
     (void,) = published(decision, GenerationVoid)
@@ -147,31 +152,37 @@ def two_hosts_core() -> SwapperCore:
     decisions += [core.on_hello(hello(s, -1, host="b", world_size=4), 0.2)[1] for s in ("s0", "s1")]
     (formation,) = [r for d in decisions for r in published(d, Rebuild)]
     for member in formation.ranks:
-        core.on_ack(ack(formation, member, 1.0, source="fresh"), 1.0)
+        core.on_ack(ack(formation, member, 1.0, source=RestoreSource.FRESH), 1.0)
     return core
 
 
 def test_a_lost_host_is_swapped_in_one_generation() -> None:
     core = two_hosts_core()
-    lost = {"host": "a", "host_members_silent": "2"}  # the detector saw the whole host go silent
-    first = core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", lost, 5.0, 6.0), 6.0)
+
+    def lost(member: str, rank: int, t_fault: float, t: float) -> Failure:  # the detector saw host a go silent
+        silent = FailureReason.HEARTBEAT
+        return Failure("j", 1, member, rank, silent, {}, t_fault, t, lost_host="a", lost_host_members=2)
+
+    first = core.on_failure(lost("r0", 0, 5.0, 6.0), 6.0)
     assert published(first, Rebuild) == [] and "waiting for its other failures" in first.reason
-    second = core.on_failure(Failure("j", 1, "r1", 1, "heartbeat", lost, 5.05, 6.001), 6.001)
+    second = core.on_failure(lost("r1", 1, 5.05, 6.001), 6.001)
     (rebuild,) = published(second, Rebuild)  # every announced member is in: no need to wait any longer
     assert published(first, GenerationVoid)  # the survivors were released at the first failure
     assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
+    shown = [i.evidence for i in core.jobs["j"].open_incidents]  # for people: the host lost, as before
+    assert [(e["host"], e["host_members_silent"]) for e in shown] == [("a", "2"), ("a", "2")]
 
 
 def test_a_single_silent_member_is_swapped_at_once() -> None:
     core = two_hosts_core()
-    (rebuild,) = published(fail(core, Failure("j", 1, "r0", 0, "heartbeat", {}, 5.0, 6.0), 6.0), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r0", 0, FailureReason.HEARTBEAT, {}, 5.0, 6.0), 6.0), Rebuild)
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
 
 
 def test_a_lost_host_whose_second_failure_is_lost_is_swapped_after_the_window() -> None:
     core = two_hosts_core()
-    lost = {"host": "a", "host_members_silent": "2"}
-    assert published(core.on_failure(Failure("j", 1, "r0", 0, "heartbeat", lost, 5.0, 6.0), 6.0), Rebuild) == []
+    first = Failure("j", 1, "r0", 0, FailureReason.HEARTBEAT, {}, 5.0, 6.0, lost_host="a", lost_host_members=2)
+    assert published(core.on_failure(first, 6.0), Rebuild) == []
     assert published(core.tick(6.2), Rebuild) == []
     (rebuild,) = published(core.tick(6.31), Rebuild)
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
@@ -179,7 +190,7 @@ def test_a_lost_host_whose_second_failure_is_lost_is_swapped_after_the_window() 
 
 def test_an_exit_is_swapped_after_the_last_call_even_with_other_members_on_its_host() -> None:
     core = two_hosts_core()
-    first = core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    first = core.on_failure(Failure("j", 1, "r0", 0, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     assert published(first, Rebuild) == [] and "last call" in first.reason
     assert published(core.tick(5.0 + LAST_CALL_S / 2), Rebuild) == []
     (rebuild,) = published(core.tick(5.0 + LAST_CALL_S), Rebuild)
@@ -188,8 +199,8 @@ def test_an_exit_is_swapped_after_the_last_call_even_with_other_members_on_its_h
 
 def test_two_failures_within_the_last_call_are_swapped_in_one_generation() -> None:
     core = two_hosts_core()
-    core.on_failure(Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
-    second = core.on_failure(Failure("j", 1, "r2", 2, "exit", {}, 5.015, 5.016), 5.016)  # 15 ms later
+    core.on_failure(Failure("j", 1, "r0", 0, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
+    second = core.on_failure(Failure("j", 1, "r2", 2, FailureReason.EXIT, {}, 5.015, 5.016), 5.016)  # 15 ms later
     assert published(second, Rebuild) == [] and published(second, GenerationVoid) == []  # already void
     (rebuild,) = published(core.tick(5.0 + LAST_CALL_S), Rebuild)
     assert rebuild.generation == 2 and rebuild.ranks == ["s0", "r1", "s1", "r3"]
@@ -201,23 +212,23 @@ def test_two_failures_within_the_last_call_are_swapped_in_one_generation() -> No
 
 def test_a_stale_or_repeated_failure_changes_nothing() -> None:
     core, _ = formed_core()
-    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)
+    fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     generation = core.jobs["j"].generation
-    again = core.on_failure(Failure("j", 1, "r1", 1, "error", {}, 5.0, 5.1), 5.1)
+    again = core.on_failure(Failure("j", 1, "r1", 1, FailureReason.ERROR, {}, 5.0, 5.1), 5.1)
     assert again.actions == [] and "not a live member" in again.reason
     assert core.jobs["j"].generation == generation
 
 
 def test_losing_a_spare_shrinks_the_pool_without_a_new_generation() -> None:
     core, _ = formed_core()
-    decision = core.on_failure(Failure("j", 1, "s", -1, "exit", {}, 5.0, 5.0), 5.0)
+    decision = core.on_failure(Failure("j", 1, "s", -1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     assert published(decision, Rebuild) == [] and core.jobs["j"].spares == []
     assert core.jobs["j"].generation == 1
 
 
 def test_without_a_spare_the_generation_stays_void_until_one_registers() -> None:
     core, _ = formed_core(spares=())
-    decision = fail(core, Failure("j", 1, "r0", 0, "exit", {}, 5.0, 5.0), 5.0)
+    decision = fail(core, Failure("j", 1, "r0", 0, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     assert published(decision, Rebuild) == [] and published(decision, GenerationVoid)
     assert "waiting for a spare" in core.tick(5.2).reason or core.jobs["j"].vacant_ranks() == [0]
     (again,) = published(core.tick(6.1), GenerationVoid)  # retransmitted while nothing replaces it
@@ -232,11 +243,11 @@ def test_an_incident_ends_at_every_ranks_first_step_with_its_phases_and_lost_ste
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10), 2.0)
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
     early = StepResumed("j", rebuild.generation, "r0", 0, 4, 5.9)  # may be stored before the last ack
     assert published(core.on_step_resumed(early, 5.65), Incident) == []
     assert published(core.on_ack(ack(rebuild, "r0", 5.6, last=4), 5.6), Incident) == []
-    assert published(core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7), Incident) == []
+    assert published(core.on_ack(ack(rebuild, "s", 5.7, source=RestoreSource.STORE), 5.7), Incident) == []
     assert published(core.on_step_resumed(early, 5.91), Incident) == []  # delivered again: counted once
     (incident,) = published(first_steps(core, rebuild, 6.0), Incident)
     assert incident.rank == 1 and incident.replacement == "s" and incident.restore_step == 3
@@ -257,9 +268,9 @@ def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 1, 10), 2.0)
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.01), 5.02), Rebuild)
-    core.on_ack(ack(rebuild, "r0", 5.6, source="store", last=7), 5.6)
-    core.on_ack(ack(rebuild, "s", 5.7, source="store"), 5.7)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
+    core.on_ack(ack(rebuild, "r0", 5.6, source=RestoreSource.STORE, last=7), 5.6)
+    core.on_ack(ack(rebuild, "s", 5.7, source=RestoreSource.STORE), 5.7)
     (incident,) = published(first_steps(core, rebuild, 5.8), Incident)
     assert incident.restore_step == 1 and incident.lost_steps == 6
 
@@ -283,7 +294,7 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
 
 def test_a_broken_group_waits_for_a_failure_rebuild_that_is_coming() -> None:
     core, _ = formed_core(spares=())
-    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # no spare: rank 1 stays vacant
+    fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # no spare: rank 1 stays vacant
     late = GroupBroken("j", 1, ["r0"], {}, 5.0, 7.0)
     decision = core.on_group_broken(late, 7.0)
     assert decision.actions == [] and "under way" in decision.reason
@@ -291,7 +302,7 @@ def test_a_broken_group_waits_for_a_failure_rebuild_that_is_coming() -> None:
 
 def test_a_rebuild_whose_members_all_gave_up_forming_it_is_superseded_by_a_regroup() -> None:
     core, _ = formed_core()
-    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     broken = GroupBroken("j", 2, list(first.ranks), {"first_to_leave": first.ranks[0]}, 6.0, 8.0)
     (regroup,) = published(core.on_group_broken(broken, 8.0), Rebuild)
     assert regroup.generation == 3 and regroup.ranks == first.ranks
@@ -300,8 +311,8 @@ def test_a_rebuild_whose_members_all_gave_up_forming_it_is_superseded_by_a_regro
 
 def test_a_second_failure_during_a_rebuild_supersedes_it_at_once() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
-    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
-    superseding = core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.2, 5.2), 5.2)
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
+    superseding = core.on_failure(Failure("j", 2, first.ranks[1], 1, FailureReason.EXIT, {}, 5.2, 5.2), 5.2)
     (void,) = published(superseding, GenerationVoid)
     (second,) = published(superseding, Rebuild)  # no last call: the rebuild under way cannot form
     assert void.generation == first.generation
@@ -309,7 +320,7 @@ def test_a_second_failure_during_a_rebuild_supersedes_it_at_once() -> None:
     assert published(core.on_ack(ack(first, "r0", 6.0), 6.0), Incident) == []  # stale generation
     assert published(first_steps(core, first, 6.05), Incident) == []  # first steps of a superseded generation
     core.on_ack(ack(second, "r0", 6.1), 6.1)
-    core.on_ack(ack(second, second.ranks[1], 6.2, source="store"), 6.2)
+    core.on_ack(ack(second, second.ranks[1], 6.2, source=RestoreSource.STORE), 6.2)
     incidents = published(first_steps(core, second, 6.4), Incident)
     assert len(incidents) == 2 and {i.t_first_step for i in incidents} == {6.4}
 
@@ -317,9 +328,11 @@ def test_a_second_failure_during_a_rebuild_supersedes_it_at_once() -> None:
 def test_an_incident_whose_first_steps_never_come_is_published_after_the_bound_without_them() -> None:
     core, _ = formed_core()
     wait_s = core.config.first_step_wait_s
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     for member in rebuild.ranks:
-        core.on_ack(ack(rebuild, member, 5.5, source="store" if member == "s" else "local"), 5.5)
+        core.on_ack(
+            ack(rebuild, member, 5.5, source=RestoreSource.STORE if member == "s" else RestoreSource.LOCAL), 5.5
+        )
     assert published(core.tick(5.5 + wait_s / 2), Incident) == []
     assert core.tick_job("j", 5.5 + wait_s - 0.5).next_at == 5.5 + wait_s  # the tick lands on the bound
     (incident,) = published(core.tick(5.5 + wait_s), Incident)
@@ -341,7 +354,7 @@ def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
 
 def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
     core, formation = formed_core()
-    fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)  # restore step 0
+    fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # restore step 0
     for rank in range(W):
         for store in ("store0", "store1"):
             late = SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10)
@@ -372,19 +385,23 @@ def test_a_silent_store_is_left_out_of_new_placements() -> None:
 
 def test_a_spare_that_registers_fills_a_vacant_rank_even_while_a_rebuild_is_pending() -> None:
     core, _ = formed_core()
-    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
-    core.on_failure(Failure("j", 2, first.ranks[1], 1, "exit", {}, 5.3, 5.3), 5.3)  # the only spare dies too
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
+    core.on_failure(
+        Failure("j", 2, first.ranks[1], 1, FailureReason.EXIT, {}, 5.3, 5.3), 5.3
+    )  # the only spare dies too
     assert core.jobs["j"].vacant_ranks() == [1] and core.jobs["j"].pending is not None
     _, joined = core.on_hello(hello("respawned", -1), 8.0)
     (rebuild,) = published(joined, Rebuild)
     assert rebuild.generation == first.generation + 1 and rebuild.ranks == ["r0", "respawned"]
 
 
-@pytest.mark.parametrize("cause", ["user_code", "snapshot_unavailable", "replicas_disagree"])
-def test_a_member_that_cannot_go_on_for_a_reason_a_spare_shares_ends_the_job_with_it(cause: str) -> None:
+@pytest.mark.parametrize(
+    "cause", [MemberErrorCause.USER_CODE, MemberErrorCause.SNAPSHOT_UNAVAILABLE, MemberErrorCause.REPLICAS_DISAGREE]
+)
+def test_a_member_that_cannot_go_on_for_a_reason_a_spare_shares_ends_the_job_with_it(cause: MemberErrorCause) -> None:
     core, _ = formed_core()
-    evidence = {"cause": cause, "error": "TypeError: boom"}
-    decision = core.on_failure(Failure("j", 1, "r1", 1, "error", evidence, 5.0, 5.0), 5.0)
+    evidence = {"error": "TypeError: boom"}
+    decision = core.on_failure(Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0, cause=cause), 5.0)
     (ended,) = published(decision, JobFinished)
     assert ended.failed and cause in ended.reason and "TypeError: boom" in ended.reason and "rank 1" in ended.reason
     assert published(decision, Rebuild) == [] and core.jobs["j"].finished
@@ -395,9 +412,18 @@ def test_a_member_that_cannot_go_on_for_a_reason_a_spare_shares_ends_the_job_wit
 
 def test_an_exception_in_a_step_is_swapped_not_fatal() -> None:
     core, _ = formed_core()
-    evidence = {"cause": "", "error": "InjectedFaultError"}
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, "error", evidence, 5.0, 5.0), 5.0), Rebuild)
+    evidence = {"error": "InjectedFaultError"}
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0), 5.0), Rebuild)
     assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished
+
+
+def test_no_decision_reads_a_verdicts_evidence() -> None:
+    """Evidence is for people: text that claims a job-ending cause or a lost host changes nothing."""
+    core, _ = formed_core()
+    evidence = {"cause": "user_code", "host": "a", "host_members_silent": "2", "lost_host": "a"}
+    decision = fail(core, Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0), 5.0)
+    (rebuild,) = published(decision, Rebuild)  # swapped at once: not ended, and no wait for a host
+    assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished and not core.jobs["j"].silent_hosts
 
 
 def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
@@ -420,7 +446,7 @@ def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
 
 def test_a_rendezvous_host_is_not_named_twice_in_a_row_when_generations_fail() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
-    (first,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     broken = GroupBroken("j", first.generation, list(first.ranks), {}, 6.0, 8.0)
     (second,) = published(core.on_group_broken(broken, 8.0), Rebuild)
     assert first.rendezvous_member == "r0" and second.rendezvous_member == first.ranks[1]
@@ -433,7 +459,7 @@ def test_generations_only_grow_and_each_is_announced_once_in_a_storm_of_failures
     for _ in range(4):
         state = core.jobs["j"]
         victim = state.ranks[1]
-        decision = core.on_failure(Failure("j", state.generation, victim, 1, "exit", {}, t, t), t)
+        decision = core.on_failure(Failure("j", state.generation, victim, 1, FailureReason.EXIT, {}, t, t), t)
         decision = Decision(decision.actions + core.tick(t + LAST_CALL_S).actions, "")
         seen += [r.generation for r in published(decision, Rebuild)]
         t += 0.2
@@ -447,11 +473,11 @@ def test_a_rank_lost_during_formation_starts_the_next_generation_fresh_again() -
     core.on_hello(hello("r0", 0), 0.0)
     core.on_hello(hello("s", -1), 0.0)
     (formation,) = published(core.on_hello(hello("r1", 1), 0.0)[1], Rebuild)
-    core.on_ack(ack(formation, "r0", 1.0, source="fresh"), 1.0)  # r1 dies before it acks
-    (again,) = published(fail(core, Failure("j", 1, "r1", 1, "exit", {}, 1.5, 1.5), 1.5), Rebuild)
+    core.on_ack(ack(formation, "r0", 1.0, source=RestoreSource.FRESH), 1.0)  # r1 dies before it acks
+    (again,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 1.5, 1.5), 1.5), Rebuild)
     assert again.generation == 2 and again.ranks == ["r0", "s"] and again.restore_step == -1
     for member in again.ranks:
-        core.on_ack(ack(again, member, 3.0, source="fresh"), 3.0)
+        core.on_ack(ack(again, member, 3.0, source=RestoreSource.FRESH), 3.0)
     core.on_hello(hello("s2", -1), 4.0)
-    (later,) = published(fail(core, Failure("j", 2, "s", 1, "exit", {}, 5.0, 5.0), 5.0), Rebuild)
+    (later,) = published(fail(core, Failure("j", 2, "s", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     assert later.restore_step == 0  # formed now: a committed step (at least step 0) is restored

@@ -9,12 +9,15 @@ from hypothesis import strategies as st
 
 from deadpool_protocol import (
     Failure,
+    FailureReason,
     GenerationVoid,
     JobFinished,
     MemberHello,
     Placement,
     Rebuild,
     RebuildAck,
+    RebuildMarks,
+    RestoreSource,
     StoreStatus,
 )
 from deadpool_swapper.core import SwapperConfig, SwapperCore
@@ -34,7 +37,7 @@ def test_a_failure_handled_while_the_stores_view_is_stale_becomes_a_rebuild_once
     complete(core, 4, formation.placement, 0.5)
     spare(core, 0.6)
     core.reset_store_view(10.0)  # the swapper heard nothing from 0.6 s to 10 s
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 10.0, 10.0), 10.0)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 10.0, 10.0), 10.0)
     waiting = core.tick(10.1)
     assert published(waiting, Rebuild) == [] and waiting.next_at <= 10.0 + core.config.store_timeout_s
     announce(core, 10.4)  # the stores speak again: alive all along, holding step 4
@@ -46,7 +49,7 @@ def test_a_vacant_rank_is_rebuilt_when_its_rebuild_could_not_go_out_at_once() ->
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
     core.reset_store_view(2.0)  # nothing heard from the stores since 0 s, nor by this process since 2 s
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 2.0, 2.0), 2.0)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 2.0, 2.0), 2.0)
     core.tick(2.1)  # the last call ends: no spare yet
     spare(core, 2.2)  # the spare comes while the view is still stale: nothing goes out yet
     assert core.jobs["j"].pending is None
@@ -60,11 +63,11 @@ def test_with_every_store_lost_a_swap_restores_from_the_durable_tier_or_the_job_
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
     spare(core, 0.6)
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 5.0, 5.0), 5.0)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     (rebuild,) = published(core.tick(5.1), Rebuild)
     assert rebuild.durable and rebuild.stores == [] and "durable" in core.jobs["j"].open_incidents[0].evidence.values()
-    marks = {"received": 5.2}
-    no_tier = RebuildAck("j", rebuild.generation, "spare", 1, -1, -1, "unavailable", marks, 5.3)
+    marks = RebuildMarks(received=5.2)
+    no_tier = RebuildAck("j", rebuild.generation, "spare", 1, -1, -1, RestoreSource.UNAVAILABLE, marks, 5.3)
     (ended,) = published(core.on_ack(no_tier, 5.3), JobFinished)
     assert ended.failed and "durable" in ended.reason
 
@@ -115,9 +118,14 @@ def test_timers_follow_the_monotonic_clock_and_stamps_the_wall_clock_however_it_
     formation = core.jobs["j"].pending
     assert formation is not None and formation.command.t_decided == 1_000_000.0
     for member in formation.command.ranks:
-        core.on_ack(RebuildAck("j", 1, member, formation.command.rank_of(member), -1, -1, "fresh", {}, 0.0), 0.1)
+        core.on_ack(
+            RebuildAck(
+                "j", 1, member, formation.command.rank_of(member), -1, -1, RestoreSource.FRESH, RebuildMarks(), 0.0
+            ),
+            0.1,
+        )
     spare(core, 0.2)
-    core.on_failure(Failure("j", 1, "r1", 1, "exit", {}, 1.0, 1.0), 1.0)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 1.0, 1.0), 1.0)
     wall[0] -= 3600.0  # the wall clock steps back an hour during the last call
     (rebuild,) = published(core.tick(1.0 + core.config.last_call_s), Rebuild)
     assert rebuild.t_decided == 1.0 + core.config.last_call_s + wall[0]
@@ -160,9 +168,9 @@ def test_a_tick_never_asks_to_run_again_in_the_past_and_a_second_tick_at_once_ha
         generation = state.generation if state else 1
         if kind == "fail_r0" or kind == "fail_r1":
             member = state.ranks[int(kind[-1])] if state and state.ranks else "r0"
-            core.on_failure(Failure("j", generation, member, 0, "exit", {}, now, now), now)
+            core.on_failure(Failure("j", generation, member, 0, FailureReason.EXIT, {}, now, now), now)
         elif kind == "fail_spare" and state and state.spares:
-            core.on_failure(Failure("j", generation, state.spares[0], -1, "exit", {}, now, now), now)
+            core.on_failure(Failure("j", generation, state.spares[0], -1, FailureReason.EXIT, {}, now, now), now)
         elif kind == "spare":
             spares += 1
             spare(core, now, f"spare{spares}")
@@ -175,7 +183,17 @@ def test_a_tick_never_asks_to_run_again_in_the_past_and_a_second_tick_at_once_ha
         elif kind == "ack" and state and state.pending:
             command = state.pending.command
             for member in command.ranks:
-                ack = RebuildAck("j", command.generation, member, command.rank_of(member), -1, -1, "local", {}, now)
+                ack = RebuildAck(
+                    "j",
+                    command.generation,
+                    member,
+                    command.rank_of(member),
+                    -1,
+                    -1,
+                    RestoreSource.LOCAL,
+                    RebuildMarks(),
+                    now,
+                )
                 core.on_ack(ack, now)
         decision = core.tick_job("j", now)
         assert decision.next_at > now, f"{kind}: the next tick asked for {decision.next_at} at {now}"

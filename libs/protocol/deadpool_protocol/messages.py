@@ -73,8 +73,10 @@ __all__ = [
     "ProtocolError",
     "Rebuild",
     "RebuildAck",
+    "RebuildMarks",
     "RebuildState",
     "Replicate",
+    "RestoreSource",
     "RunReply",
     "RunStart",
     "SnapshotComplete",
@@ -92,14 +94,13 @@ FIRST_STEP_SECTION = "first-step"
 """The section a member names during its first step of a generation (after formation or a rebuild),
 which may compile (`torch.compile` recompiles a re-wrapped model) or warm caches: the detector holds
 it to the first-step hang threshold, not to the job's recent step times."""
-RESTORE_SOURCES = frozenset({"local", "store", "durable", "fresh", "unavailable"})
 
 
 class ProtocolError(DeadPoolError, ValueError):
     """A message that cannot be accepted; the text says why (it goes into the log line)."""
 
 
-class FailureReason:
+class FailureReason(enum.StrEnum):
     """Why the detector declared a member failed."""
 
     EXIT = "exit"
@@ -111,9 +112,27 @@ class FailureReason:
     HANG = "hang"
     """Heartbeats go on but the member's training thread made no step for longer than the hang
     threshold, while it was not waiting on its peers (see the detector)."""
-    ALL: ClassVar[frozenset[str]] = frozenset({EXIT, ERROR, HEARTBEAT, HANG})
-    NEEDS_FENCE: ClassVar[frozenset[str]] = frozenset({ERROR, HEARTBEAT, HANG})
-    """Reasons after which the process may still be alive and must be killed before a swap."""
+
+    @property
+    def needs_fence(self) -> bool:
+        """After this reason the process may still be alive and must be killed before a swap."""
+        return self is not FailureReason.EXIT
+
+
+class RestoreSource(enum.StrEnum):
+    """Where a member's rebuild took its state from (`RebuildAck.restore_source`)."""
+
+    LOCAL = "local"
+    """Its own ping-pong buffer."""
+    STORE = "store"
+    """Fetched from a snapshot store."""
+    DURABLE = "durable"
+    """Resumed from the durable tier's files."""
+    FRESH = "fresh"
+    """No restore: a fresh start."""
+    UNAVAILABLE = "unavailable"
+    """No copy of the restore step to be had: the member waits for the next command (the swapper then
+    tries the next link of its fallback chain)."""
 
 
 def _need(cond: bool, why: str) -> None:
@@ -317,7 +336,7 @@ class Heartbeat(JobMessage):
         _need(self.snapshots_skipped >= 0, "snapshots_skipped is negative")
 
 
-class MemberErrorCause:
+class MemberErrorCause(enum.StrEnum):
     """Why a member cannot go on. An exception inside a step (`STEP`) is that member's fault: it is
     swapped for a spare. The others are faults that a spare would meet as well, so the swapper ends
     the job with the member's reason instead of burning every spare on it."""
@@ -330,8 +349,11 @@ class MemberErrorCause:
     """No store could provide the snapshot the rebuild named."""
     REPLICAS_DISAGREE = "replicas_disagree"
     """The ranks' snapshots of the restore step do not fit together (steps, layouts or partitions differ)."""
-    ALL: ClassVar[frozenset[str]] = frozenset({STEP, USER_CODE, SNAPSHOT_UNAVAILABLE, REPLICAS_DISAGREE})
-    ENDS_JOB: ClassVar[frozenset[str]] = frozenset({USER_CODE, SNAPSHOT_UNAVAILABLE, REPLICAS_DISAGREE})
+
+    @property
+    def ends_job(self) -> bool:
+        """A spare would meet this cause as well: the job ends with the member's reason."""
+        return self is not MemberErrorCause.STEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,13 +366,12 @@ class MemberError(JobMessage):
     error: Text
     """What went wrong (the sender clips it: `bounds.clip_text`)."""
     t: float
-    cause: Tag = MemberErrorCause.STEP
+    cause: MemberErrorCause = MemberErrorCause.STEP
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
-        _need(self.cause in MemberErrorCause.ALL, f"unknown error cause {self.cause!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,20 +469,41 @@ class Failure(JobMessage):
     KIND: ClassVar[str] = "failure"
     member: Name
     rank: int
-    reason: Tag
-    """One of `FailureReason.ALL`."""
+    reason: FailureReason
     evidence: Evidence
+    """What the detector saw, for people (logs, incidents, status); no decision reads it."""
     t_fault: float
     """Best estimate of when the fault happened (exit time, last heartbeat, error time)."""
     t_detected: float
     traceparent: Traceparent = ""
     """The W3C trace context of the detector's `detect` span: the incident's trace starts there."""
+    cause: MemberErrorCause = MemberErrorCause.STEP
+    """For `ERROR`: the cause the member reported (`MemberError.cause`); the swapper ends the job on
+    one a spare would meet as well."""
+    lost_host: Host = ""
+    """The host whose members all went silent together ("" when one process was lost)."""
+    lost_host_members: int = 0
+    """How many members of `lost_host` the detector saw go silent: the swapper waits for the verdicts
+    of all of them before it rebuilds."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
-        _need(self.reason in FailureReason.ALL, f"unknown failure reason {self.reason!r}")
+        _need(
+            0 <= self.lost_host_members <= MEMBERS_PER_JOB_MAX,
+            f"lost_host_members {self.lost_host_members} is out of range",
+        )
+        _need((self.lost_host == "") == (self.lost_host_members == 0), "a lost host comes with its members lost")
+
+    def described(self) -> dict[str, str]:
+        """The evidence with the typed facts added as text: what people read (logs, incidents)."""
+        facts = dict(self.evidence)
+        if self.cause:
+            facts["cause"] = self.cause
+        if self.lost_host:
+            facts |= {"host": self.lost_host, "host_members_silent": str(self.lost_host_members)}
+        return facts
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,6 +649,29 @@ class Replicate(JobMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class RebuildMarks:
+    """When a member passed each point of its rebuild (wall clock; None: it did not pass it). The
+    swapper times an incident's phases from them (`incident_phases`)."""
+
+    received: float | None = None
+    """The command arrived."""
+    out: float | None = None
+    """The member's broken process group was dropped (survivors only)."""
+    begin: float | None = None
+    """The training thread started the rebuild."""
+    restored: float | None = None
+    """The state was loaded."""
+    rendezvous: float | None = None
+    """The new process group was ready."""
+    ready: float | None = None
+    """Re-wrapped, about to train."""
+
+    def check(self) -> None:
+        times = (self.received, self.out, self.begin, self.restored, self.rendezvous, self.ready)
+        _need(all(t is None or t >= 0.0 for t in times), "a time mark is negative")
+
+
+@dataclass(frozen=True, slots=True)
 class RebuildAck(JobMessage):
     """A member finished its part of a rebuild and is about to train (or wait, as a spare)."""
 
@@ -616,14 +681,8 @@ class RebuildAck(JobMessage):
     restore_step: int
     last_completed_step: int
     """The step this member had completed before it rolled back (NO_STEP for a spare)."""
-    restore_source: Tag
-    """'local' (own ping-pong buffer), 'store' (fetched), 'durable' (resumed from the durable tier's
-    files), 'fresh' (no restore), or 'unavailable': this member found no copy of the restore step and
-    waits for the next command (the swapper then tries the next link of its fallback chain)."""
-    marks: Marks
-    """Wall-clock times of this member's rebuild: 'received' (command in), 'out' (its broken process
-    group dropped), 'begin' (training thread starts the rebuild), 'restored' (state loaded),
-    'rendezvous' (new process group ready), 'ready' (re-wrapped, about to train)."""
+    restore_source: RestoreSource
+    marks: RebuildMarks
     t_ready: float
 
     def check(self) -> None:
@@ -632,8 +691,7 @@ class RebuildAck(JobMessage):
         _check_rank(self.rank)
         _check_step(self.restore_step)
         _check_step(self.last_completed_step)
-        _need(self.restore_source in RESTORE_SOURCES, "unknown restore_source")
-        _need(all(v >= 0.0 for v in self.marks.values()), "a time mark is negative")
+        self.marks.check()
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ A bug: `PhaseError`, a change of the member's phase its state machine does not h
 
 from __future__ import annotations
 
+from deadpool_protocol import MemberErrorCause
 from deadpool_protocol.errors import DeadPoolError
 
 __all__ = [
@@ -41,7 +42,7 @@ class MemberFencedError(DeadPoolError, RuntimeError):
 class MemberCannotContinueError(DeadPoolError, RuntimeError):
     """This member cannot carry out the rebuild for a reason a spare would meet too (`cause`)."""
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: MemberErrorCause, message: str) -> None:
         super().__init__(message)
         self.cause = cause
 

@@ -57,6 +57,7 @@ from deadpool_protocol import (
     MemberHello,
     MemberPhase,
     Rebuild,
+    RebuildMarks,
     StepResumed,
 )
 from deadpool_runtime.metrics import Metrics
@@ -251,7 +252,7 @@ class Member:
                 self._end(command)
                 return
             _, received = self.link.latest_rebuild()
-            if self._take(self._recovery.carry_out(command, {"received": received})):
+            if self._take(self._recovery.carry_out(command, RebuildMarks(received=received))):
                 return
 
     def _warm_up(self) -> None:
@@ -280,7 +281,7 @@ class Member:
         """Between steps: carry out a rebuild newer than this member's generation, if one came."""
         latest, received = self.link.latest_rebuild()
         if latest is not None and latest.generation > self.generation:
-            self._take(self._recovery.carry_out(latest, {"received": received}))
+            self._take(self._recovery.carry_out(latest, RebuildMarks(received=received)))
 
     def leave_early(self) -> None:
         """The loop ended before its last step (`break`, an early stop, a time budget). Every rank must
@@ -311,7 +312,7 @@ class Member:
                 return
             if isinstance(command, Rebuild):
                 _, received = self.link.latest_rebuild()
-                self._take(self._recovery.carry_out(command, {"received": received}))
+                self._take(self._recovery.carry_out(command, RebuildMarks(received=received)))
                 return
             if isinstance(command, JobFinished):
                 self._end(command)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,17 @@ from deadpool.training_state import (
     load_user_state,
     restore_rng,
 )
-from deadpool_protocol import NO_RANK, NO_STEP, MemberErrorCause, MemberPhase, Rebuild, RebuildAck, RebuildState
+from deadpool_protocol import (
+    NO_RANK,
+    NO_STEP,
+    MemberErrorCause,
+    MemberPhase,
+    Rebuild,
+    RebuildAck,
+    RebuildMarks,
+    RebuildState,
+    RestoreSource,
+)
 from deadpool_runtime.tracing import Tracing
 
 __all__ = ["FirstStepTrace", "MemberRebuild", "RebuildParts"]
@@ -110,7 +120,7 @@ class MemberRebuild:
     """Carries out one generation's rebuild for a member that stood at `before`; the member adopts the
     result (`RebuildParts.adopt`) once the rank is ready to train."""
 
-    def __init__(self, parts: RebuildParts, before: MemberState, command: Rebuild, marks: dict[str, float]) -> None:
+    def __init__(self, parts: RebuildParts, before: MemberState, command: Rebuild, marks: RebuildMarks) -> None:
         self.parts = parts
         self.before = before
         self.command = command
@@ -123,7 +133,7 @@ class MemberRebuild:
         self.snapshot: FlatBuffer | None = None
         self.meta: SnapshotMeta | None = None
         self.replicas: list[FlatBuffer] = []
-        self.source = "fresh"
+        self.source = RestoreSource.FRESH
         self.loaded_user: dict[str, Any] | None = None
         """The registered objects' states APPLY loaded from the snapshot (SEAL captures them as loaded)."""
         self.group: Any = None
@@ -146,7 +156,7 @@ class MemberRebuild:
                 parts.leave_group()
                 raise MemberFencedError(f"member {parts.config.member} was replaced in generation {self.generation}")
             return False  # still a spare
-        self.marks["begin"] = time.time()
+        self.marks = replace(self.marks, begin=time.time())
         parts.link.progress = Progress(
             generation=self.generation,
             rank=self.rank,
@@ -175,7 +185,8 @@ class MemberRebuild:
 
     def leave(self) -> None:
         if self.survivor:
-            self.marks.setdefault("out", time.time())
+            if self.marks.out is None:
+                self.marks = replace(self.marks, out=time.time())
             self.parts.leave_group()
         self.parts.worker.cancel_uploads_before(self.generation)
 
@@ -189,7 +200,7 @@ class MemberRebuild:
             for param in self.parts.objects.module.parameters():
                 param.grad = None  # of a first step that never completed; no optimizer step ran
             restore_rng(self.parts.initial_rng)
-        self.marks["restored"] = time.time()
+        self.marks = replace(self.marks, restored=time.time())
 
     def connect(self) -> None:
         parts, command = self.parts, self.command
@@ -224,7 +235,7 @@ class MemberRebuild:
             parts.waits.check(self.generation)
             raise RendezvousFailedError(f"process group of generation {self.generation} not formed: {exc}") from exc
 
-    def _take(self, snapshot: FlatBuffer, meta: SnapshotMeta, source: str) -> None:
+    def _take(self, snapshot: FlatBuffer, meta: SnapshotMeta, source: RestoreSource) -> None:
         """Use this snapshot of the rank's state, once it is checked to be this rank's partition."""
         command = self.command
         if meta.partitioned and meta.partition != Partition(self.rank, command.world_size):
@@ -255,7 +266,7 @@ class MemberRebuild:
                 raise RendezvousFailedError(f"replica exchange of generation {self.generation}: {exc}") from exc
             if self.meta.partitioned:
                 load_module(self.parts.objects.module, [self.snapshot, *self.replicas])
-        self.marks["rendezvous"] = time.time()
+        self.marks = replace(self.marks, rendezvous=time.time())
 
     def _restore_newest_own(self) -> None:
         """Training was held while every store was lost: agree with every rank on the newest step all of
@@ -270,7 +281,7 @@ class MemberRebuild:
         slot = worker.local(step) if step != NO_STEP else None
         if slot is None or slot.buffer is None:  # every rank finds the same: they all say so
             raise RestoreUnavailableError(f"the ranks hold no step in common in their own buffers (here: {mine})")
-        self._take(slot.buffer, SnapshotMeta.decode(slot.meta), "local")
+        self._take(slot.buffer, SnapshotMeta.decode(slot.meta), RestoreSource.LOCAL)
         self.log.info("restored the newest step every rank holds", step=step, held_here=mine)
 
     def _resume_from_durable(self) -> None:
@@ -308,7 +319,7 @@ class MemberRebuild:
                 MemberErrorCause.REPLICAS_DISAGREE,
                 f"{directory} step {step} rank {self.rank} is partition {meta.partition}, not of {world} ranks",
             )
-        self.snapshot, self.meta, self.source = buffer, meta, "durable"
+        self.snapshot, self.meta, self.source = buffer, meta, RestoreSource.DURABLE
         if not meta.partitioned and not is_fully_sharded(module):
             load_module(module, [buffer])
         self.log.info("resumed from the durable tier", directory=str(directory), step=step)
@@ -339,7 +350,7 @@ class MemberRebuild:
                     optimizer,
                     [self.snapshot, *self.replicas],
                     tree,
-                    take_buffers=self.source in ("store", "durable"),
+                    take_buffers=self.source in (RestoreSource.STORE, RestoreSource.DURABLE),
                 )
             except ValueError as exc:
                 raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
@@ -391,7 +402,7 @@ class MemberRebuild:
         link = self.parts.link
         link.progress = replace(link.progress, rebuilding=False, awaiting_rebuild=True)
         last_completed = self.before.completed_step if self.survivor else NO_STEP
-        self._send_ack("unavailable", self.command.restore_step, last_completed)
+        self._send_ack(RestoreSource.UNAVAILABLE, self.command.restore_step, last_completed)
         self.log.warning("restore unavailable; the swapper tries the next link", reason=reason[:500])
 
     def ack(self, last_completed: int) -> None:
@@ -404,7 +415,7 @@ class MemberRebuild:
             phase=MemberPhase.REBUILDING,
             rebuild_state=RebuildState.ACK,
         )
-        agreed = self.source == "durable" or command.local  # the ranks chose the step themselves
+        agreed = self.source is RestoreSource.DURABLE or command.local  # the ranks chose the step themselves
         restored = self.meta.step if agreed and self.meta else command.restore_step
         self._send_ack(self.source, restored, last_completed)
         self.log.info(
@@ -412,8 +423,8 @@ class MemberRebuild:
             restore_step=restored,
             source=self.source,
             lost_steps=max(0, last_completed - restored) if self.survivor else 0,
-            took_s=round(self.marks["ready"] - self.marks["begin"], 4),
-            marks={k: round(v - command.t_decided, 4) for k, v in self.marks.items()},
+            took_s=round(_at(self.marks.ready) - _at(self.marks.begin), 4),
+            marks={k: round(v - command.t_decided, 4) for k, v in asdict(self.marks).items() if v is not None},
         )
         self._trace()
 
@@ -431,13 +442,15 @@ class MemberRebuild:
             "incident": command.incident,
         }
         parent = command.traceparent
-        if "out" in marks:
-            tracing.record("abort", parent, marks.get("received", marks["out"]), marks["out"], attrs)
-        restored = {"source": self.source, "bytes": self.snapshot.layout.total_bytes if self.snapshot else 0}
-        tracing.record("restore", parent, marks["begin"], marks["restored"], attrs | restored)
-        tracing.record("rendezvous", parent, marks["restored"], marks.get("rendezvous", marks["restored"]), attrs)
-        tracing.record("apply", parent, marks.get("rendezvous", marks["restored"]), marks["ready"], attrs)
-        self.first_step_trace = (parent, marks["ready"], attrs)
+        if marks.out is not None:
+            tracing.record("abort", parent, marks.out if marks.received is None else marks.received, marks.out, attrs)
+        begin, restored_t, ready = _at(marks.begin), _at(marks.restored), _at(marks.ready)
+        rendezvous = restored_t if marks.rendezvous is None else marks.rendezvous
+        restored = {"source": str(self.source), "bytes": self.snapshot.layout.total_bytes if self.snapshot else 0}
+        tracing.record("restore", parent, begin, restored_t, attrs | restored)
+        tracing.record("rendezvous", parent, restored_t, rendezvous, attrs)
+        tracing.record("apply", parent, rendezvous, ready, attrs)
+        self.first_step_trace = (parent, ready, attrs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -456,9 +469,10 @@ class MemberRebuild:
         except ValueError as exc:
             raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, f"shards do not fit: {exc}") from exc
 
-    def _send_ack(self, source: str, restore_step: int, last_completed: int) -> None:
+    def _send_ack(self, source: RestoreSource, restore_step: int, last_completed: int) -> None:
         config = self.parts.config
-        self.marks["ready"] = time.time()
+        ready = time.time()
+        self.marks = replace(self.marks, ready=ready)
         self.parts.link.ack(
             RebuildAck(
                 job=config.job,
@@ -469,18 +483,18 @@ class MemberRebuild:
                 last_completed_step=last_completed,
                 restore_source=source,
                 marks=self.marks,
-                t_ready=self.marks["ready"],
+                t_ready=ready,
             )
         )
 
-    def _snapshot_for(self, step: int) -> tuple[FlatBuffer, SnapshotMeta, str]:
+    def _snapshot_for(self, step: int) -> tuple[FlatBuffer, SnapshotMeta, RestoreSource]:
         """The snapshot of (rank, step): from our own buffer if we have it, else from a store."""
         parts, command, rank = self.parts, self.command, self.rank
         module = parts.objects.module
         if self.before.rank == rank:
             slot = parts.worker.local(step)
             if slot is not None and slot.buffer is not None:
-                return slot.buffer, SnapshotMeta.decode(slot.meta), "local"
+                return slot.buffer, SnapshotMeta.decode(slot.meta), RestoreSource.LOCAL
         wanted = SnapshotWanted(command.job, rank, step, command.restore_generation, command.traceparent)
         try:
             buffer, meta, _ = fetch_from_stores(
@@ -495,4 +509,10 @@ class MemberRebuild:
             )
         except NoStoreCopyError as exc:
             raise RestoreUnavailableError(str(exc)) from exc
-        return buffer, meta, "store"
+        return buffer, meta, RestoreSource.STORE
+
+
+def _at(mark: float | None) -> float:
+    """A mark the rebuild has passed by now (`run` sets `begin`, `restore` `restored`, `_send_ack` `ready`)."""
+    assert mark is not None
+    return mark

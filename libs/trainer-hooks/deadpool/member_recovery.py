@@ -39,6 +39,7 @@ from deadpool_protocol import (
     MemberErrorCause,
     MemberPhase,
     Rebuild,
+    RebuildMarks,
 )
 
 __all__ = ["ERROR_REPORT_WAIT_S", "FORM_LEAVE_S", "HoldsRank", "JobEnded", "Outcome", "Recovery", "StaysSpare"]
@@ -103,7 +104,7 @@ class Recovery:
     def recover(self, exc: Exception) -> Outcome:
         """Leave the broken step: break the group (releasing peers), then obey the swapper's next rebuild."""
         parts, link, here = self.parts, self.parts.link, self._position()
-        marks = {"out": time.time()}
+        out = time.time()
         self._enter(MemberPhase.RECOVERING)
         link.progress = replace(link.progress, in_step=False, awaiting_rebuild=True)  # out of the step
         parts.leave_group()
@@ -124,10 +125,9 @@ class Recovery:
             ) from exc
         latest, received = link.latest_rebuild()
         assert latest is not None
-        marks["received"] = received
-        return self.carry_out(latest, marks)
+        return self.carry_out(latest, RebuildMarks(received=received, out=out))
 
-    def carry_out(self, command: Rebuild, marks: dict[str, float]) -> Outcome:
+    def carry_out(self, command: Rebuild, marks: RebuildMarks) -> Outcome:
         """Carry out `command`, or the newer one that supersedes it, until one holds or the job ends.
         Raises MemberFencedError if this member was replaced, MemberCannotContinueError (after
         reporting it) if it cannot carry the rebuild out."""
@@ -166,7 +166,7 @@ class Recovery:
                 raise RuntimeError(f"generation {command.generation} could not form and none replaced it")
             latest, received = link.latest_rebuild()
             command = latest or newer
-            marks = {k: v for k, v in marks.items() if k == "out"} | {"received": received}
+            marks = RebuildMarks(received=received, out=marks.out)
 
     def on_command(self, command: Command) -> None:
         """Control thread, the moment a newer rebuild, a void notice or the job's end arrives: every
@@ -221,7 +221,7 @@ class Recovery:
         self.log.error("exiting: stuck in a collective the abort could not release", generation=generation)
         os._exit(3)
 
-    def report_fatal(self, exc: BaseException, cause: str = MemberErrorCause.STEP) -> None:
+    def report_fatal(self, exc: BaseException, cause: MemberErrorCause = MemberErrorCause.STEP) -> None:
         """Tell the detector we cannot go on, and why, before we stop (bounded wait for it to be stored)."""
         config, link, here = self.parts.config, self.parts.link, self._position()
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()

@@ -100,6 +100,7 @@ from deadpool_protocol import (
     JobFinished,
     MemberDone,
     MemberError,
+    MemberErrorCause,
     Rebuild,
     Straggler,
 )
@@ -454,8 +455,12 @@ class DetectorCore:
         if error.member in view.declared:
             return []
         view.members.pop(error.member, None)
-        evidence = {"error": error.error[:2000], "cause": error.cause}
-        return [self._declare(view, error.member, error.rank, FailureReason.ERROR, evidence, error.t, now)]
+        evidence = {"error": error.error[:2000]}
+        return [
+            self._declare(
+                view, error.member, error.rank, FailureReason.ERROR, evidence, error.t, now, cause=error.cause
+            )
+        ]
 
     def grace(self, now: float) -> None:
         """Restart every member's clocks: the detector itself missed a stretch of time."""
@@ -578,12 +583,16 @@ class DetectorCore:
                     "pid": str(w.pid),
                 }
                 lost_host = [m for m in silent if w.host and m.host == w.host]
-                if len(lost_host) > 1:
-                    evidence["host"] = w.host
-                    evidence["host_members_silent"] = str(len(lost_host))
                 failures.append(
                     self._declare(
-                        view, w.member, w.rank, FailureReason.HEARTBEAT, evidence, self._wall(w.last_seen), now
+                        view,
+                        w.member,
+                        w.rank,
+                        FailureReason.HEARTBEAT,
+                        evidence,
+                        self._wall(w.last_seen),
+                        now,
+                        lost_host=(w.host, len(lost_host)) if len(lost_host) > 1 else ("", 0),
                     )
                 )
             failures += self._stuck_in_rebuild(view, now)
@@ -713,12 +722,15 @@ class DetectorCore:
         view: JobView,
         member: str,
         rank: int,
-        reason: str,
+        reason: FailureReason,
         evidence: dict[str, str],
         t_fault: float,
         now: float,
+        cause: MemberErrorCause = MemberErrorCause.STEP,
+        lost_host: tuple[str, int] = ("", 0),
     ) -> Failure:
-        """The verdict, kept unanswered (`repeats`). `t_fault` is a wall-clock instant already."""
+        """The verdict, kept unanswered (`repeats`). `t_fault` is a wall-clock instant already;
+        `lost_host` is the host whose members went silent together, and how many."""
         if rank >= 0:
             view.declared_in = view.generation
         failure = Failure(
@@ -730,6 +742,9 @@ class DetectorCore:
             evidence=evidence,
             t_fault=t_fault,
             t_detected=self._wall(now),
+            cause=cause,
+            lost_host=lost_host[0],
+            lost_host_members=lost_host[1],
         )
         view.declared[member] = failure
         view.unanswered[member] = Unanswered(failure, now, self.config.redeclare_after_s)

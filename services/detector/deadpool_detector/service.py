@@ -164,7 +164,7 @@ class DetectorService:
                 member=failure.member,
                 rank=failure.rank,
                 reason=failure.reason,
-                evidence=failure.evidence,
+                evidence=failure.described(),
                 detect_s=round(failure.t_detected - failure.t_fault, 4),
             )
             self.events.publish_soon(Subjects.for_job(failure.job).failure, self._traced(failure))

@@ -34,26 +34,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
     NO_STEP,
     Commit,
     Failure,
-    FailureReason,
     GenerationVoid,
     GroupBroken,
     HelloReply,
     Incident,
     JobFinished,
     MemberDone,
-    MemberErrorCause,
     MemberHello,
     Placement,
     Rebuild,
     RebuildAck,
     Replicate,
+    RestoreSource,
     RunReply,
     RunStart,
     SnapshotComplete,
@@ -62,6 +62,7 @@ from deadpool_protocol import (
     StoreStatus,
 )
 from deadpool_protocol.bounds import INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
+from deadpool_protocol.subjects import Subjects, store_replicate
 from deadpool_swapper.placement import (
     MemberInfo,
     StoreInfo,
@@ -70,7 +71,7 @@ from deadpool_swapper.placement import (
     place_snapshots,
     under_placed,
 )
-from deadpool_swapper.restore_chain import CommittedCopies, RestoreChoice, choose_restore
+from deadpool_swapper.restore_chain import CommittedCopies, RestoreChoice, RestoreLink, choose_restore
 
 __all__ = [
     "Action",
@@ -151,10 +152,31 @@ class SwapperConfig:
 
 @dataclass(frozen=True)
 class Publish:
-    subject_kind: str
-    """Which job subject: 'rebuild', 'void', 'commit', 'finished', 'incident' or 'placement'; or
-    'replicate' (the source store's own subject)."""
     message: Rebuild | GenerationVoid | Commit | JobFinished | Incident | Placement | Replicate
+
+    @property
+    def subject(self) -> str:
+        """Where the message goes: its job's subject for its type, or, for a `Replicate`, the source
+        store's own subject."""
+        message = self.message
+        if isinstance(message, Replicate):
+            return store_replicate(message.source)
+        subjects = Subjects.for_job(message.job)
+        match message:
+            case Rebuild():
+                return subjects.rebuild
+            case GenerationVoid():
+                return subjects.void
+            case Commit():
+                return subjects.commit
+            case JobFinished():
+                return subjects.finished
+            case Incident():
+                return subjects.incident
+            case Placement():
+                return subjects.placement
+            case _:
+                typing.assert_never(message)
 
 
 @dataclass(frozen=True)
@@ -187,6 +209,9 @@ class Decision:
     reason: str
     next_at: float = math.inf
     """A tick's answer: when the job's time-driven rules next have work (monotonic; inf: none)."""
+    routine: bool = False
+    """Nothing was decided that deserves a log line: a tick that only kept time or sent again what
+    was sent before, or an event applied before."""
 
 
 class _Schedule:
@@ -532,19 +557,17 @@ class SwapperCore:
         state.failed.append(failure.member)
         del state.failed[:-FAILED_KEPT]
         actions: list[Action] = [Persist(state.job)]
-        if failure.reason in FailureReason.NEEDS_FENCE:
+        if failure.reason.needs_fence:
             actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
-        cause = failure.evidence.get("cause", MemberErrorCause.STEP)
-        if cause in MemberErrorCause.ENDS_JOB:
+        if failure.cause.ends_job:
             rank = state.ranks.index(failure.member) if failure.member in state.ranks else -1
             error = failure.evidence.get("error", "")
-            why = f"member {failure.member} (rank {rank}) cannot go on ({cause}): {error}"
+            why = f"member {failure.member} (rank {rank}) cannot go on ({failure.cause}): {error}"
             decision = self._end_job(state, now, why)
             return Decision(actions + decision.actions, decision.reason)
-        if host := failure.evidence.get("host", ""):  # the detector saw this member's whole host go silent
+        if host := failure.lost_host:  # the detector saw this member's whole host go silent
             arrived, announced = state.silent_hosts.get(host, (0, 0))
-            announced = max(announced, _int(failure.evidence.get("host_members_silent", "1")))
-            state.silent_hosts[host] = (arrived + 1, announced)
+            state.silent_hosts[host] = (arrived + 1, max(announced, failure.lost_host_members))
             state.hold_until = max(state.hold_until, now + self.config.host_loss_window_s)
         if failure.member in state.spares:
             state.spares.remove(failure.member)
@@ -564,7 +587,7 @@ class SwapperCore:
                 member=failure.member,
                 host=info.host,
                 reason=failure.reason,
-                evidence=dict(failure.evidence),
+                evidence=failure.described(),
                 t_fault=failure.t_fault,
                 t_detected=failure.t_detected,
                 traceparent=failure.traceparent,
@@ -589,7 +612,7 @@ class SwapperCore:
             return []
         state.void_generation = state.generation
         state.void_sent_t = now
-        return [Publish("void", GenerationVoid(state.job, state.generation, reason, self._wall(now)))]
+        return [Publish(GenerationVoid(state.job, state.generation, reason, self._wall(now)))]
 
     @staticmethod
     def _host_failures_missing(state: JobState) -> bool:
@@ -684,7 +707,10 @@ class SwapperCore:
         # is left, the durable tier: the fallback chain (`restore_chain`).
         choice: RestoreChoice | None = choose_restore(
             state.formed,
-            [("committed", state.committed_copies()), ("older_committed", state.previous_committed)],
+            [
+                (RestoreLink.COMMITTED, state.committed_copies()),
+                (RestoreLink.OLDER_COMMITTED, state.previous_committed),
+            ],
             state.ranks,
             newcomers,
             {s.store for s in stores},
@@ -700,9 +726,9 @@ class SwapperCore:
             return self._end_job(state, now, why)
         if state.formed and state.committed_step == NO_STEP and not state.unavailable:
             # Formed, and step 0's reports not in yet: members ack formation once it is sealed.
-            choice = RestoreChoice(0, 0, False, "committed", "step 0, stored at formation")
+            choice = RestoreChoice(0, 0, RestoreLink.COMMITTED, "step 0, stored at formation")
         if local and not newcomers and not state.local_failed:
-            choice = RestoreChoice(NO_STEP, 0, False, "local", "the newest step every rank holds itself", True)
+            choice = RestoreChoice(NO_STEP, 0, RestoreLink.LOCAL, "the newest step every rank holds itself")
         state.restore_step = choice.step
         for incident in state.open_incidents:
             incident.evidence["restore_link"], incident.evidence["restore_reason"] = choice.link, choice.reason
@@ -745,7 +771,7 @@ class SwapperCore:
             if incident.t_decided == 0.0:
                 incident.t_decided = command.t_decided
         return Decision(
-            [Persist(state.job), Publish("rebuild", command)],
+            [Persist(state.job), Publish(command)],
             f"generation {state.generation}: {reason}; restore {choice.link}: {choice.reason}",
         )
 
@@ -756,7 +782,7 @@ class SwapperCore:
         state.pending = None
         state.hold_until = 0.0
         ended = JobFinished(state.job, state.generation, max(state.committed_step, 0), failed=True, reason=reason)
-        return Decision([Persist(state.job), Publish("finished", ended)], f"job ended: {reason}")
+        return Decision([Persist(state.job), Publish(ended)], f"job ended: {reason}")
 
     def on_ack(self, ack: RebuildAck, now: float) -> Decision:
         state = self.jobs.get(ack.job)
@@ -765,7 +791,7 @@ class SwapperCore:
             return Decision([], f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending")
         if ack.member not in pending.rank_members:
             return Decision([], f"ack from {ack.member}, which holds no rank in generation {ack.generation}")
-        if ack.restore_source == "unavailable":
+        if ack.restore_source is RestoreSource.UNAVAILABLE:
             return self._restore_unavailable(state, pending, ack, now)
         pending.acks[ack.member] = ack
         missing = len(pending.rank_members) - len(pending.acks)  # O(1): thousands of acks per generation
@@ -823,7 +849,7 @@ class SwapperCore:
                     evidence["first_step"] = "not every rank completed one after it in time"
                 incident = dataclasses.replace(incident, t_first_step=t_first, phases=phases, evidence=evidence)
                 state.incidents[index] = incident
-                ended.append(Publish("incident", incident))
+                ended.append(Publish(incident))
         state.awaiting_first_step = []
         return [Persist(state.job), *ended]
 
@@ -905,7 +931,7 @@ class SwapperCore:
             decision = self.tick_job(job, now)
             actions += decision.actions
             next_at = min(next_at, decision.next_at)
-        return Decision(actions, "tick", next_at)
+        return Decision(actions, "tick", next_at, routine=True)
 
     def tick_job(self, job: str, now: float) -> Decision:
         """Time-driven work of one job: formation, the end of a last call, a vacant rank to fill, store
@@ -913,25 +939,25 @@ class SwapperCore:
         clock = _Schedule(now, self.config.tick_idle_s)
         state = self.jobs.get(job)
         if state is None:
-            return Decision([], "tick", clock.next_at)
+            return Decision([], "tick", clock.next_at, routine=True)
         if state.finished:
             # The job ended before every rank's first step was heard of: its incidents go out now.
             ended = self._end_incidents(state, now, force=True) if state.awaiting_first_step else []
             if clock.due(state.finished_t + self.config.finished_kept_s):
                 del self.jobs[job]
-            return Decision(ended, "tick", clock.next_at)
+            return Decision(ended, "tick", clock.next_at, routine=True)
         if not state.started() and clock.due(state.last_hello_t + self.config.unformed_kept_s):
             del self.jobs[job]
             return Decision(
                 [], f"job {job} never formed: forgotten {self.config.unformed_kept_s} s after its last hello"
             )
         actions: list[Action] = []
-        reason = "tick"
+        decided: Decision | None = None
 
         def act(decision: Decision) -> None:
-            nonlocal reason
+            nonlocal decided
             actions.extend(decision.actions)
-            reason = decision.reason if decision.actions else reason
+            decided = decision if decision.actions else decided
 
         if state.held_since is not None and clock.due(state.held_since + state.hold_without_stores_s):
             why = (
@@ -958,7 +984,7 @@ class SwapperCore:
         if state.pending is None and not state.placement_confirmed and clock.due(state.placement_sent_t + retransmit):
             state.placement_sent_t = now  # until a step commits under it, a member may not have it
             clock.due(now + retransmit)
-            actions.append(Publish("placement", self._placement_message(state, "sent again")))
+            actions.append(Publish(self._placement_message(state, "sent again")))
         if state.pending is None and clock.due(state.replicate_sent_t + retransmit):
             wanted = self._replicas_wanted(state, now)
             if wanted:
@@ -969,14 +995,16 @@ class SwapperCore:
         if pending is not None and clock.due(pending.t_sent + retransmit):
             pending.t_sent = now
             clock.due(now + retransmit)
-            actions.append(Publish("rebuild", pending.command))
+            actions.append(Publish(pending.command))
         voided = 0 < state.void_generation == state.generation and state.pending is None
         if voided and clock.due(state.void_sent_t + retransmit):
             state.void_sent_t = now
             clock.due(now + retransmit)
             why = "waiting for a spare" if state.vacant_ranks() else "waiting for the next generation"
-            actions.append(Publish("void", GenerationVoid(state.job, state.generation, why, self._wall(now))))
-        return Decision(actions, reason, clock.next_at)
+            actions.append(Publish(GenerationVoid(state.job, state.generation, why, self._wall(now))))
+        if decided is None:
+            return Decision(actions, "tick", clock.next_at, routine=True)
+        return Decision(actions, decided.reason, clock.next_at)
 
     @staticmethod
     def _all_claimed(state: JobState) -> bool:
@@ -1032,7 +1060,7 @@ class SwapperCore:
         state.placement_confirmed = True
         state.completes = {s: v for s, v in state.completes.items() if s > step}
         commit = Commit(state.job, state.generation, step)
-        return Decision([Persist(state.job), Publish("commit", commit)], f"step {step} committed")
+        return Decision([Persist(state.job), Publish(commit)], f"step {step} committed")
 
     def _is_complete(self, state: JobState, step: int, live: set[str]) -> bool:
         """Every rank's snapshot of `step` is sealed on as many live stores as its placement names
@@ -1128,7 +1156,7 @@ class SwapperCore:
         state.placement_sent_t, state.placement_confirmed = now, False
         state.replicate_sent_t = now
         message = self._placement_message(state, reason)
-        return [Persist(state.job), Publish("placement", message), *self._replicas_wanted(state, now)]
+        return [Persist(state.job), Publish(message), *self._replicas_wanted(state, now)]
 
     def _placement_message(self, state: JobState, reason: str) -> Placement:
         named = sorted({name for names in state.placement for name in names})
@@ -1163,7 +1191,6 @@ class SwapperCore:
                 address = live[target]
                 actions.append(
                     Publish(
-                        "replicate",
                         Replicate(
                             state.job,
                             state.generation,
@@ -1193,7 +1220,7 @@ class SwapperCore:
             finished = JobFinished(
                 state.job, state.generation, done.step, failed=bool(state.failed_reason), reason=state.failed_reason
             )
-            return Decision([Publish("finished", finished)], f"done from {done.member}: the job has finished")
+            return Decision([Publish(finished)], f"done from {done.member}: the job has finished")
         if state is None or done.generation != state.generation or done.member not in state.ranks:
             return Decision([], f"done from {done.member} in generation {done.generation}: stale")
         state.done.add(done.member)
@@ -1201,14 +1228,7 @@ class SwapperCore:
             return Decision([], f"{len(state.done)} of {state.world_size} ranks done")
         state.finished, state.finished_t = True, now
         finished = JobFinished(state.job, state.generation, done.step)
-        return Decision([Persist(state.job), Publish("finished", finished)], f"job finished at step {done.step}")
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return 1
+        return Decision([Persist(state.job), Publish(finished)], f"job finished at step {done.step}")
 
 
 def _span(end: float, start: float) -> float:
@@ -1224,23 +1244,23 @@ def incident_phases(incident: OpenIncident, acks: list[RebuildAck]) -> dict[str,
     and re-wrap with optimizer state. Phases overlap (survivors abort while the detector decides).
     """
 
-    def slowest(end: str, start: str) -> float:
-        spans = [_span(a.marks[end], a.marks[start]) for a in acks if end in a.marks and start in a.marks]
-        return max(spans, default=0.0)
+    def slowest(spans: Iterable[tuple[float | None, float | None]]) -> float:
+        return max((_span(end, start) for end, start in spans if end is not None and start is not None), default=0.0)
 
-    outs = [a.marks["out"] for a in acks if "out" in a.marks]
+    marks = [a.marks for a in acks]
+    outs = [m.out for m in marks if m.out is not None]
     return {
         "detect": _span(incident.t_detected, incident.t_fault),
         "decide": _span(incident.t_decided, incident.t_detected),
         "fence": incident.fence_s,
         "abort": _span(max(outs), incident.t_fault) if outs else 0.0,
         "notify": max(
-            (_span(a.marks.get("received", incident.t_decided), incident.t_decided) for a in acks),
+            (_span(incident.t_decided if m.received is None else m.received, incident.t_decided) for m in marks),
             default=0.0,
         ),
-        "restore": slowest("restored", "begin"),
-        "rendezvous": slowest("rendezvous", "restored"),
-        "apply": slowest("ready", "rendezvous"),
+        "restore": slowest((m.restored, m.begin) for m in marks),
+        "rendezvous": slowest((m.rendezvous, m.restored) for m in marks),
+        "apply": slowest((m.ready, m.rendezvous) for m in marks),
     }
 
 

@@ -286,7 +286,7 @@ class JobWorker:
         self.unheard_s_max = max(self.unheard_s_max, now - item.received)
         state = self.state
         if state is not None and item.seq <= state.applied_seq:
-            return Decision([], f"event {item.seq} already applied")
+            return Decision([], f"event {item.seq} already applied", routine=True)
         decision = self._dispatch(item.message, now)
         state = self.state
         if state is not None:
@@ -328,11 +328,7 @@ class JobWorker:
     # ------------------------------------------------------------------ actions
 
     def _take(self, decision: Decision) -> None:
-        if (
-            decision.reason != self._last_reason
-            and decision.reason != "tick"
-            and "already applied" not in decision.reason
-        ):
+        if not decision.routine and decision.reason != self._last_reason:
             self.log.info("decision", reason=decision.reason)
             self._last_reason = decision.reason
         for fence in (a for a in decision.actions if isinstance(a, Fence)):

@@ -16,10 +16,11 @@ copies of replicated state are not a link of their own: a rank's snapshot holds 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["CommittedCopies", "RestoreChoice", "choose_restore"]
+__all__ = ["CommittedCopies", "RestoreChoice", "RestoreLink", "choose_restore"]
 
 NO_STEP = -1
 
@@ -33,20 +34,43 @@ class CommittedCopies:
     holders: dict[int, set[str]] = field(default_factory=dict)
 
 
+class RestoreLink(enum.StrEnum):
+    """Where a rebuild's state comes from (its value names it in incidents and logs)."""
+
+    FRESH = "fresh"
+    """The job has not formed yet: a fresh start."""
+    COMMITTED = "committed"
+    OLDER_COMMITTED = "older_committed"
+    LOCAL = "local"
+    """The ranks agree on the newest step they all hold in their own buffers (no store holds it)."""
+    DURABLE = "durable"
+
+    @property
+    def survivors_hold_it(self) -> bool:
+        """A survivor still holds this link's step in its own buffers (they have moved on past an
+        older one), so only the ranks given to newcomers need a live store holding it."""
+        return self is RestoreLink.COMMITTED
+
+
 @dataclass(frozen=True)
 class RestoreChoice:
     step: int
     generation: int
-    durable: bool
-    link: str
+    link: RestoreLink
     reason: str
-    local: bool = False
-    """The ranks agree on the newest step they all hold in their own buffers (no store holds it)."""
+
+    @property
+    def durable(self) -> bool:
+        return self.link is RestoreLink.DURABLE
+
+    @property
+    def local(self) -> bool:
+        return self.link is RestoreLink.LOCAL
 
 
 def choose_restore(
     formed: bool,
-    candidates: Sequence[tuple[str, CommittedCopies]],
+    candidates: Sequence[tuple[RestoreLink, CommittedCopies]],
     ranks: Sequence[str],
     newcomers: set[str],
     live: set[str],
@@ -56,7 +80,7 @@ def choose_restore(
 ) -> RestoreChoice | None:
     """The first link of the chain that can work; None when none can (the job must end)."""
     if not formed:
-        return RestoreChoice(NO_STEP, 0, False, "fresh", "the job has not formed yet: a fresh start")
+        return RestoreChoice(NO_STEP, 0, RestoreLink.FRESH, "the job has not formed yet: a fresh start")
     skipped: list[str] = []
     for link, copies in candidates:
         if copies.step == NO_STEP:
@@ -67,13 +91,13 @@ def choose_restore(
             if (rank, copies.step) in unavailable
             or (
                 not copies.holders.get(rank, set()) & live
-                and (link != "committed" or rank >= len(ranks) or ranks[rank] in newcomers)
+                and (not link.survivors_hold_it or rank >= len(ranks) or ranks[rank] in newcomers)
             )
         ]
         if not missing:
             why = f"step {copies.step}" + (f" ({'; '.join(skipped)})" if skipped else "")
-            return RestoreChoice(copies.step, copies.generation, False, link, why)
+            return RestoreChoice(copies.step, copies.generation, link, why)
         skipped.append(f"{link} step {copies.step}: no copy of rank(s) {missing} to be had")
     if durable_failed:
         return None
-    return RestoreChoice(NO_STEP, 0, True, "durable", "; ".join(skipped) or "no committed step in RAM")
+    return RestoreChoice(NO_STEP, 0, RestoreLink.DURABLE, "; ".join(skipped) or "no committed step in RAM")

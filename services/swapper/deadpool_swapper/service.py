@@ -39,7 +39,6 @@ from deadpool_protocol import (
     MemberHello,
     ProtocolError,
     Rebuild,
-    Replicate,
     RunStart,
     StoreStatus,
     Subjects,
@@ -48,7 +47,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.dataplane import job_token
-from deadpool_protocol.subjects import STORE_STATUS, store_replicate
+from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
 from deadpool_runtime.log_limit import RefusalLog
@@ -220,11 +219,7 @@ class SwapperService:
     # ------------------------------------------------------------------ actions
 
     async def _publish(self, action: Publish) -> None:
-        message = action.message
-        if isinstance(message, Replicate):
-            subject = store_replicate(message.source)
-        else:
-            subject = getattr(Subjects.for_job(message.job), action.subject_kind)
+        message, subject = action.message, action.subject
         if isinstance(message, Rebuild) and message.incident:
             message = self._traced(message)
         try:
