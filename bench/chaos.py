@@ -86,8 +86,8 @@ from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS, MemberErrorCause, Rebuild
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime.clock_fault import CLOCK_STEP_FILE_ENV
+from deadpool_runtime.logs import get_logger
 
 KINDS = (
     "kill",

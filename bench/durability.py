@@ -55,7 +55,7 @@ from deadpool_cli.demo import default_script
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import SWAPPER_STATUS, Commit, Subjects, decode
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 GOAL = {
     "rereplicate_s_p99_max": 5.0,

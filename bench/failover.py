@@ -37,7 +37,7 @@ from deadpool_cli.demo import default_script
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import SWAPPER_STATUS
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 POLL_S = 0.02
 REQUEST_S = 0.1

@@ -27,7 +27,7 @@ from typing import Any
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import Straggler, Subjects, decode
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 SCRIPT = Path(__file__).resolve().parent / "noisy_train.py"
 HEARTBEAT_TIMEOUT_S = 2.0

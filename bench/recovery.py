@@ -40,8 +40,8 @@ from nats.aio.client import Client
 from deadpool_cli.demo import Kill, default_script, incident_report, inject_fault_mid_step
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
-from deadpool_protocol.logs import get_logger
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
+from deadpool_runtime.logs import get_logger
 
 HEARTBEAT_TIMEOUT_S = 2.0
 HANG_FLOOR_S = 3.0

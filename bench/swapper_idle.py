@@ -47,8 +47,8 @@ from deadpool_protocol import (
     decode,
     encode,
 )
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime import EventPublisher
+from deadpool_runtime.logs import get_logger
 
 RANKS = 4
 GOAL = {"idle_cpu_pct_max": 2.0, "unheard_s_max": 0.05}

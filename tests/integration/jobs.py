@@ -18,7 +18,7 @@ from nats.aio.client import Client
 
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 WAIT_S = 120.0

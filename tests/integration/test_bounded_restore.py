@@ -36,7 +36,7 @@ from deadpool_protocol.dataplane import (
     chunk_spans,
     encode_frame,
 )
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 

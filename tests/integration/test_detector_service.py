@@ -15,7 +15,7 @@ from deadpool_detector import service as detector_service
 from deadpool_detector.core import DetectorConfig
 from deadpool_detector.service import DetectorService, DetectorServiceConfig
 from deadpool_protocol import ChildExit, Failure, Heartbeat, MemberError, Subjects, decode, encode
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 from .conftest import SpawnService, wait_for_micro_service
 

@@ -22,7 +22,7 @@ from torch import nn
 from deadpool.durable_tier import DurableWriter, complete_steps, load_rank, rank_files, step_dir
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.training_state import snapshot_now
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

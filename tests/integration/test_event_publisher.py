@@ -10,9 +10,9 @@ from nats.aio.client import Client
 
 from deadpool_protocol import MemberDone, Subjects
 from deadpool_protocol.events import EVENTS_STREAM
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime import EventPublisher, ensure_events_stream
 from deadpool_runtime import events as events_module
+from deadpool_runtime.logs import get_logger
 
 S = Subjects.for_job("pub")
 LOG = get_logger(test="event-publisher")

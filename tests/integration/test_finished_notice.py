@@ -24,7 +24,7 @@ from deadpool_protocol import (
     decode,
     encode,
 )
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 JOB = "finished-notice"
 WAIT_S = 20.0

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from deadpool.control_link import ControlLink
 from deadpool.member_config import MemberConfig
 from deadpool_protocol import MemberHello, Subjects
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 JOB = "hello-wait"
 HELLO_WAIT_S = 1.0

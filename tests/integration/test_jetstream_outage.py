@@ -50,9 +50,9 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.events import EVENTS_STREAM
-from deadpool_protocol.logs import get_logger
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import EventReader, ensure_events_stream
+from deadpool_runtime.logs import get_logger
 
 from .conftest import wait_for_micro_service
 from .runs import RUN, start_run

@@ -27,9 +27,9 @@ from deadpool_protocol import (
     StoreStatus,
     Subjects,
 )
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime import EventPublisher, ensure_events_stream
 from deadpool_runtime.events import stream_position
+from deadpool_runtime.logs import get_logger
 from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.job_worker import JobWorker

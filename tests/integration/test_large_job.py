@@ -28,9 +28,9 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime import EventPublisher
 from deadpool_runtime.job_record_kv import read_record
+from deadpool_runtime.logs import get_logger
 
 from .conftest import SpawnService, wait_for_micro_service
 from .runs import RUN, start_run

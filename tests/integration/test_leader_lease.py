@@ -10,7 +10,7 @@ import time
 
 from nats.aio.client import Client
 
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 from deadpool_swapper.leader_lease import LeaderLease, LeaseConfig
 
 CONFIG = LeaseConfig(ttl_s=1.0, renew_s=0.2, poll_s=0.1)

@@ -17,7 +17,7 @@ from pathlib import Path
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 180.0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 OUTAGE_S = 3.0

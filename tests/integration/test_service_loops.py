@@ -16,9 +16,9 @@ from nats.aio.client import Client
 from deadpool_detector.core import DetectorConfig
 from deadpool_detector.service import DetectorService, DetectorServiceConfig
 from deadpool_protocol import Commit, HelloReply, MemberHello
-from deadpool_protocol.logs import get_logger
 from deadpool_runtime import ensure_events_stream
 from deadpool_runtime.events import stream_position
+from deadpool_runtime.logs import get_logger
 from deadpool_swapper.core import Decision, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.job_worker import HELD_MAX, REPLIES_HELD_MAX, Hello, JobWorker

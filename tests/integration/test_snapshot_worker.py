@@ -16,7 +16,7 @@ from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.store_client import UploadKey
 from deadpool.training_state import collect_sources
 from deadpool_protocol import StoreAddress
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 WAIT_S = 10.0
 

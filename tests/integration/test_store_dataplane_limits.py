@@ -18,7 +18,7 @@ from deadpool_protocol.dataplane import (
     decode_frame_header,
     encode_frame,
 )
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 from deadpool_store.dataplane_server import ConnectionLimits, DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 

@@ -25,8 +25,8 @@ from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.nats_server import nats_server_binary
 from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS, Commit, Placement, StoreStatus, Subjects, decode
-from deadpool_protocol.logs import get_logger
 from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_runtime.logs import get_logger
 
 from .jobs import every_rank_at
 from .netns import TestNetwork, namespaces_available

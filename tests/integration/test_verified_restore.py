@@ -21,7 +21,7 @@ from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 from deadpool_protocol import SWAPPER_STATUS
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 from .jobs import every_rank_at
 

@@ -14,7 +14,7 @@ from deadpool.process_group import NCCL_ENVIRONMENT, GenerationGroup, apply_nccl
 from deadpool.snapshot_worker import CaptureRequest, SnapshotWorker, device_split, wait_for_event
 from deadpool.store_client import UploadKey
 from deadpool_protocol.dataplane import chunk_spans
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 
 class NeverDone:

@@ -30,7 +30,7 @@ from deadpool.durable_tier import (
 )
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.training_state import snapshot_now
-from deadpool_protocol.logs import get_logger
+from deadpool_runtime.logs import get_logger
 
 PERSIST_WAIT_S = 30.0
 """Bound on one persist of a small snapshot to a local directory."""

@@ -64,3 +64,26 @@ def test_the_job_is_the_top_room_only_the_package_imports() -> None:
 def test_a_circle_is_found() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+PROTOCOL = HOOKS.parents[1] / "protocol" / "deadpool_protocol"
+PURE_MODULES = frozenset(
+    {"__future__", "collections", "dataclasses", "enum", "functools", "hashlib", "hmac", "math", "re", "struct"}
+    | {"types", "typing", "zlib", "msgpack", "xxhash", "deadpool_protocol"}
+)
+"""What the protocol may stand on: computation only (no files, sockets, clocks, environment or logging)."""
+
+
+def test_the_protocol_imports_only_modules_that_do_no_io() -> None:
+    found: dict[str, set[str]] = {}
+    for path in sorted(PROTOCOL.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            found.setdefault(path.name, set()).update(m.split(".")[0] for m in modules)
+    assert "codec.py" in found and "msgpack" in found["codec.py"]  # the walk sees imports
+    assert {name: sorted(tops - PURE_MODULES) for name, tops in found.items() if tops - PURE_MODULES} == {}

@@ -22,9 +22,10 @@ from typing import Any
 from deadpool_cli.job_watch import JobWatch, StepDone
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
+from deadpool_detector.core import DetectorConfig
 from deadpool_protocol import Incident
-from deadpool_protocol.logs import get_logger
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
+from deadpool_runtime.logs import get_logger
 
 __all__ = [
     "FAULT_SIGNALS",
@@ -68,7 +69,7 @@ class DemoConfig:
     gpus: str = "auto"
     """With --device cuda: `deadpool launch --gpus` (a GPU per member; `0,0,0` shares one, gloo only)."""
     seed: int = 1337
-    stores: int = 2
+    stores: int = StackConfig.stores
     report: str = ""
     run_dir: str = ""
     script: str = ""
@@ -82,8 +83,9 @@ class DemoConfig:
     heartbeats going on), exception (raised in the training thread), reset (the rank's process-group
     connections reset: every rank alive, the job regroups without a swap)."""
     heartbeat_timeout_s: float = 2.0
+    """Below the detector's own default (`DetectorConfig`): the demo's steps are short."""
     hang_floor_s: float = 3.0
-    hang_factor: float = 10.0
+    hang_factor: float = DetectorConfig.hang_factor
 
     def check(self) -> None:
         TimeoutHierarchy(

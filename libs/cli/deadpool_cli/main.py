@@ -1,4 +1,10 @@
-"""The `deadpool` command: wires the parts together; no logic of its own."""
+"""The `deadpool` command: wires the parts together; no logic of its own.
+
+An option that sets a field of a part's config takes its default from that config (`DetectorConfig`,
+`SwapperConfig`, `StoreConfig`, `LaunchConfig`, `MemberConfig`, `StackConfig`, `DemoConfig`): each
+default is written once (tests/unit/test_config_defaults.py). A number typed here is the default of an
+option no config holds one for (`launch --spares`), or one this command sets apart from the config's
+(`up` runs two swappers and two detectors where a `StackConfig` runs one of each)."""
 
 from __future__ import annotations
 
@@ -11,8 +17,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from deadpool.launcher import LaunchConfig
+from deadpool.member_config import MemberConfig
+from deadpool_cli.demo import DemoConfig
+from deadpool_cli.stack import StackConfig
+from deadpool_detector import DetectorServiceConfig
+from deadpool_detector.core import DetectorConfig
 from deadpool_runtime.credentials import CREDENTIALS_ENV
 from deadpool_runtime.tracing import TRACE_FILE_ENV
+from deadpool_store import StoreConfig
+from deadpool_swapper import SwapperConfig, SwapperServiceConfig
 
 __all__ = ["main"]
 
@@ -44,9 +58,12 @@ def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False) ->
         sys.exit(f"deadpool {args.command}: {exc}")
 
 
-def _add_replicas(p: argparse.ArgumentParser) -> None:
+def _add_replicas(p: argparse.ArgumentParser, default: int) -> None:
     p.add_argument(
-        "--js-replicas", type=int, default=1, help="JetStream replicas of the events stream and KV (3 on a cluster)"
+        "--js-replicas",
+        type=int,
+        default=default,
+        help="JetStream replicas of the events stream and KV (3 on a cluster)",
     )
 
 
@@ -55,46 +72,55 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="kill a rank mid-step in a real job and watch a spare take over")
-    demo.add_argument("--steps", type=int, default=40)
-    demo.add_argument("--nproc", type=int, default=4, help="ranks")
-    demo.add_argument("--spares", type=int, default=1, help="warm spares")
-    demo.add_argument("--kill-step", type=int, default=15, help="the step during which a rank is killed")
-    demo.add_argument("--kill-rank", type=int, default=2)
-    demo.add_argument("--model-size", default="small", choices=["tiny", "small", "base", "medium"])
-    demo.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the example trains")
-    demo.add_argument("--gpus", default="auto", help="with --device cuda: as deadpool launch --gpus")
-    demo.add_argument("--seed", type=int, default=1337)
-    demo.add_argument("--stores", type=int, default=2, help="snapshot store processes")
-    demo.add_argument("--report", default="", help="write the outcome as JSON to this file")
-    demo.add_argument("--run-dir", default="", help="where logs and final states go (default: a new temp dir)")
+    demo.add_argument("--steps", type=int, default=DemoConfig.steps)
+    demo.add_argument("--nproc", type=int, default=DemoConfig.nproc, help="ranks")
+    demo.add_argument("--spares", type=int, default=DemoConfig.spares, help="warm spares")
+    demo.add_argument(
+        "--kill-step", type=int, default=DemoConfig.kill_step, help="the step during which a rank is killed"
+    )
+    demo.add_argument("--kill-rank", type=int, default=DemoConfig.kill_rank)
+    demo.add_argument("--model-size", default=DemoConfig.model_size, choices=["tiny", "small", "base", "medium"])
+    demo.add_argument("--device", default=DemoConfig.device, choices=["cpu", "cuda"], help="where the example trains")
+    demo.add_argument("--gpus", default=DemoConfig.gpus, help="with --device cuda: as deadpool launch --gpus")
+    demo.add_argument("--seed", type=int, default=DemoConfig.seed)
+    demo.add_argument("--stores", type=int, default=DemoConfig.stores, help="snapshot store processes")
+    demo.add_argument("--report", default=DemoConfig.report, help="write the outcome as JSON to this file")
+    demo.add_argument(
+        "--run-dir", default=DemoConfig.run_dir, help="where logs and final states go (default: a new temp dir)"
+    )
     demo.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
     demo.add_argument(
         "--reference-from",
-        default="",
+        default=DemoConfig.reference_from,
         metavar="RUN_DIR",
         help="compare with the reference run of an earlier demo's --run-dir (same training, checked) "
         "instead of training it again",
     )
     demo.add_argument(
         "--fault",
-        default="kill",
+        default=DemoConfig.fault,
         choices=["kill", "stop", "hang", "exception", "reset"],
         help="SIGKILL; SIGSTOP; the training thread stuck in Python; an exception in the step; "
         "the rank's process-group connections reset (everyone alive: a regroup, no swap)",
     )
-    demo.add_argument("--heartbeat-timeout-s", type=float, default=2.0)
-    demo.add_argument("--hang-floor-s", type=float, default=3.0)
-    demo.add_argument("--hang-factor", type=float, default=10.0)
+    demo.add_argument("--heartbeat-timeout-s", type=float, default=DemoConfig.heartbeat_timeout_s)
+    demo.add_argument("--hang-floor-s", type=float, default=DemoConfig.hang_floor_s)
+    demo.add_argument("--hang-factor", type=float, default=DemoConfig.hang_factor)
     demo.add_argument(
-        "--run-timeout-s", type=float, default=600.0, help="stop a run that has not finished by then, saying why"
+        "--run-timeout-s",
+        type=float,
+        default=DemoConfig.run_timeout_s,
+        help="stop a run that has not finished by then, saying why",
     )
 
     up = sub.add_parser("up", help="run NATS, detector, swapper and snapshot stores locally, in the foreground")
     _add_nats(up, required=False)
-    up.add_argument("--stores", type=int, default=2)
+    up.add_argument("--stores", type=int, default=StackConfig.stores)
     up.add_argument("--swappers", type=int, default=2, help="swapper instances (one leads, the others stand by)")
     up.add_argument("--detectors", type=int, default=2, help="detector instances (each watches everything)")
-    up.add_argument("--nats-nodes", type=int, default=1, help="embedded NATS servers: 1, or 3 for a cluster")
+    up.add_argument(
+        "--nats-nodes", type=int, default=StackConfig.nats_nodes, help="embedded NATS servers: 1, or 3 for a cluster"
+    )
     up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
     up.add_argument(
         "--trace-file", default="", help="incident traces as JSON lines (default: WORKDIR/traces.jsonl; OTEL_* wins)"
@@ -110,43 +136,74 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc", "--nproc-per-node", type=int, required=True, help="ranks on this host")
     launch.add_argument("--spares", type=int, default=1, help="warm spares on this host")
     launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
-    launch.add_argument("--world-size", type=int, default=0, help="ranks in the whole job (default: --nproc)")
-    launch.add_argument("--rank-offset", type=int, default=0, help="first rank this host asks for")
+    launch.add_argument(
+        "--world-size", type=int, default=LaunchConfig.world_size, help="ranks in the whole job (default: --nproc)"
+    )
+    launch.add_argument(
+        "--rank-offset", type=int, default=LaunchConfig.rank_offset, help="first rank this host asks for"
+    )
     launch.add_argument(
         "--hold-without-stores-s",
         type=float,
-        default=0.0,
+        default=LaunchConfig.hold_without_stores_s,
         help="when every snapshot store is lost, hold training until one returns, for at most this long, then "
-        "end the job (default 0: train on unprotected; a lost rank then restores from the durable tier, if any)",
+        "end the job (default %(default)g: train on unprotected; a lost rank then restores from the durable "
+        "tier, if any)",
     )
     launch.add_argument(
         "--run-id",
-        default="",
+        default=LaunchConfig.run,
         help="the run this launcher starts, the same on every launcher of a job over several hosts "
         "(as torchrun's --rdzv-id; needed with --world-size); default: a new one. A job name holds one "
         "run at a time, and a finished job's name can be launched again",
     )
-    launch.add_argument("--rendezvous-host", default="127.0.0.1", help="address other hosts reach this host at")
-    launch.add_argument("--respawns", type=int, default=0, help="replace up to N dead members with fresh spares")
+    launch.add_argument(
+        "--rendezvous-host", default=LaunchConfig.rendezvous_host, help="address other hosts reach this host at"
+    )
+    launch.add_argument(
+        "--respawns", type=int, default=LaunchConfig.respawns, help="replace up to N dead members with fresh spares"
+    )
     launch.add_argument(
         "--gpus",
         default="auto",
         help="a GPU per member, spares included: auto (what the host shows), none, a count, or ids like 0,1,2",
     )
     launch.add_argument(
-        "--collective-timeout-s", type=float, default=0.0, help="how long a collective may block (default 60)"
+        "--collective-timeout-s",
+        type=float,
+        default=LaunchConfig.collective_timeout_s,
+        help=f"how long a collective may block (default {MemberConfig.pg_timeout_s:g})",
     )
     launch.add_argument(
-        "--durable-dir", default="", help="persist snapshots there as torch.distributed.checkpoint files"
+        "--durable-dir",
+        default=MemberConfig.durable_dir,
+        help="persist snapshots there as torch.distributed.checkpoint files",
     )
-    launch.add_argument("--durable-every-steps", type=int, default=100, help="persist every N steps (0: by time)")
     launch.add_argument(
-        "--durable-every-s", type=float, default=0.0, help="persist every T seconds too, at the next grid step"
+        "--durable-every-steps",
+        type=int,
+        default=MemberConfig.durable_every_steps,
+        help="persist every N steps (0: by time)",
     )
-    launch.add_argument("--durable-grid-steps", type=int, default=10, help="the grid time-based persists land on")
-    launch.add_argument("--durable-keep", type=int, default=3, help="persisted steps each rank keeps")
     launch.add_argument(
-        "--resume-from", default="", help="start from the newest step every rank has intact in this durable dir"
+        "--durable-every-s",
+        type=float,
+        default=MemberConfig.durable_every_s,
+        help="persist every T seconds too, at the next grid step",
+    )
+    launch.add_argument(
+        "--durable-grid-steps",
+        type=int,
+        default=MemberConfig.durable_grid_steps,
+        help="the grid time-based persists land on",
+    )
+    launch.add_argument(
+        "--durable-keep", type=int, default=MemberConfig.durable_keep, help="persisted steps each rank keeps"
+    )
+    launch.add_argument(
+        "--resume-from",
+        default=MemberConfig.resume_from,
+        help="start from the newest step every rank has intact in this durable dir",
     )
     launch.add_argument(
         "-m", "--module", action="store_true", help="run the script as a module (python -m), as torchrun -m"
@@ -156,55 +213,78 @@ def _parser() -> argparse.ArgumentParser:
 
     detector = sub.add_parser("detector", help="run the failure detector")
     _add_nats(detector)
-    detector.add_argument("--heartbeat-timeout-s", type=float, default=5.0)
-    detector.add_argument("--hang-factor", type=float, default=10.0, help="hang: no step for this x the median step")
-    detector.add_argument("--hang-floor-s", type=float, default=10.0, help="hang threshold never below this")
-    detector.add_argument("--first-step-s", type=float, default=120.0, help="hang threshold before any step time")
+    detector.add_argument("--heartbeat-timeout-s", type=float, default=DetectorConfig.heartbeat_timeout_s)
+    detector.add_argument(
+        "--hang-factor",
+        type=float,
+        default=DetectorConfig.hang_factor,
+        help="hang: no step for this x the median step",
+    )
+    detector.add_argument(
+        "--hang-floor-s", type=float, default=DetectorConfig.hang_floor_s, help="hang threshold never below this"
+    )
+    detector.add_argument(
+        "--first-step-s",
+        type=float,
+        default=DetectorConfig.first_step_s,
+        help="hang threshold before any step time",
+    )
     detector.add_argument(
         "--regroup-after-s",
         type=float,
-        default=0.0,
+        default=DetectorConfig.regroup_after_s,
         help="every rank awaiting a rebuild this long, nobody failed: regroup them (0: the heartbeat timeout)",
     )
     detector.add_argument(
         "--rebuild-lag-s",
         type=float,
-        default=30.0,
+        default=DetectorConfig.rebuild_lag_s,
         help="a rank still rebuilding this long after another rank of its generation finished: hung",
     )
     detector.add_argument(
         "--rebuild-max-s",
         type=float,
-        default=600.0,
+        default=DetectorConfig.rebuild_max_s,
         help="a rank rebuilding one generation this long, whatever the others do: hung (0: no bound)",
     )
-    _add_replicas(detector)
+    _add_replicas(detector, DetectorServiceConfig.js_replicas)
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
     _add_nats(swapper)
-    swapper.add_argument("--replication", type=int, default=2, help="stores each snapshot goes to")
-    swapper.add_argument("--trace-file", default="", help="incident traces as JSON lines")
+    swapper.add_argument(
+        "--replication", type=int, default=SwapperConfig.replication, help="stores each snapshot goes to"
+    )
+    swapper.add_argument("--trace-file", default=SwapperServiceConfig.trace_file, help="incident traces as JSON lines")
     swapper.add_argument(
         "--last-call-s",
         type=float,
-        default=None,
-        help="after a failure, wait this long for others, to swap them in one rebuild (default 0.05)",
+        default=SwapperConfig.last_call_s,
+        help="after a failure, wait this long for others, to swap them in one rebuild (default %(default)s)",
     )
-    _add_replicas(swapper)
+    _add_replicas(swapper, SwapperServiceConfig.js_replicas)
 
     store = sub.add_parser("store", help="run a snapshot store")
     _add_nats(store)
     store.add_argument("--id", required=True, help="this store's name")
-    store.add_argument("--host", default="127.0.0.1", help="data-plane listen address")
-    store.add_argument("--port", type=int, default=0)
-    store.add_argument("--advertise-host", default="", help="address members connect to (default: --host)")
-    store.add_argument("--capacity-bytes", type=int, default=8 * 1024**3)
-    store.add_argument("--nice", type=int, default=0, help="added CPU niceness (e.g. 10 on hosts that also train)")
+    store.add_argument("--host", default=StoreConfig.host, help="data-plane listen address")
+    store.add_argument("--port", type=int, default=StoreConfig.port)
     store.add_argument(
-        "--node", default="", help="this host's name, as members name theirs (default: DEADPOOL_HOST or the hostname)"
+        "--advertise-host", default=StoreConfig.advertise_host, help="address members connect to (default: --host)"
+    )
+    store.add_argument("--capacity-bytes", type=int, default=StoreConfig.capacity_bytes)
+    store.add_argument(
+        "--nice", type=int, default=StoreConfig.nice, help="added CPU niceness (e.g. 10 on hosts that also train)"
     )
     store.add_argument(
-        "--unsealed-max-s", type=float, default=60.0, help="an upload not sealed within this long is freed"
+        "--node",
+        default=StoreConfig.node,
+        help="this host's name, as members name theirs (default: DEADPOOL_HOST or the hostname)",
+    )
+    store.add_argument(
+        "--unsealed-max-s",
+        type=float,
+        default=StoreConfig.unsealed_max_s,
+        help="an upload not sealed within this long is freed",
     )
 
     ping = sub.add_parser("ping", help="health check: exit 0 if this host's instance of SERVICE answers its ping")
@@ -249,9 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     command = args.command
     if command == "detector":
-        from deadpool_detector import DetectorServiceConfig
         from deadpool_detector import main as detector_main
-        from deadpool_detector.core import DetectorConfig
 
         try:
             detector_config = DetectorConfig(
@@ -270,10 +348,8 @@ def main(argv: list[str] | None = None) -> None:
             DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas, nkey_file=nkey)
         )
     elif command == "swapper":
-        from deadpool_swapper import SwapperConfig, SwapperServiceConfig
         from deadpool_swapper import main as swapper_main
 
-        last_call_s = SwapperConfig.last_call_s if args.last_call_s is None else args.last_call_s
         nkey, dataplane_key = _role_files(args, "swapper", dataplane=True)
         try:
             swapper_config = SwapperServiceConfig(
@@ -281,16 +357,15 @@ def main(argv: list[str] | None = None) -> None:
                 replication=args.replication,
                 trace_file=args.trace_file,
                 js_replicas=args.js_replicas,
-                last_call_s=last_call_s,
+                last_call_s=args.last_call_s,
                 nkey_file=nkey,
                 dataplane_key=dataplane_key,
             )
-            SwapperConfig(replication=args.replication, last_call_s=last_call_s)  # checks the values
+            SwapperConfig(replication=args.replication, last_call_s=args.last_call_s)  # checks the values
         except ValueError as exc:
             sys.exit(f"deadpool swapper: {exc}")
         swapper_main(swapper_config)
     elif command == "store":
-        from deadpool_store import StoreConfig
         from deadpool_store import main as store_main
 
         nkey, dataplane_key = _role_files(args, "store", dataplane=True)
@@ -343,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.job:
             print("reload the NATS servers to admit the new keys (nats-server --signal reload, or SIGHUP)")
     elif command == "demo":
-        from deadpool_cli.demo import DemoConfig, run_demo
+        from deadpool_cli.demo import run_demo
 
         cfg = DemoConfig(
             steps=args.steps,
@@ -374,14 +449,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from deadpool.cuda_devices import detect_devices, plan_devices
-    from deadpool.launcher import LaunchConfig, Launcher
+    from deadpool.launcher import Launcher
     from deadpool.member_config import ENV
-    from deadpool_cli.stack import Stack, StackConfig
-    from deadpool_protocol.logs import configure_logging, get_logger
+    from deadpool_cli.stack import Stack
     from deadpool_protocol.names import require_name
-    from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT, TimeoutHierarchy
+    from deadpool_protocol.timeouts import TimeoutHierarchy
     from deadpool_runtime.credentials import member_nkey_file, nkey_file
     from deadpool_runtime.lifecycle import run_service
+    from deadpool_runtime.logs import configure_logging, get_logger
 
     configure_logging("launcher")
     name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
@@ -424,10 +499,10 @@ def _launch(args: argparse.Namespace) -> int:
     if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
         try:
             TimeoutHierarchy(
-                float(os.environ.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
+                float(os.environ.get(ENV.HEARTBEAT_PERIOD_S, MemberConfig.heartbeat_period_s)),
                 stack_config.heartbeat_timeout_s,
                 stack_config.hang_floor_s,
-                args.collective_timeout_s or float(os.environ.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
+                args.collective_timeout_s or float(os.environ.get(ENV.PG_TIMEOUT_S, MemberConfig.pg_timeout_s)),
             ).check()
         except ValueError as exc:
             print(f"deadpool launch: {exc}", file=sys.stderr)
@@ -480,7 +555,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> None:
-    from deadpool_cli.stack import Stack, StackConfig
+    from deadpool_cli.stack import Stack
     from deadpool_runtime.lifecycle import run_service
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deadpool-up-"))

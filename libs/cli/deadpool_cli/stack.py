@@ -28,11 +28,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool_cli.nats_auth import authorization_config, create_credentials, create_job_credentials
 from deadpool_cli.nats_server import NatsCluster, NatsServer
+from deadpool_detector.core import DetectorConfig
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import server_urls
 from deadpool_runtime.credentials import nkey_file
 from deadpool_runtime.tracing import TRACE_FILE_ENV
+from deadpool_store import StoreConfig
+from deadpool_swapper import SwapperConfig
 
 __all__ = ["Stack", "StackConfig", "answers_ping"]
 
@@ -43,21 +46,25 @@ SUPERVISE_PERIOD_S = 0.1
 
 @dataclass(frozen=True)
 class StackConfig:
+    """The parts' knobs a stack sets take their defaults from the parts' own configs (`DetectorConfig`,
+    `SwapperConfig`, `StoreConfig`), and reach each process as command-line options built from this
+    config's values (`detector_args`, `swapper_args`, `store_args`), never from a literal of their own."""
+
     workdir: Path
     nats_url: str = ""
     """An existing server (or a comma-separated cluster); empty starts embedded ones."""
     nats_nodes: int = 1
     """Embedded NATS servers: 1, or a cluster (3 for JetStream replicas 3)."""
     stores: int = 2
-    replication: int = 2
+    replication: int = SwapperConfig.replication
     swappers: int = 1
     """Swapper instances; one leads, the others stand by."""
     detectors: int = 1
-    heartbeat_timeout_s: float = 5.0
-    hang_factor: float = 10.0
-    hang_floor_s: float = 10.0
-    first_step_s: float = 120.0
-    store_capacity_bytes: int = 8 * 1024**3
+    heartbeat_timeout_s: float = DetectorConfig.heartbeat_timeout_s
+    hang_factor: float = DetectorConfig.hang_factor
+    hang_floor_s: float = DetectorConfig.hang_floor_s
+    first_step_s: float = DetectorConfig.first_step_s
+    store_capacity_bytes: int = StoreConfig.capacity_bytes
     trace_file: str = ""
     restart_after_s: float = 0.0
     """Start a service that died again after this long (0: never)."""
@@ -73,6 +80,23 @@ class StackConfig:
     @property
     def js_replicas(self) -> int:
         return min(3, self.nats_nodes) if not self.nats_url else min(3, len(server_urls(self.nats_url)))
+
+    def detector_args(self) -> list[str]:
+        """The `deadpool detector` options that give a detector this stack's knobs (NATS's aside)."""
+        return [
+            *("--heartbeat-timeout-s", str(self.heartbeat_timeout_s), "--hang-factor", str(self.hang_factor)),
+            *("--hang-floor-s", str(self.hang_floor_s), "--first-step-s", str(self.first_step_s)),
+            *("--js-replicas", str(self.js_replicas)),
+        ]
+
+    def swapper_args(self) -> list[str]:
+        """The `deadpool swapper` options that give a swapper this stack's knobs (NATS's aside)."""
+        args = ["--replication", str(self.replication), "--js-replicas", str(self.js_replicas)]
+        return args + (["--trace-file", self.trace_file] if self.trace_file else [])
+
+    def store_args(self, index: int) -> list[str]:
+        """The `deadpool store` options of this stack's store `index` (NATS's aside)."""
+        return ["--id", f"store-{index}", "--capacity-bytes", str(self.store_capacity_bytes)]
 
 
 async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool:
@@ -122,24 +146,12 @@ class Stack:
                 )
                 self.url = self.cluster.start()
             c = self.config
-            replicas = ["--js-replicas", str(c.js_replicas)]
             for i in range(c.detectors):
-                self._spawn(
-                    "detector",
-                    *("--heartbeat-timeout-s", str(c.heartbeat_timeout_s), "--hang-factor", str(c.hang_factor)),
-                    *("--hang-floor-s", str(c.hang_floor_s), "--first-step-s", str(c.first_step_s)),
-                    *replicas,
-                    name="detector" if c.detectors == 1 else f"detector-{i}",
-                )
-            swapper_args = ["--replication", str(c.replication), *replicas]
-            if c.trace_file:
-                swapper_args += ["--trace-file", c.trace_file]
+                self._spawn("detector", *c.detector_args(), name="detector" if c.detectors == 1 else f"detector-{i}")
             for i in range(c.swappers):
-                self._spawn("swapper", *swapper_args, name="swapper" if c.swappers == 1 else f"swapper-{i}")
+                self._spawn("swapper", *c.swapper_args(), name="swapper" if c.swappers == 1 else f"swapper-{i}")
             for i in range(c.stores):
-                self._spawn(
-                    "store", "--id", f"store-{i}", "--capacity-bytes", str(c.store_capacity_bytes), name=f"store-{i}"
-                )
+                self._spawn("store", *c.store_args(i), name=f"store-{i}")
             await self._wait_ready()
         except BaseException:
             self.stop()

@@ -7,9 +7,8 @@ letters, digits, '-' and '_' (no dots, spaces or wildcards).
 from __future__ import annotations
 
 import re
-import socket
 
-__all__ = ["NAME_MAX_CHARS", "host_name", "is_valid_name", "require_name"]
+__all__ = ["NAME_MAX_CHARS", "is_valid_name", "name_of_host", "require_name"]
 
 NAME_MAX_CHARS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -27,8 +26,9 @@ def require_name(value: str, what: str) -> str:
     return value
 
 
-def host_name() -> str:
-    """This host's name, reduced to the characters a DeadPool name may hold (members and stores name
-    their host alike, so placement can keep a rank's snapshots off its own host)."""
-    raw = socket.gethostname().split(".")[0] or "host"
-    return "".join(c if c.isalnum() or c in "-_" else "-" for c in raw)[:64]
+def name_of_host(raw: str) -> str:
+    """A host's name (`socket.gethostname()`), reduced to the characters a DeadPool name may hold
+    (members and stores name their host alike, so placement can keep a rank's snapshots off its own
+    host)."""
+    first = raw.split(".")[0] or "host"
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in first)[:64]

@@ -22,8 +22,8 @@ from typing import Any
 
 from nats.aio.client import Client
 
-from deadpool_protocol.logs import configure_logging, get_logger
 from deadpool_runtime.bus import connect
+from deadpool_runtime.logs import configure_logging, get_logger
 
 __all__ = [
     "CONNECTION_CLOSE_S",

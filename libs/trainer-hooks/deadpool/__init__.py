@@ -81,7 +81,7 @@ def attach(
     from deadpool.job import Job
     from deadpool.member_config import MemberConfig
     from deadpool.member_lifecycle import Member
-    from deadpool_protocol.logs import configure_logging, get_logger
+    from deadpool_runtime.logs import configure_logging, get_logger
 
     config = config or MemberConfig.from_env()
     if not structlog.is_configured():

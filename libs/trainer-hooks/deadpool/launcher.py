@@ -35,8 +35,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool.cuda_devices import DevicePlan
-from deadpool.member_config import ENV, host_name
+from deadpool.member_config import ENV, MemberConfig, host_name
 from deadpool_protocol import (
+    NO_RANK,
     ChildExit,
     FenceReply,
     FenceRequest,
@@ -69,7 +70,6 @@ EXIT_REPORTS_ON_STOP_S = 0.5
 stop's budget; a detector also learns of the exits from the heartbeats that stopped)."""
 HOLD_MARGIN_S = 60.0
 """A held member awaits the next generation this much longer than the hold may last."""
-REBUILD_WAIT_S_DEFAULT = 300.0
 RUN_START_WAIT_S = 120.0
 """How long the launcher asks a swapper to start its run before it gives up (the control plane may
 still be starting)."""
@@ -193,7 +193,7 @@ class Launcher:
         for local_rank in range(self.config.nproc):
             await self._spawn(self.config.rank_offset + local_rank)
         for _ in range(self.config.spares):
-            await self._spawn(-1)
+            await self._spawn(NO_RANK)
         stopper = asyncio.create_task(stop.wait())
         exited = asyncio.create_task(self._all_exited.wait())
         await asyncio.wait({stopper, exited}, return_when=asyncio.FIRST_COMPLETED)
@@ -314,7 +314,7 @@ class Launcher:
         if self.config.collective_timeout_s > 0:
             env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
         if self.config.hold_without_stores_s > 0:  # a held rank awaits its next generation that long
-            wait_s = float(env.get(ENV.REBUILD_WAIT_S, REBUILD_WAIT_S_DEFAULT))
+            wait_s = float(env.get(ENV.REBUILD_WAIT_S, MemberConfig.rebuild_wait_s))
             env[ENV.REBUILD_WAIT_S] = str(max(wait_s, self.config.hold_without_stores_s + HOLD_MARGIN_S))
         env.update(self.config.extra_env)
         process = await asyncio.create_subprocess_exec(
@@ -348,7 +348,7 @@ class Launcher:
         failed = returncode != 0 and not self.finished and not self._stopping
         if failed and self.respawns_left > 0:
             self.respawns_left -= 1
-            await self._spawn(-1)
+            await self._spawn(NO_RANK)
         if all(member in self.exit_codes for member in self.children):
             self._all_exited.set()
 

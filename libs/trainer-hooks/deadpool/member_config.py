@@ -9,10 +9,12 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from deadpool_protocol import NO_RANK
 from deadpool_protocol.errors import DeadPoolError
-from deadpool_protocol.names import host_name, require_name
+from deadpool_protocol.names import require_name
 from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime.credentials import NKEY_ENV
+from deadpool_runtime.host import host_name
 
 __all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
 
@@ -22,6 +24,10 @@ class NotLaunchedError(DeadPoolError, RuntimeError):
 
 
 class ENV:
+    """The variables' names. Unset, each gives `MemberConfig`'s default for its field. A boolean one
+    (`SNAPSHOT_PARTITION`, `HEARTBEAT_VIA_LAUNCHER`) is on for 1, true, yes or on and off for 0, false,
+    no or off, in any case; any other value is refused (`_env_bool`)."""
+
     JOB = "DEADPOOL_JOB"
     NATS_URL = "DEADPOOL_NATS_URL"
     NATS_NKEY = NKEY_ENV
@@ -167,30 +173,73 @@ class MemberConfig:
         return cls(
             job=env[ENV.JOB],
             nats_url=env[ENV.NATS_URL],
-            nats_nkey=env.get(ENV.NATS_NKEY, ""),
+            nats_nkey=_env_str(env, ENV.NATS_NKEY, cls.nats_nkey),
             member=env[ENV.MEMBER],
-            launcher=env.get(ENV.LAUNCHER, ""),
-            run=env.get(ENV.RUN, ""),
-            rank_hint=int(env.get(ENV.RANK_HINT, "-1")),
+            launcher=_env_str(env, ENV.LAUNCHER, ""),
+            run=_env_str(env, ENV.RUN, cls.run),
+            rank_hint=_env_int(env, ENV.RANK_HINT, NO_RANK),
             world_size=int(env[ENV.WORLD_SIZE]),
             host=env.get(ENV.HOST) or host_name(),
-            rendezvous_host=env.get(ENV.RENDEZVOUS_HOST, "127.0.0.1"),
-            heartbeat_period_s=float(env.get(ENV.HEARTBEAT_PERIOD_S, HEARTBEAT_PERIOD_S_DEFAULT)),
-            pg_timeout_s=float(env.get(ENV.PG_TIMEOUT_S, COLLECTIVE_TIMEOUT_S_DEFAULT)),
-            rebuild_wait_s=float(env.get(ENV.REBUILD_WAIT_S, "300")),
-            hello_wait_s=float(env.get(ENV.HELLO_WAIT_S, "600")),
-            rendezvous_wait_s=float(env.get(ENV.RENDEZVOUS_WAIT_S, "0")),
-            backend=env.get(ENV.BACKEND, ""),
-            snapshot_every=int(env.get(ENV.SNAPSHOT_EVERY, "1")),
-            snapshot_partition=env.get(ENV.SNAPSHOT_PARTITION, "1") not in ("0", "false", "no"),
-            snapshot_stream_nice=int(env.get(ENV.SNAPSHOT_STREAM_NICE, "0")),
-            snapshot_wait_s=float(env.get(ENV.SNAPSHOT_WAIT_S, "60")),
-            durable_dir=env.get(ENV.DURABLE_DIR, ""),
-            durable_every_steps=int(env.get(ENV.DURABLE_EVERY_STEPS, "100")),
-            durable_keep=int(env.get(ENV.DURABLE_KEEP, "3")),
-            durable_every_s=float(env.get(ENV.DURABLE_EVERY_S, "0")),
-            durable_grid_steps=int(env.get(ENV.DURABLE_GRID_STEPS, "10")),
-            resume_from=env.get(ENV.RESUME_FROM, ""),
-            stats_dir=env.get(ENV.STATS_DIR, ""),
-            heartbeat_via_launcher=env.get(ENV.HEARTBEAT_VIA_LAUNCHER, "0") == "1",
+            rendezvous_host=_env_str(env, ENV.RENDEZVOUS_HOST, cls.rendezvous_host),
+            heartbeat_period_s=_env_float(env, ENV.HEARTBEAT_PERIOD_S, cls.heartbeat_period_s),
+            pg_timeout_s=_env_float(env, ENV.PG_TIMEOUT_S, cls.pg_timeout_s),
+            rebuild_wait_s=_env_float(env, ENV.REBUILD_WAIT_S, cls.rebuild_wait_s),
+            hello_wait_s=_env_float(env, ENV.HELLO_WAIT_S, cls.hello_wait_s),
+            rendezvous_wait_s=_env_float(env, ENV.RENDEZVOUS_WAIT_S, cls.rendezvous_wait_s),
+            backend=_env_str(env, ENV.BACKEND, cls.backend),
+            snapshot_every=_env_int(env, ENV.SNAPSHOT_EVERY, cls.snapshot_every),
+            snapshot_partition=_env_bool(env, ENV.SNAPSHOT_PARTITION, cls.snapshot_partition),
+            snapshot_stream_nice=_env_int(env, ENV.SNAPSHOT_STREAM_NICE, cls.snapshot_stream_nice),
+            snapshot_wait_s=_env_float(env, ENV.SNAPSHOT_WAIT_S, cls.snapshot_wait_s),
+            durable_dir=_env_str(env, ENV.DURABLE_DIR, cls.durable_dir),
+            durable_every_steps=_env_int(env, ENV.DURABLE_EVERY_STEPS, cls.durable_every_steps),
+            durable_keep=_env_int(env, ENV.DURABLE_KEEP, cls.durable_keep),
+            durable_every_s=_env_float(env, ENV.DURABLE_EVERY_S, cls.durable_every_s),
+            durable_grid_steps=_env_int(env, ENV.DURABLE_GRID_STEPS, cls.durable_grid_steps),
+            resume_from=_env_str(env, ENV.RESUME_FROM, cls.resume_from),
+            stats_dir=_env_str(env, ENV.STATS_DIR, cls.stats_dir),
+            heartbeat_via_launcher=_env_bool(env, ENV.HEARTBEAT_VIA_LAUNCHER, cls.heartbeat_via_launcher),
         )
+
+
+_ENV_TRUE = frozenset({"1", "true", "yes", "on"})
+"""The spellings of a boolean variable that turn its setting on (any case)."""
+_ENV_FALSE = frozenset({"0", "false", "no", "off"})
+"""The spellings that turn it off (any case)."""
+
+
+def _env_bool(env: Mapping[str, str], key: str, default: bool) -> bool:
+    """`key` as a boolean: `default` if unset or empty, on or off for the spellings above, and any other
+    value refused (`ValueError` naming the variable), like a malformed number.
+
+    Before this one way, each variable had its own: partitioning was off only for '0', 'false' or
+    'no' and on for anything else; heartbeats via the launcher were on only for '1' and off for
+    anything else. What the launcher writes ('1', '0') means what it meant; a value one of them read
+    one way and the other the other ('true' was off for heartbeats via the launcher) now means what it
+    says, and a typo is refused instead of read silently."""
+    value = env.get(key, "").strip().lower()
+    if not value:
+        return default
+    if value in _ENV_TRUE:
+        return True
+    if value in _ENV_FALSE:
+        return False
+    spellings = ", ".join(sorted(_ENV_TRUE | _ENV_FALSE))
+    raise ValueError(f"{key}={env[key]!r} is not a boolean: use one of {spellings}")
+
+
+def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
+    """`key` as an integer, `default` if unset (an empty or malformed value raises `ValueError`)."""
+    value = env.get(key)
+    return default if value is None else int(value)
+
+
+def _env_float(env: Mapping[str, str], key: str, default: float) -> float:
+    """`key` as a float, `default` if unset (an empty or malformed value raises `ValueError`)."""
+    value = env.get(key)
+    return default if value is None else float(value)
+
+
+def _env_str(env: Mapping[str, str], key: str, default: str) -> str:
+    """`key` as it is (empty included), `default` if unset."""
+    return env.get(key, default)

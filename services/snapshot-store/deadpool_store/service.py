@@ -28,9 +28,9 @@ from nats.micro.request import Request
 
 from deadpool_protocol import Commit, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.names import host_name
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime.host import host_name
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.metrics import Metrics
 from deadpool_runtime.tracing import Tracing

@@ -73,7 +73,7 @@ START_RETRY_S = 0.5
 @dataclass(frozen=True)
 class SwapperServiceConfig:
     nats_url: str
-    replication: int = 2
+    replication: int = SwapperConfig.replication
     fence_timeout_s: float = 5.0
     trace_file: str = ""
     js_replicas: int = 1
