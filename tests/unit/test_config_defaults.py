@@ -169,7 +169,7 @@ def test_the_stack_starts_each_part_with_its_own_values(stack: StackConfig) -> N
     assert (store["id"], store["capacity_bytes"]) == ("store-1", stack.store_capacity_bytes)
 
 
-REQUIRED_ENV = {ENV.JOB: "job", ENV.NATS_URL: "nats://x", ENV.MEMBER: "m-1", ENV.WORLD_SIZE: "2"}
+REQUIRED_ENV: dict[str, str] = {ENV.JOB: "job", ENV.NATS_URL: "nats://x", ENV.MEMBER: "m-1", ENV.WORLD_SIZE: "2"}
 
 
 def test_a_member_with_only_the_required_variables_has_every_default() -> None:
@@ -183,7 +183,10 @@ def test_a_member_with_only_the_required_variables_has_every_default() -> None:
     assert from_env.rank_hint == -1  # a spare's: no rank asked for
 
 
-BOOLEANS = {ENV.SNAPSHOT_PARTITION: "snapshot_partition", ENV.HEARTBEAT_VIA_LAUNCHER: "heartbeat_via_launcher"}
+BOOLEANS: dict[str, str] = {
+    ENV.SNAPSHOT_PARTITION: "snapshot_partition",
+    ENV.HEARTBEAT_VIA_LAUNCHER: "heartbeat_via_launcher",
+}
 ON = ["1", "true", "yes", "on", "True", "YES", " 1"]
 OFF = ["0", "false", "no", "off", "False", "NO", "0 "]
 

@@ -5,6 +5,7 @@ No torch here: the launcher imports this module too.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ class NotLaunchedError(DeadPoolError, RuntimeError):
     """The process was not started by `deadpool launch`, so it has no job, member id or NATS address."""
 
 
-class ENV:
+class ENV(enum.StrEnum):
     """The variables' names. Unset, each gives `MemberConfig`'s default for its field. A boolean one
     (`SNAPSHOT_PARTITION`, `HEARTBEAT_VIA_LAUNCHER`) is on for 1, true, yes or on and off for 0, false,
     no or off, in any case; any other value is refused (`_env_bool`)."""
