@@ -12,16 +12,17 @@ import time
 from typing import Any
 
 from nats.aio.client import Client
+from structlog.testing import capture_logs
 
 from deadpool_detector.core import DetectorConfig
 from deadpool_detector.service import DetectorService, DetectorServiceConfig
-from deadpool_protocol import Commit, HelloReply, MemberHello
+from deadpool_protocol import Commit, HelloReply, MemberHello, SnapshotComplete
 from deadpool_runtime import ensure_events_stream
 from deadpool_runtime.events import stream_position
 from deadpool_runtime.logs import get_logger
 from deadpool_swapper.core import Decision, Publish, SwapperConfig, SwapperCore
 from deadpool_swapper.job_records import JobRecords
-from deadpool_swapper.job_worker import HELD_MAX, REPLIES_HELD_MAX, Hello, JobWorker
+from deadpool_swapper.job_worker import HELD_MAX, REPLIES_HELD_MAX, Event, Hello, JobWorker
 
 WAIT_S = 20.0
 
@@ -78,3 +79,20 @@ async def _nothing(_: Publish) -> None:
 
 async def _no_fence(_: object) -> float:
     return 0.0
+
+
+async def test_an_event_that_waited_long_in_the_inbox_is_logged_when_its_wait_is_the_longest_yet(nc: Client) -> None:
+    records = await JobRecords.open(nc.jetstream(timeout=2.0), get_logger(), 1, nc.max_payload)
+    await ensure_events_stream(nc)
+    core, position = SwapperCore(SwapperConfig()), await stream_position(nc)
+    worker = JobWorker("waits", core, records, nc, get_logger(), _nothing, _no_fence, lambda: True, position)
+    now = time.monotonic()
+    with capture_logs() as logs:
+        for seq, waited_s in ((1, 1.0), (2, 0.8), (3, 0.1), (4, 1.5)):
+            complete = SnapshotComplete("waits", 1, "store0", 0, "r0", seq, 10)
+            worker._decide(Event(complete, seq, received=now - waited_s), now)
+    waits = [
+        (line["kind"], line["seq"], line["waited_s"]) for line in logs if line["event"] == "event waited in the inbox"
+    ]
+    assert waits == [("snapshot_complete", 1, 1.0), ("snapshot_complete", 4, 1.5)]  # 0.8 s was not the longest
+    assert worker.unheard_s_max == 1.5

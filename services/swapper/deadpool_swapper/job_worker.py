@@ -73,6 +73,9 @@ REPLIES_HELD_MAX = 4096
 """Hello answers held while the record cannot be saved (a member asks again after `HELLO_ANSWER_S`)."""
 UNPROTECTED_LOG_S = 30.0
 """While no store receives the job's snapshots, the worker says so this often."""
+UNHEARD_LOGGED_S = 0.5
+"""An event that waited longer than this in the inbox is logged, when its wait is the longest yet (so
+a burst of late events writes one line): the worker's promise is to read every event within 50 ms."""
 
 
 @dataclass
@@ -283,7 +286,18 @@ class JobWorker:
             self._adopt_position()
             self._replies.append((item, run_reply))
             return decision
-        self.unheard_s_max = max(self.unheard_s_max, now - item.received)
+        waited = now - item.received
+        if waited > self.unheard_s_max:
+            self.unheard_s_max = waited
+            if waited > UNHEARD_LOGGED_S:
+                self.log.warning(
+                    "event waited in the inbox",
+                    job=self.job,
+                    kind=item.message.KIND,
+                    seq=item.seq,
+                    waited_s=round(waited, 3),
+                    waiting=self.inbox.qsize(),
+                )
         state = self.state
         if state is not None and item.seq <= state.applied_seq:
             return Decision([], f"event {item.seq} already applied", routine=True)
