@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from deadpool.launcher import LaunchConfig
-from deadpool.member_config import MemberConfig
+from deadpool.member_config import MemberConfig, env_float
 from deadpool_cli.demo import DemoConfig
 from deadpool_cli.stack import StackConfig
 from deadpool_detector import DetectorServiceConfig
@@ -499,10 +499,10 @@ def _launch(args: argparse.Namespace) -> int:
     if not args.nats:  # this launcher starts the detector too: it knows every level of the hierarchy
         try:
             TimeoutHierarchy(
-                float(os.environ.get(ENV.HEARTBEAT_PERIOD_S, MemberConfig.heartbeat_period_s)),
+                env_float(os.environ, ENV.HEARTBEAT_PERIOD_S, MemberConfig.heartbeat_period_s),
                 stack_config.heartbeat_timeout_s,
                 stack_config.hang_floor_s,
-                args.collective_timeout_s or float(os.environ.get(ENV.PG_TIMEOUT_S, MemberConfig.pg_timeout_s)),
+                args.collective_timeout_s or env_float(os.environ, ENV.PG_TIMEOUT_S, MemberConfig.pg_timeout_s),
             ).check()
         except ValueError as exc:
             print(f"deadpool launch: {exc}", file=sys.stderr)

@@ -35,7 +35,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool.cuda_devices import DevicePlan
-from deadpool.member_config import ENV, MemberConfig, host_name
+from deadpool.member_config import ENV, MemberConfig, env_float, host_name
 from deadpool_protocol import (
     NO_RANK,
     ChildExit,
@@ -314,7 +314,7 @@ class Launcher:
         if self.config.collective_timeout_s > 0:
             env[ENV.PG_TIMEOUT_S] = str(self.config.collective_timeout_s)
         if self.config.hold_without_stores_s > 0:  # a held rank awaits its next generation that long
-            wait_s = float(env.get(ENV.REBUILD_WAIT_S, MemberConfig.rebuild_wait_s))
+            wait_s = env_float(env, ENV.REBUILD_WAIT_S, MemberConfig.rebuild_wait_s)
             env[ENV.REBUILD_WAIT_S] = str(max(wait_s, self.config.hold_without_stores_s + HOLD_MARGIN_S))
         env.update(self.config.extra_env)
         process = await asyncio.create_subprocess_exec(

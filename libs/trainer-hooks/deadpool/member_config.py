@@ -17,7 +17,7 @@ from deadpool_protocol.timeouts import COLLECTIVE_TIMEOUT_S_DEFAULT, HEARTBEAT_P
 from deadpool_runtime.credentials import NKEY_ENV
 from deadpool_runtime.host import host_name
 
-__all__ = ["ENV", "MemberConfig", "NotLaunchedError", "host_name"]
+__all__ = ["ENV", "MemberConfig", "NotLaunchedError", "env_float", "host_name"]
 
 
 class NotLaunchedError(DeadPoolError, RuntimeError):
@@ -182,20 +182,20 @@ class MemberConfig:
             world_size=int(env[ENV.WORLD_SIZE]),
             host=env.get(ENV.HOST) or host_name(),
             rendezvous_host=_env_str(env, ENV.RENDEZVOUS_HOST, cls.rendezvous_host),
-            heartbeat_period_s=_env_float(env, ENV.HEARTBEAT_PERIOD_S, cls.heartbeat_period_s),
-            pg_timeout_s=_env_float(env, ENV.PG_TIMEOUT_S, cls.pg_timeout_s),
-            rebuild_wait_s=_env_float(env, ENV.REBUILD_WAIT_S, cls.rebuild_wait_s),
-            hello_wait_s=_env_float(env, ENV.HELLO_WAIT_S, cls.hello_wait_s),
-            rendezvous_wait_s=_env_float(env, ENV.RENDEZVOUS_WAIT_S, cls.rendezvous_wait_s),
+            heartbeat_period_s=env_float(env, ENV.HEARTBEAT_PERIOD_S, cls.heartbeat_period_s),
+            pg_timeout_s=env_float(env, ENV.PG_TIMEOUT_S, cls.pg_timeout_s),
+            rebuild_wait_s=env_float(env, ENV.REBUILD_WAIT_S, cls.rebuild_wait_s),
+            hello_wait_s=env_float(env, ENV.HELLO_WAIT_S, cls.hello_wait_s),
+            rendezvous_wait_s=env_float(env, ENV.RENDEZVOUS_WAIT_S, cls.rendezvous_wait_s),
             backend=_env_str(env, ENV.BACKEND, cls.backend),
             snapshot_every=_env_int(env, ENV.SNAPSHOT_EVERY, cls.snapshot_every),
             snapshot_partition=_env_bool(env, ENV.SNAPSHOT_PARTITION, cls.snapshot_partition),
             snapshot_stream_nice=_env_int(env, ENV.SNAPSHOT_STREAM_NICE, cls.snapshot_stream_nice),
-            snapshot_wait_s=_env_float(env, ENV.SNAPSHOT_WAIT_S, cls.snapshot_wait_s),
+            snapshot_wait_s=env_float(env, ENV.SNAPSHOT_WAIT_S, cls.snapshot_wait_s),
             durable_dir=_env_str(env, ENV.DURABLE_DIR, cls.durable_dir),
             durable_every_steps=_env_int(env, ENV.DURABLE_EVERY_STEPS, cls.durable_every_steps),
             durable_keep=_env_int(env, ENV.DURABLE_KEEP, cls.durable_keep),
-            durable_every_s=_env_float(env, ENV.DURABLE_EVERY_S, cls.durable_every_s),
+            durable_every_s=env_float(env, ENV.DURABLE_EVERY_S, cls.durable_every_s),
             durable_grid_steps=_env_int(env, ENV.DURABLE_GRID_STEPS, cls.durable_grid_steps),
             resume_from=_env_str(env, ENV.RESUME_FROM, cls.resume_from),
             stats_dir=_env_str(env, ENV.STATS_DIR, cls.stats_dir),
@@ -235,7 +235,7 @@ def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
     return default if value is None else int(value)
 
 
-def _env_float(env: Mapping[str, str], key: str, default: float) -> float:
+def env_float(env: Mapping[str, str], key: str, default: float) -> float:
     """`key` as a float, `default` if unset (an empty or malformed value raises `ValueError`)."""
     value = env.get(key)
     return default if value is None else float(value)
