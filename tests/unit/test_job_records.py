@@ -7,7 +7,8 @@ import random
 import msgpack
 import pytest
 
-from deadpool_protocol import Failure, FailureReason, ProtocolError, Rebuild, RestoreSource
+from deadpool_protocol import Failure, FailureReason, Incident, ProtocolError, Rebuild, RestoreSource, decode, encode
+from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX
 from deadpool_protocol.job_record import (
     RECORD_BYTES_MAX,
     decode_stored,
@@ -16,7 +17,7 @@ from deadpool_protocol.job_record import (
     unpack_record,
 )
 from deadpool_swapper.job_records import state_from_record, state_to_record
-from tests.unit.test_swapper_core import ack, fail, formed_core, published
+from tests.unit.test_swapper_core import ack, fail, first_steps, formed_core, published
 
 
 def test_a_record_holds_the_rebuild_in_flight_with_its_acks_and_the_open_incidents() -> None:
@@ -120,3 +121,21 @@ def test_parts_of_another_record_or_a_record_too_large_are_refused_with_a_reason
         join_parts(first.head, second.parts)
     with pytest.raises(ProtocolError, match="exceeds"):
         encode_stored(b"\0" * (RECORD_BYTES_MAX + 1), 1024 * 1024, "ccc")
+
+
+def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_incidents_that_decode() -> None:
+    """A detector may send evidence at its bound; the swapper adds its own entries (the typed facts,
+    the restore link and reason) to the incident: neither the record nor the incident may outgrow it."""
+    core, _ = formed_core()
+    evidence = {f"k{i:02d}": "x" for i in range(EVIDENCE_ENTRIES_MAX)}
+    failure = Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0, lost_host="h1", lost_host_members=1)
+    (rebuild,) = published(fail(core, failure, 5.0), Rebuild)
+    for member in rebuild.ranks:
+        core.on_ack(ack(rebuild, member, 5.5), 5.5)
+    decision = first_steps(core, rebuild, 6.0)
+    (incident,) = published(decision, Incident)
+    assert decode(encode(incident), Incident) == incident  # within every bound
+    assert len(incident.evidence) <= EVIDENCE_ENTRIES_MAX and incident.evidence["host"] == "h1"
+    assert incident.evidence["restore_link"] == "committed" and "k00" in incident.evidence  # the first kept
+    loaded = state_from_record(state_to_record(core.jobs["j"], 6.0), 6.0)
+    assert [i.incident_id for i in loaded.incidents] == [incident.incident_id]

@@ -497,13 +497,13 @@ class Failure(JobMessage):
         _need((self.lost_host == "") == (self.lost_host_members == 0), "a lost host comes with its members lost")
 
     def described(self) -> dict[str, str]:
-        """The evidence with the typed facts added as text: what people read (logs, incidents)."""
-        facts = dict(self.evidence)
+        """The typed facts as text, then the evidence: what people read (logs, incidents)."""
+        facts: dict[str, str] = {}
         if self.cause:
             facts["cause"] = self.cause
         if self.lost_host:
             facts |= {"host": self.lost_host, "host_members_silent": str(self.lost_host_members)}
-        return facts
+        return facts | {k: v for k, v in self.evidence.items() if k not in facts}
 
 
 @dataclass(frozen=True, slots=True)

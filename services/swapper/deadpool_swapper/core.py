@@ -33,9 +33,10 @@ delivered at least once and a new leader replays the ones its predecessor had no
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from deadpool_protocol import (
@@ -61,7 +62,7 @@ from deadpool_protocol import (
     StoreAddress,
     StoreStatus,
 )
-from deadpool_protocol.bounds import INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
+from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX, INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
 from deadpool_protocol.subjects import Subjects, store_replicate
 from deadpool_swapper.placement import (
     MemberInfo,
@@ -587,7 +588,7 @@ class SwapperCore:
                 member=failure.member,
                 host=info.host,
                 reason=failure.reason,
-                evidence=failure.described(),
+                evidence=_incident_evidence(failure.described()),
                 t_fault=failure.t_fault,
                 t_detected=failure.t_detected,
                 traceparent=failure.traceparent,
@@ -643,7 +644,7 @@ class SwapperCore:
                 member=state.ranks[rank],
                 host=state.members[state.ranks[rank]].host,
                 reason=GroupBroken.INCIDENT_REASON,
-                evidence=dict(broken.evidence),
+                evidence=_incident_evidence(broken.evidence),
                 t_fault=broken.t_broken,
                 t_detected=broken.t_detected,
                 replacement=state.ranks[rank],
@@ -1229,6 +1230,17 @@ class SwapperCore:
         state.finished, state.finished_t = True, now
         finished = JobFinished(state.job, state.generation, done.step)
         return Decision([Persist(state.job), Publish(finished)], f"job finished at step {done.step}")
+
+
+INCIDENT_OWN_EVIDENCE = ("restore_link", "restore_reason", "first_step", "lost_committed_steps")
+"""The entries the swapper adds to an incident's evidence, beside what the verdict showed."""
+
+
+def _incident_evidence(shown: Mapping[str, str]) -> dict[str, str]:
+    """What an incident keeps of a verdict's evidence: its first entries, leaving room for the swapper's
+    own, so that the incident (published, and kept in the job record) stays within its bound."""
+    room = EVIDENCE_ENTRIES_MAX - len(INCIDENT_OWN_EVIDENCE)
+    return {k: v for k, v in itertools.islice(shown.items(), room) if k not in INCIDENT_OWN_EVIDENCE}
 
 
 def _span(end: float, start: float) -> float:
