@@ -732,7 +732,11 @@ class SwapperCore:
             choice = RestoreChoice(NO_STEP, 0, RestoreLink.LOCAL, "the newest step every rank holds itself")
         state.restore_step = choice.step
         for incident in state.open_incidents:
-            incident.evidence["restore_link"], incident.evidence["restore_reason"] = choice.link, choice.reason
+            # The reason lists ranks (thousands, at scale): within the bound of an evidence entry.
+            incident.evidence["restore_link"], incident.evidence["restore_reason"] = (
+                choice.link,
+                clip_text(choice.reason),
+            )
         generation = state.generation + 1
         assert generation > state.generation and generation > state.void_generation, "generations only grow"
         state.generation = generation
