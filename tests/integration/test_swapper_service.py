@@ -28,6 +28,7 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_protocol.job_record import JOBS_BUCKET, PART_SEPARATOR
 from deadpool_protocol.subjects import STORE_STATUS
 
 from .conftest import SpawnService, wait_for_micro_service
@@ -194,3 +195,56 @@ async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spaw
     a_s = time.monotonic() - started
     announcing.cancel()
     assert swap_a.ranks == ["as"] and b_s < a_s, (b_s, a_s)
+
+
+async def test_a_running_job_the_leader_did_not_list_on_taking_the_lead_is_adopted_and_swapped(
+    nc: Client, spawn_service: SpawnService
+) -> None:
+    """Right after JetStream got its quorum back, a new leader's listing of the job records was seen
+    to come back empty: it led no job, and a stored verdict waited for good. Here the record is away
+    from the bucket while the new leader takes the lead, and comes back after: the leader adopts the
+    job (it lists the records again) and acts on the verdict."""
+    first = spawn_service("swapper", "--replication", "1")
+    await wait_for_micro_service(nc, "deadpool-swapper")
+    await wait_for_leader(nc)
+    rebuilds = await queue_of(nc, S.rebuild, Rebuild)
+    await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+    assert (await start_run(nc, "job1", 2)).accepted
+    for member, hint in (("sp", -1), ("r0", 0), ("r1", 1)):
+        assert (await hello(nc, member, hint, f"h-{member}")).accepted
+    formation = await asyncio.wait_for(rebuilds.get(), 10)
+    for member in formation.ranks:
+        await nc.publish(S.rebuild_ack, encode(ack(formation, member)))
+    while (await leader_status(nc, "job1"))["rebuild_pending"]:
+        await asyncio.sleep(0.1)  # polling a status: the swapper publishes no event for this
+    first.terminate()
+    assert first.wait(10) == 0
+
+    kv = await nc.jetstream().key_value(JOBS_BUCKET)
+    away = {key: (await kv.get(key)).value for key in await kv.keys() if key.split(PART_SEPARATOR)[0] == "job1"}
+    assert "job1" in away
+    for key in away:
+        await kv.delete(key)
+    spawn_service("swapper", "--replication", "1")
+    await wait_for_micro_service(nc, "deadpool-swapper")
+    await wait_for_leader(nc)
+    unknown = await nc.request(SWAPPER_STATUS, b"job1", timeout=5)  # it took the lead without the job
+    assert unknown.headers is not None and unknown.headers.get("Nats-Service-Error-Code") == "404"
+    for key, value in away.items():
+        await kv.put(key, value or b"")
+
+    async def stores_announce() -> None:
+        while True:
+            await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+            await asyncio.sleep(0.5)
+
+    announcing = asyncio.create_task(stores_announce())
+    try:
+        now = time.time()
+        await nc.publish(S.failure, encode(Failure("job1", 1, "r1", 1, FailureReason.EXIT, {"signal": "9"}, now, now)))
+        swap = await asyncio.wait_for(rebuilds.get(), 30)  # bound: jobs_relist_s, a store timeout, a tick
+        while swap.generation == 1:
+            swap = await asyncio.wait_for(rebuilds.get(), 30)
+    finally:
+        announcing.cancel()
+    assert swap.generation == 2 and swap.ranks == ["r0", "sp"], swap

@@ -255,10 +255,7 @@ class JobRecords:
     async def load_all(self, now: float) -> list[JobState]:
         """Every readable record (an unreadable one is logged by `load` and left alone). Parts that no
         head names any more (a swapper stopped between writing them and its head) are deleted."""
-        try:
-            keys = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
-        except NoKeysError:
-            return []
+        keys = await self._keys()
         states = []
         for key in filter(is_record_key, keys):
             try:
@@ -272,6 +269,17 @@ class JobRecords:
             if not is_record_key(key) and key not in named and key.split(PART_SEPARATOR)[0] in self.revisions:
                 await self._delete(key)
         return states
+
+    async def names(self) -> list[str]:
+        """The jobs that have a record, as the bucket lists them now."""
+        return list(filter(is_record_key, await self._keys()))
+
+    async def _keys(self) -> list[str]:
+        try:
+            keys: list[str] = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
+        except NoKeysError:
+            return []
+        return keys
 
     async def load(self, job: str, now: float) -> JobState | None:
         """The job's record as it is now in KV (None if there is none), remembering its revision.

@@ -80,6 +80,10 @@ class SwapperServiceConfig:
     """JetStream replicas of the KV buckets and the events stream (3 on a 3-node NATS cluster)."""
     last_call_s: float = SwapperConfig.last_call_s
     lease: LeaseConfig = field(default_factory=LeaseConfig)
+    jobs_relist_s: float = 5.0
+    """How often the leader lists the job records again and adopts a running job it has no worker for:
+    right after JetStream came back from losing its quorum, the listing made on taking the lead was
+    seen to come back empty, and a job nobody drives waits for good."""
     instance: str = ""
     """This instance's name in the lease (default: host, pid and a random suffix)."""
     nkey_file: str = ""
@@ -117,6 +121,9 @@ class SwapperService:
         self.records: JobRecords | None = None
         self.lease: LeaderLease | None = None
         self._leading = False
+        self._settled: set[str] = set()
+        """Jobs whose record the re-listing found finished, never formed or unreadable: not loaded again
+        while this instance leads (at most one name per record in the bucket)."""
         self._transition = asyncio.Lock()
         """Taking and giving up the lead, and creating a job's worker, one at a time."""
 
@@ -147,6 +154,7 @@ class SwapperService:
             await self.lease.release()  # a lease held by an instance that cannot act would wedge every job
             return
         self.core.jobs = {s.job: s for s in states}
+        self._settled.clear()
         self._leading = True
         for state in states:
             if not state.finished:
@@ -203,18 +211,72 @@ class SwapperService:
             if len(self.workers) >= self.core.config.jobs_max:
                 self.log.warning("job not started: jobs_max reached", job=job, jobs=len(self.workers))
                 return None
-            assert self.records is not None
             try:
-                state = await self.records.load(job, time.monotonic())
-                stream = await stream_position(self.nc)
-            except (TimeoutError, nats.errors.Error) as exc:
-                self.log.warning("job not started yet: KV unreachable", job=job, error=repr(exc))
-                return None
+                read = await self._read_job(job)
             except UnreadableRecordError:
                 return None  # logged: its members get no answer rather than a job started over
+            if read is None:
+                return None
+            state, stream = read
             if state is not None:
                 self.core.jobs[job] = state
             return self._start_worker(job, stream)
+
+    async def _read_job(self, job: str) -> tuple[JobState | None, tuple[str, int]] | None:
+        """The job's record (None: it has none) and where the events stream stands now, or None when
+        KV cannot answer (logged). Raises UnreadableRecordError (logged by `load`)."""
+        assert self.records is not None
+        try:
+            return await self.records.load(job, time.monotonic()), await stream_position(self.nc)
+        except (TimeoutError, nats.errors.Error) as exc:
+            self._refusals.warning("job record not read: KV unreachable", job=job, error=repr(exc))
+            return None
+
+    async def _adopt_unlisted_jobs(self, stop: asyncio.Event) -> None:
+        """Every `jobs_relist_s` while leading: start a worker for each running job whose record the
+        leader has not loaded (its listing on taking the lead missed it)."""
+        while not await stopped_within(stop, self.config.jobs_relist_s):
+            if not self.leading():
+                continue
+            assert self.records is not None
+            try:
+                names = await self.records.names()
+            except (TimeoutError, nats.errors.Error) as exc:
+                self._refusals.warning("job records not listed again: KV unreachable", error=repr(exc))
+                continue
+            for job in names:
+                known = job in self.core.jobs or job in self.workers or job in self._settled
+                if not known and not await self._adopt(job):
+                    break
+
+    async def _adopt(self, job: str) -> bool:
+        """Load a job the leader does not know and start its worker if it is running. False when the
+        records cannot be read now (the re-listing ends this round)."""
+        async with self._transition:
+            if not self.leading() or job in self.core.jobs or job in self.workers:
+                return True
+            try:
+                read = await self._read_job(job)
+            except UnreadableRecordError:  # logged by load
+                self._settled.add(job)
+                return True
+            if read is None:
+                return False
+            state, stream = read
+            if state is None or state.finished or not state.started():
+                self._settled.add(job)
+                return True
+            if len(self.workers) >= self.core.config.jobs_max:
+                self.log.warning("job not adopted: jobs_max reached", job=job, jobs=len(self.workers))
+                return False
+            self.core.jobs[job] = state
+            self._start_worker(job, stream)
+            self.log.warning(
+                "job adopted: its record was not listed when this swapper took the lead",
+                job=job,
+                generation=state.generation,
+            )
+            return True
 
     # ------------------------------------------------------------------ actions
 
@@ -475,8 +537,10 @@ class SwapperService:
         )
         self.log.info("swapper ready", instance=self.instance, replication=self.config.replication)
         watch = asyncio.create_task(self._watch_store_view(stop), name="store-view")
+        relist = asyncio.create_task(self._adopt_unlisted_jobs(stop), name="relist-jobs")
         await self.lease.run(stop, self._on_lead_change, lambda: self._leading)
         watch.cancel()
+        relist.cancel()
         await service.stop()
         self.tracer.shutdown()
         self.metrics.shutdown()
