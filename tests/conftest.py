@@ -9,8 +9,7 @@ real detections, so two of them at once would slow each other into false verdict
 worker, one after another, in collection order. A module in `BESIDE_OTHERS` spends most of its time
 waiting on purpose (JetStream held away for longer than 120 s, a detector's 30 s bound) with little
 CPU meanwhile: it runs on the other worker, in parallel with the rest, instead of adding its minutes
-to the run. Without `-n`, this file
-changes nothing.
+to the run. Without `-n`, this file changes nothing.
 
 The split is xdist's own hook (a scheduler choosing each test's worker by its module), not
 `--dist loadgroup`: that one renames test ids, which pytest 9.2 no longer lets it do, so every test
