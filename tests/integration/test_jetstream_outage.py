@@ -44,19 +44,17 @@ from deadpool_protocol import (
     RebuildAck,
     RebuildMarks,
     RestoreSource,
-    StoreStatus,
     Subjects,
     decode,
     encode,
 )
 from deadpool_protocol.events import EVENTS_STREAM
-from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import EventReader, ensure_events_stream
 from deadpool_runtime.logs import get_logger
 
 from .conftest import wait_for_micro_service
 from .runs import RUN, start_run
-from .test_swapper_service import leader_status, queue_of, wait_for_leader
+from .test_swapper_service import announce_store, leader_status, queue_of, wait_for_leader
 
 JOB = "outage"
 S = Subjects.for_job(JOB)
@@ -156,11 +154,6 @@ async def test_a_verdict_made_while_jetstream_is_away_for_longer_than_the_old_gi
     await nc.subscribe(S.failure, cb=on_attempt)
     quiet = asyncio.Event()
 
-    async def store_announces() -> None:  # core NATS: the swapper needs a live store to rebuild
-        while True:
-            await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
-            await asyncio.sleep(0.5)
-
     async def members_beat() -> None:
         step = 0
         while True:
@@ -172,7 +165,7 @@ async def test_a_verdict_made_while_jetstream_is_away_for_longer_than_the_old_gi
                 await nc.publish(S.heartbeat, encode(beat))
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 
-    async with running(store_announces()):
+    async with running(announce_store(nc, 0.5)):  # core NATS: the swapper needs a live store to rebuild
         assert (await start_run(nc, JOB, 2)).accepted
         for member, hint in (("sp", -1), ("r0", 0), ("r1", 1)):  # the spare first: formation names it
             port = 4100 + hint

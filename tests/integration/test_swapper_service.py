@@ -80,6 +80,14 @@ async def wait_for_leader(nc: Client, timeout_s: float = 30.0) -> None:
                 raise
 
 
+async def announce_store(nc: Client, period_s: float) -> None:
+    """A store `st0` that announces itself every `period_s` until cancelled: the swapper rebuilds only
+    with a live store in its view."""
+    while True:
+        await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+        await asyncio.sleep(period_s)
+
+
 def ack(rebuild: Rebuild, member: str) -> RebuildAck:
     now = time.time()
     return RebuildAck(
@@ -155,12 +163,7 @@ async def test_a_job_whose_fence_hangs_never_delays_another_job(nc: Client, spaw
     await wait_for_micro_service(nc, "deadpool-swapper")
     await wait_for_leader(nc)
 
-    async def store_announces() -> None:
-        while True:
-            await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
-            await asyncio.sleep(1.0)
-
-    announcing = asyncio.create_task(store_announces())
+    announcing = asyncio.create_task(announce_store(nc, 1.0))
     rebuilds: dict[str, asyncio.Queue[Rebuild]] = {}
     for job in ("a", "b"):
         rebuilds[job] = await queue_of(nc, Subjects.for_job(job).rebuild, Rebuild)
@@ -233,12 +236,7 @@ async def test_a_running_job_the_leader_did_not_list_on_taking_the_lead_is_adopt
     for key, value in away.items():
         await kv.put(key, value or b"")
 
-    async def stores_announce() -> None:
-        while True:
-            await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
-            await asyncio.sleep(0.5)
-
-    announcing = asyncio.create_task(stores_announce())
+    announcing = asyncio.create_task(announce_store(nc, 0.5))
     try:
         now = time.time()
         await nc.publish(S.failure, encode(Failure("job1", 1, "r1", 1, FailureReason.EXIT, {"signal": "9"}, now, now)))
