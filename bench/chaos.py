@@ -591,11 +591,17 @@ def tmpfs(directory: Path, size_bytes: int) -> Any:
         subprocess.run(["umount", "--lazy", str(directory)], check=False)
 
 
-async def launch(nats_args: list[str], job: str, args: argparse.Namespace, steps: int, out: Path, log: Path) -> Any:
+async def launch(
+    nats_args: list[str], job: str, args: argparse.Namespace, steps: int, out: Path, log: Path, *, reference: bool
+) -> Any:
+    """The chaos job, or (`reference`) the same training as a plain job: no spares, respawns or durable
+    tier, which meet no fault there and change no weight, but would take a third of its CPU (measured:
+    630 steps took 61.7 s with them and 47.5 s without)."""
+    spares, respawns = (0, 0) if reference else (SPARES, 4 * args.faults + 4)
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
-    command += ["--nproc", str(NPROC), "--spares", str(SPARES), "--respawns", str(4 * args.faults + 4)]
+    command += ["--nproc", str(NPROC), "--spares", str(spares), "--respawns", str(respawns)]
     command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
-    if args.durable_every_steps:
+    if args.durable_every_steps and not reference:
         durable = str(durable_dir_of(out))
         command += ["--durable-dir", durable, "--durable-every-steps", str(args.durable_every_steps)]
     command += [args.script, "--steps", str(steps), "--model-size", args.model_size, "--seed", str(args.seed)]
@@ -676,7 +682,7 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
             f"training {steps} steps with {args.faults} faults (seed {args.seed}, kinds {','.join(kinds)})", flush=True
         )
         launcher = await launch(
-            stack.nats_args, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log"
+            stack.nats_args, job, args, steps, workdir / "chaos", workdir / "logs" / "chaos-run.log", reference=False
         )
         chaos = Chaos(args, stack, nc, watch, job)
         poller = asyncio.create_task(chaos.poll_status())
@@ -702,7 +708,8 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
             print("reference: the same job without faults ...", flush=True)
             ref_started = time.time()
             ref_job = f"chaos-ref-{args.seed}-{token}"
-            ref = await launch(stack.nats_args, ref_job, args, steps, workdir / "ref", workdir / "logs" / "ref-run.log")
+            ref_log = workdir / "logs" / "ref-run.log"
+            ref = await launch(stack.nats_args, ref_job, args, steps, workdir / "ref", ref_log, reference=True)
             ref_code = await ref.wait()
             reference_wall_s = time.time() - ref_started
             if ref_code == 0:

@@ -39,9 +39,11 @@ SWAP_WAIT_S = 1.0
 """How long a frozen rank 0 waits for the swap of rank 1 to be decided (its heartbeat timeout is 2 s)."""
 
 
-async def launch(nats_args: list[str], job: str, out: Path, log: Path, *flags: str) -> asyncio.subprocess.Process:
+async def launch(
+    nats_args: list[str], job: str, out: Path, log: Path, *flags: str, spares: int = 1
+) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--spares", "1", "--collective-timeout-s", "20", *flags, str(SCRIPT), "--steps", str(STEPS)]
+    command += ["--spares", str(spares), "--collective-timeout-s", "20", *flags, str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
@@ -73,7 +75,7 @@ async def run_with_fault(
                 launcher.kill()
                 await launcher.wait()
         assert returncode == 0, log.read_text(errors="replace")[-4000:]
-        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
+        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log", spares=0)
         assert await asyncio.wait_for(reference.wait(), RUN_TIMEOUT_S) == 0
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "reference")

@@ -19,7 +19,8 @@ RUN_TIMEOUT_S = 240.0
 async def run(nats_args: list[str], job: str, workdir: Path, kill_step: int) -> tuple[Path, Path]:
     out, log, flag = workdir / job, workdir / f"{job}.log", workdir / f"{job}.killed"
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "4"]
-    command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", "10"]
+    spares = "1" if kill_step >= 0 else "0"  # the reference needs none
+    command += ["--spares", spares, "--collective-timeout-s", "20", str(SCRIPT), "--steps", "10"]
     command += ["--kill-step", str(kill_step), "--flag", str(flag), "--out", str(out)]
     assert await run_to_end(command, log, RUN_TIMEOUT_S) == 0, tail(log)
     assert flag.exists() == (kill_step >= 0), tail(log)

@@ -46,8 +46,8 @@ def deadpool(*args: str) -> list[str]:
     return [sys.executable, "-m", "deadpool_cli", *args]
 
 
-def launch(net: TestNetwork, url: str, job: str, out: Path) -> object:
-    command = deadpool("launch", "--nats", url, "--job", job, "--nproc", "2", "--spares", "1")
+def launch(net: TestNetwork, url: str, job: str, out: Path, spares: int = 1) -> object:
+    command = deadpool("launch", "--nats", url, "--job", job, "--nproc", "2", "--spares", str(spares))
     command += ["--rendezvous-host", net.addresses["hosta"], "--collective-timeout-s", "20"]
     command += [str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny", "--out", str(out)]
     return net.spawn("hosta", command, name=f"launch-{job}")
@@ -147,7 +147,7 @@ async def test_a_lost_store_host_heals_without_a_rebuild_and_a_later_swap_is_bit
             assert incident.lost_steps <= 1 and incident.restore_step > committed_at_loss
 
             reference = tmp_path / "reference"
-            solo = launch(net, url, "store-loss-ref", reference)
+            solo = launch(net, url, "store-loss-ref", reference, spares=0)
             assert await asyncio.wait_for(asyncio.to_thread(solo.wait), RUN_TIMEOUT_S) == 0  # type: ignore[attr-defined]
             await nc.close()
     identical, tensors, differences = compare_final_states(out, reference)

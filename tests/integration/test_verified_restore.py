@@ -32,9 +32,9 @@ SETTLE_S = 0.3
 """After freezing the ranks, time for snapshots already on the wire to be sealed and committed."""
 
 
-async def launch(nats_args: list[str], job: str, out: Path, log: Path) -> asyncio.subprocess.Process:
+async def launch(nats_args: list[str], job: str, out: Path, log: Path, spares: int = 1) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--spares", "1", "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
+    command += ["--spares", str(spares), "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)
@@ -82,7 +82,7 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
         fetched = [json.loads(line) for line in text.splitlines() if '"snapshot fetched"' in line]
         assert fetched and fetched[-1]["store"] != first_store, fetched
 
-        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log")
+        reference = await launch(stack.nats_args, f"{job}-ref", tmp_path / "reference", tmp_path / "ref.log", spares=0)
         assert await asyncio.wait_for(reference.wait(), RUN_TIMEOUT_S) == 0
         await nc.close()
     identical, tensors, differences = compare_final_states(tmp_path / "swap", tmp_path / "reference")

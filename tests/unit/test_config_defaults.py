@@ -65,6 +65,7 @@ DETECTOR_KNOBS = {
     "regroup_after_s",
     "rebuild_lag_s",
     "rebuild_max_s",
+    "straggler_window",
 }
 
 
@@ -130,7 +131,7 @@ def test_the_up_command_defaults_to_the_stack_config_but_for_its_own_two_service
 def test_the_stack_config_defaults_to_the_parts_configs() -> None:
     stack = field_defaults(StackConfig)
     detector = field_defaults(DetectorConfig)
-    knobs = {"heartbeat_timeout_s", "hang_factor", "hang_floor_s", "first_step_s"}
+    knobs = {"heartbeat_timeout_s", "hang_factor", "hang_floor_s", "first_step_s", "straggler_window"}
     assert typed({k: stack[k] for k in knobs}) == typed({k: detector[k] for k in knobs})
     assert typed({"replication": stack["replication"]}) == typed({"replication": SwapperConfig.replication})
     assert typed({"capacity": stack["store_capacity_bytes"]}) == typed({"capacity": StoreConfig.capacity_bytes})
@@ -146,6 +147,7 @@ def test_the_stack_config_defaults_to_the_parts_configs() -> None:
             hang_factor=7.5,
             hang_floor_s=3.0,
             first_step_s=30.0,
+            straggler_window=100,
             replication=1,
             store_capacity_bytes=1 << 20,
             trace_file="t.jsonl",
@@ -156,12 +158,8 @@ def test_the_stack_config_defaults_to_the_parts_configs() -> None:
 )
 def test_the_stack_starts_each_part_with_its_own_values(stack: StackConfig) -> None:
     detector = parsed("detector", "--nats", "nats://x", *stack.detector_args())
-    assert {k: detector[k] for k in ("heartbeat_timeout_s", "hang_factor", "hang_floor_s", "first_step_s")} == {
-        "heartbeat_timeout_s": stack.heartbeat_timeout_s,
-        "hang_factor": stack.hang_factor,
-        "hang_floor_s": stack.hang_floor_s,
-        "first_step_s": stack.first_step_s,
-    }
+    knobs = ("heartbeat_timeout_s", "hang_factor", "hang_floor_s", "first_step_s", "straggler_window")
+    assert {k: detector[k] for k in knobs} == {k: getattr(stack, k) for k in knobs}
     swapper = parsed("swapper", "--nats", "nats://x", *stack.swapper_args())
     assert (swapper["replication"], swapper["trace_file"]) == (stack.replication, stack.trace_file)
     assert detector["js_replicas"] == swapper["js_replicas"] == stack.js_replicas

@@ -247,6 +247,12 @@ def _parser() -> argparse.ArgumentParser:
         default=DetectorConfig.rebuild_max_s,
         help="a rank rebuilding one generation this long, whatever the others do: hung (0: no bound)",
     )
+    detector.add_argument(
+        "--straggler-window",
+        type=int,
+        default=DetectorConfig.straggler_window,
+        help="heartbeats a rank's busy share is judged over before it can be called a straggler",
+    )
     _add_replicas(detector, DetectorServiceConfig.js_replicas)
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
@@ -340,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                 regroup_after_s=args.regroup_after_s,
                 rebuild_lag_s=args.rebuild_lag_s,
                 rebuild_max_s=args.rebuild_max_s,
+                straggler_window=args.straggler_window,
             )
         except ValueError as exc:
             sys.exit(f"deadpool detector: {exc}")

@@ -64,6 +64,7 @@ class StackConfig:
     hang_factor: float = DetectorConfig.hang_factor
     hang_floor_s: float = DetectorConfig.hang_floor_s
     first_step_s: float = DetectorConfig.first_step_s
+    straggler_window: int = DetectorConfig.straggler_window
     store_capacity_bytes: int = StoreConfig.capacity_bytes
     trace_file: str = ""
     restart_after_s: float = 0.0
@@ -86,7 +87,7 @@ class StackConfig:
         return [
             *("--heartbeat-timeout-s", str(self.heartbeat_timeout_s), "--hang-factor", str(self.hang_factor)),
             *("--hang-floor-s", str(self.hang_floor_s), "--first-step-s", str(self.first_step_s)),
-            *("--js-replicas", str(self.js_replicas)),
+            *("--straggler-window", str(self.straggler_window), "--js-replicas", str(self.js_replicas)),
         ]
 
     def swapper_args(self) -> list[str]:
