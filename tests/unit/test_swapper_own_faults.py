@@ -45,6 +45,45 @@ def test_a_failure_handled_while_the_stores_view_is_stale_becomes_a_rebuild_once
     assert rebuild.restore_step == 4 and not rebuild.durable and rebuild.ranks[1] == "spare"
 
 
+def test_after_a_pause_a_failure_restores_the_newest_step_complete_on_stores_heard_again() -> None:
+    """The loop paused 2.8 s (both swappers SIGSTOPped in `bench/chaos.py`'s `stale_stores`) while the
+    ranks trained on. On waking, the completes stored meanwhile came in while every store's status was
+    older than `store_timeout_s`, so none counted and no step committed; then one store's status made
+    the view count as known, and the failure restored the step committed before the pause: 3 and 4
+    steps lost in two chaos runs, where the promise is at most one."""
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.5)
+    spare(core, 0.6)
+    announce(core, 0.9)
+    core.reset_store_view(3.7, heard_until=0.9)  # paused from 0.9 s to 3.7 s
+    for step in (5, 6, 7):  # stored during the pause, read on waking
+        assert complete(core, step, formation.placement, 3.7) == []
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 3.7, 3.7), 3.7)
+    first = next(s for s in STORES if s not in formation.placement[1])
+    announce(core, 3.8, (first,))  # the first store heard again holds none of rank 1's copies
+    assert published(core.tick(3.9), Rebuild) == []  # the others have not had a timeout to be heard
+    announce(core, 4.0)
+    (rebuild,) = published(core.tick(4.0), Rebuild)
+    assert rebuild.restore_step == 7 and not rebuild.durable, rebuild
+    assert core.jobs["j"].committed_step == 7
+
+
+def test_after_a_pause_a_store_that_stays_silent_counts_as_lost_once_the_view_has_had_its_timeout() -> None:
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.5)
+    spare(core, 0.6)
+    announce(core, 0.9)
+    core.reset_store_view(3.7, heard_until=0.9)
+    lost = formation.placement[1][0]
+    others = tuple(s for s in STORES if s != lost)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 3.7, 3.7), 3.7)
+    announce(core, 3.8, others)
+    assert published(core.tick(3.9), Rebuild) == []  # `lost` may just be unheard
+    announce(core, 5.2, others)
+    (rebuild,) = published(core.tick(5.2), Rebuild)  # 3.7 + 1.5 s: silent for a whole timeout, lost
+    assert rebuild.restore_step == 4 and all(lost not in names for names in rebuild.placement), rebuild
+
+
 def test_a_vacant_rank_is_rebuilt_when_its_rebuild_could_not_go_out_at_once() -> None:
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)

@@ -369,25 +369,35 @@ class SwapperCore:
         self.view_since = -math.inf
         """Since when this process has been hearing the stores' announcements without a gap (its own
         start, a reconnection to NATS, a pause of its loop reset it: `reset_store_view`)."""
+        self.unheard: frozenset[str] = frozenset()
+        """The stores that were live when the gap began: the view is known once each is heard again,
+        or once the view has had a whole `store_timeout_s` (then the silent ones are lost)."""
 
     def _wall(self, now: float) -> float:
         return now + self.wall_offset()
 
     # ---------------------------------------------------------------- the stores' view
 
-    def reset_store_view(self, now: float) -> None:
+    def reset_store_view(self, now: float, heard_until: float | None = None) -> None:
         """This process may have missed the stores' announcements (it just started, its NATS connection
-        came back, its loop was paused): a silent store is not taken as lost until it has had a full
-        `store_timeout_s` to be heard again."""
+        came back, its loop was paused since `heard_until`): a silent store is not taken as lost until
+        it has had a full `store_timeout_s` to be heard again, and the view is not known while a store
+        live at `heard_until` is still unheard (one store's status after a pause once made it count as
+        known, with every other store's copies taken for lost)."""
         self.view_since = now
+        live_then = self.live_stores(heard_until) if heard_until is not None else []
+        self.unheard = frozenset(s.store for s in live_then)
 
     def _stores_known_at(self) -> float:
         return self.view_since + self.config.store_timeout_s
 
     def _stores_known(self, now: float) -> bool:
-        """Whether the live stores are known: some store is heard, or silence has lasted long enough in a
-        view without gaps to mean that every store is lost."""
-        return now >= self._stores_known_at() or bool(self.live_stores(now))
+        """Whether the live stores are known: some store is heard and none live before the gap is still
+        unheard, or silence has lasted long enough in a view without gaps to mean that they are lost."""
+        if now >= self._stores_known_at():
+            return True
+        heard = {s.store for s in self.stores.values() if s.last_seen >= self.view_since}
+        return bool(heard) and self.unheard <= heard
 
     # ---------------------------------------------------------------- registration and stores
 
@@ -674,6 +684,7 @@ class SwapperCore:
             )
         if not self._stores_known(now):  # the tick tries again once they are
             return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
+        committed = self._commit_newest(state, now)
         failed_hosts = {i.host for i in state.open_incidents}
         newcomers: set[str] = set()
         for rank in vacant:
@@ -685,7 +696,12 @@ class SwapperCore:
             for incident in state.open_incidents:
                 if incident.rank == rank:
                     incident.replacement = spare
-        return self._publish_rebuild(state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}")
+        rebuild = self._publish_rebuild(state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}")
+        if committed is None:
+            return rebuild
+        return dataclasses.replace(
+            rebuild, actions=committed.actions + rebuild.actions, reason=f"{committed.reason}; {rebuild.reason}"
+        )
 
     def _publish_rebuild(
         self, state: JobState, now: float, newcomers: set[str], reason: str, local: bool = False
@@ -1051,10 +1067,16 @@ class SwapperCore:
             return Decision([], f"snapshot step {sc.step} rank {sc.rank}: {lead} steps beyond the committed step")
         state.rank_bytes[sc.rank] = sc.nbytes
         state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
+        return self._commit_newest(state, now) or Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
+
+    def _commit_newest(self, state: JobState, now: float) -> Decision | None:
+        """Commit the newest step every rank has complete on its live stores, if any is newer than the
+        committed one. Also asked before a restore is chosen: a complete read while its store's status
+        was stale (after a pause) did not count then, and its store may have been heard since."""
         live = self._live_names(now)
         newly = [s for s in sorted(state.completes) if self._is_complete(state, s, live)]
         if not newly:
-            return Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
+            return None
         step = newly[-1]
         assert step > state.committed_step, "a committed step never goes back"
         if state.committed_step != NO_STEP:
@@ -1192,7 +1214,7 @@ class SwapperCore:
             if not holders:
                 continue  # every copy of it is gone: the next commit, or a rebuild, has to do
             short = len(placed) - len(holders)
-            for target in [n for n in placed if n not in holders][: max(0, short)]:
+            for target in [n for n in placed if n not in holders and n in live][: max(0, short)]:  # unheard: later
                 address = live[target]
                 actions.append(
                     Publish(

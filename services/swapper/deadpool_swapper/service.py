@@ -450,11 +450,13 @@ class SwapperService:
         """The stores' view is only as fresh as this process's hearing: while its NATS connection is
         down, and after its loop was paused, a silent store may just be unheard, so the core waits a
         full store timeout before taking silence for loss (a failure handled meanwhile waits for it)."""
-        last = time.monotonic()
+        last = heard_until = time.monotonic()  # heard_until: the last check with nothing missed
         while not await stopped_within(stop, VIEW_CHECK_S):
             now = time.monotonic()
             if not self.nc.is_connected or now - last > self.core.config.store_timeout_s / 2:
-                self.core.reset_store_view(now)
+                self.core.reset_store_view(now, heard_until=heard_until)  # the stores live then, heard again
+            else:
+                heard_until = now
             last = now
 
     async def _on_status(self, msg: Msg) -> None:
