@@ -218,7 +218,7 @@ def test_a_tick_never_asks_to_run_again_in_the_past_and_a_second_tick_at_once_ha
         elif kind == "some_stores":
             announce(core, now, STORES[:1])
         elif kind == "view":
-            core.reset_store_view(now)
+            core.reset_store_view(now, heard_until=now - gap)  # a pause as long as the gap
         elif kind == "ack" and state and state.pending:
             command = state.pending.command
             for member in command.ranks:
