@@ -370,8 +370,8 @@ class SwapperCore:
         """Since when this process has been hearing the stores' announcements without a gap (its own
         start, a reconnection to NATS, a pause of its loop reset it: `reset_store_view`)."""
         self.unheard: frozenset[str] = frozenset()
-        """The stores that were live when the gap began: the view is known once each is heard again,
-        or once the view has had a whole `store_timeout_s` (then the silent ones are lost)."""
+        """The stores that were live when the gap began: the view is known once each is live again (or
+        still), or once the view has had a whole `store_timeout_s` (then the silent ones are lost)."""
 
     def _wall(self, now: float) -> float:
         return now + self.wall_offset()
@@ -392,12 +392,13 @@ class SwapperCore:
         return self.view_since + self.config.store_timeout_s
 
     def _stores_known(self, now: float) -> bool:
-        """Whether the live stores are known: some store is heard and none live before the gap is still
-        unheard, or silence has lasted long enough in a view without gaps to mean that they are lost."""
+        """Whether the live stores are known: some store is live and so is every store live when the gap
+        began (heard again, or heard recently enough still: a short pause waits for nobody), or silence
+        has lasted long enough in a view without gaps to mean that the silent ones are lost."""
         if now >= self._stores_known_at():
             return True
-        heard = {s.store for s in self.stores.values() if s.last_seen >= self.view_since}
-        return bool(heard) and self.unheard <= heard
+        live = self._live_names(now)
+        return bool(live) and self.unheard <= live
 
     # ---------------------------------------------------------------- registration and stores
 
