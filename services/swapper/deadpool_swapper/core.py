@@ -369,9 +369,9 @@ class SwapperCore:
         self.view_since = -math.inf
         """Since when this process has been hearing the stores' announcements without a gap (its own
         start, a reconnection to NATS, a pause of its loop reset it: `reset_store_view`)."""
-        self.unheard: frozenset[str] = frozenset()
-        """The stores that were live when the gap began: the view is known once each is live again (or
-        still), or once the view has had a whole `store_timeout_s` (then the silent ones are lost)."""
+        self.live_at_gap: frozenset[str] = frozenset()
+        """The stores that were live when the last gap began: the view is known once each is live again
+        (or still), or once the view has had a whole `store_timeout_s` (then the silent ones are lost)."""
 
     def _wall(self, now: float) -> float:
         return now + self.wall_offset()
@@ -382,11 +382,11 @@ class SwapperCore:
         """This process may have missed the stores' announcements (it just started, its NATS connection
         came back, its loop was paused since `heard_until`): a silent store is not taken as lost until
         it has had a full `store_timeout_s` to be heard again, and the view is not known while a store
-        live at `heard_until` is still unheard (one store's status after a pause once made it count as
+        live at `heard_until` is not live again (one store's status after a pause once made it count as
         known, with every other store's copies taken for lost)."""
         self.view_since = now
         live_then = self.live_stores(heard_until) if heard_until is not None else []
-        self.unheard = frozenset(s.store for s in live_then)
+        self.live_at_gap = frozenset(s.store for s in live_then)
 
     def _stores_known_at(self) -> float:
         return self.view_since + self.config.store_timeout_s
@@ -398,7 +398,7 @@ class SwapperCore:
         if now >= self._stores_known_at():
             return True
         live = self._live_names(now)
-        return bool(live) and self.unheard <= live
+        return bool(live) and self.live_at_gap <= live
 
     # ---------------------------------------------------------------- registration and stores
 
@@ -1215,7 +1215,7 @@ class SwapperCore:
             if not holders:
                 continue  # every copy of it is gone: the next commit, or a rebuild, has to do
             short = len(placed) - len(holders)
-            for target in [n for n in placed if n not in holders and n in live][: max(0, short)]:  # unheard: later
+            for target in [n for n in placed if n not in holders and n in live][: max(0, short)]:  # not live: later
                 address = live[target]
                 actions.append(
                     Publish(
