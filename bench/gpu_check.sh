@@ -12,9 +12,9 @@
 #
 #   bash bench/gpu_check.sh [--dry-run] [OUT_DIR]       (OUT_DIR defaults to ./gpu-check)
 #
-# On a fresh GPU machine it makes .venv on top of the machine's own CUDA torch. A machine that cannot
-# reach a package index installs from gpu-wheels/, made beforehand on a connected one with
-# `bash bench/gpu_wheels.sh` (and carried along with the working tree).
+# On a fresh GPU machine it makes .venv on top of the machine's own CUDA torch (bench/gpu_venv.sh). A
+# machine that cannot reach a package index installs from gpu-wheels/, made beforehand on a connected
+# one with `bash bench/gpu_wheels.sh` (and carried along with the working tree).
 #
 # --dry-run: every step but the CUDA calls, on the CPU, with the same scripts, options and parsing at
 # small sizes, and the offline install from gpu-wheels/ (when present) into a scratch venv: it checks
@@ -25,35 +25,21 @@ DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-gpu-check}
 mkdir -p "$OUT"
-PY=${PYTHON:-python3}
 START=$(date +%s)
-
-install_offline() {  # venv python, then pip options
-  local vpy=$1
-  shift
-  "$vpy" -m pip install --quiet --no-index --find-links gpu-wheels "setuptools>=77"
-  "$vpy" -m pip install --quiet --no-index --find-links gpu-wheels --no-build-isolation "$@" -e .
-}
 
 if [ "$DRY" = 1 ]; then
   [ -x .venv/bin/python ] || { echo "--dry-run uses this checkout's .venv (make test makes it)" >&2; exit 2; }
   if [ -d gpu-wheels ]; then  # the offline install a GPU machine without an index would do
     SCRATCH=$(mktemp -d)
-    "$PY" -m venv "$SCRATCH/venv"
-    install_offline "$SCRATCH/venv/bin/python"
+    GPU_VENV_SYSTEM_SITE=0 bash bench/gpu_venv.sh "$SCRATCH/venv"
     "$SCRATCH/venv/bin/python" -c 'import deadpool_cli.main, deadpool_protocol, nats, msgpack, xxhash, structlog'
     echo "offline install from gpu-wheels/: ok" | tee "$OUT/install.txt"
     rm -rf "$SCRATCH"
   else
     echo "offline install not checked: no gpu-wheels/ (bash bench/gpu_wheels.sh makes it)" | tee "$OUT/install.txt"
   fi
-elif [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv --system-site-packages .venv
-  if [ -d gpu-wheels ]; then
-    install_offline .venv/bin/python
-  else
-    .venv/bin/python -m pip install --quiet -e .
-  fi
+else
+  bash bench/gpu_venv.sh .venv
 fi
 VPY=.venv/bin/python
 

