@@ -20,6 +20,7 @@ from deadpool.training_state import (
     load_optimizer,
     restore_rng,
     snapshot_now,
+    state_device,
 )
 
 
@@ -73,6 +74,38 @@ def test_a_restored_copy_continues_exactly_like_the_original() -> None:
     for a, b in zip(original.state_dict().values(), replica.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert meta.step == 3 and meta.extra == {"epoch": 1}
+
+
+def test_a_fused_optimizer_restored_continues_exactly_like_the_original() -> None:
+    torch.manual_seed(0)
+    original = nn.Linear(8, 4)
+    original_opt = torch.optim.AdamW(original.parameters(), lr=1e-2, fused=True)
+    train(original, original_opt, steps=2)
+    buffer, meta = capture(original, original_opt, step=2)
+    replica = nn.Linear(8, 4)
+    replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-2, fused=True)
+    load_module(replica, [buffer])
+    load_optimizer(replica, replica_opt, [buffer], meta.decode_tree(buffer))
+    torch.manual_seed(7)
+    train(original, original_opt, steps=2)
+    torch.manual_seed(7)
+    train(replica, replica_opt, steps=2)
+    for a, b in zip(original.state_dict().values(), replica.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_restored_optimizer_state_goes_where_torch_puts_it() -> None:
+    """A fused or capturable group reads its step count on the parameter's device (a fused CUDA AdamW
+    refuses one on the CPU); any other group keeps it on the CPU. The meta device stands in for a GPU."""
+    param = nn.Parameter(torch.empty(3, device="meta"))
+    step, moment = torch.tensor(4.0), torch.zeros(3)
+    for group in ({"fused": True}, {"capturable": True}):
+        assert state_device("step", step, param, group) == param.device
+    for plain in ({}, {"fused": None, "capturable": False}):
+        assert state_device("step", step, param, plain) == step.device
+    for any_group in ({}, {"fused": True}):
+        assert state_device("exp_avg", moment, param, any_group) == param.device
+        assert state_device("max_lr", torch.tensor(1.0), param, any_group) == param.device
 
 
 def test_the_snapshot_buffer_is_independent_of_later_training() -> None:

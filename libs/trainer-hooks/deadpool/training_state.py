@@ -484,7 +484,7 @@ def load_optimizer(
     """
     params = list(module.parameters())
     local = local_optimizer(optimizer)
-    owned = {id(p) for group in local.param_groups for p in group["params"]}
+    group_of = {id(p): group for group in local.param_groups for p in group["params"]}
     local.state.clear()
     for part in parts:
         for name, view in part.by_name.items():
@@ -493,12 +493,12 @@ def load_optimizer(
                 continue
             index, _, key = rest.partition(".")
             param = params[int(index)]
-            if id(param) not in owned:
+            if id(param) not in group_of:
                 raise ValueError(
                     f"snapshot holds optimizer state for parameter {index}, which this rank's optimizer does not "
                     "own (the optimizer's partition differs from the snapshot's rank)"
                 )
-            device = param.device if view.dim() > 0 else view.device
+            device = state_device(key, view, param, group_of[id(param)])
             if device != view.device:
                 value = view.to(device)
             elif take_buffers:
@@ -510,7 +510,7 @@ def load_optimizer(
         if not isinstance(index, int) or not 0 <= index < len(params) or not isinstance(state, dict):
             raise ValueError(f"malformed state tree: optimizer state of parameter {index!r}")
         param = params[index]
-        if id(param) not in owned:
+        if id(param) not in group_of:
             raise ValueError(f"snapshot holds optimizer state for parameter {index}, not this rank's optimizer's")
         local.state[param].update(state)
     groups = tree["groups"]
@@ -521,6 +521,16 @@ def load_optimizer(
             raise ValueError("malformed state tree: a param group that is not a map")
         for key, value in saved.items():
             _set_hyperparameter(group, key, value)
+
+
+def state_device(key: str, value: torch.Tensor, param: torch.Tensor, group: Mapping[str, Any]) -> torch.device:
+    """Where a restored optimizer state tensor lives, by torch's own rule (`Optimizer.load_state_dict`):
+    a step count stays where it is (the CPU) unless the group is fused or capturable, whose kernels read
+    it on the parameter's device; any other state is on the parameter's device. (A fused CUDA AdamW
+    refuses a step count on the CPU: the first GPU run of `bench/scale.py` met it after a swap.)"""
+    if key == "step" and value.dim() == 0 and not (group.get("fused") or group.get("capturable")):
+        return value.device
+    return param.device
 
 
 def _set_hyperparameter(group: dict[str, Any], key: str, value: Any) -> None:
