@@ -188,6 +188,8 @@ class SnapshotWorker:
         self._side_stream: Any = None
         self._last_request: CaptureRequest | None = None
         self.captures = 0
+        self.streamed_bytes = 0
+        """The bytes of the snapshots streamed (once each, whatever the number of stores)."""
         self.copy_cpu_s = 0.0
         """CPU time the copy thread spent copying, over all captures."""
         self.stream_cpu_s = 0.0
@@ -299,6 +301,7 @@ class SnapshotWorker:
             "durable_failed": durable.failed if durable else 0,
             "durable_disk_full": durable.disk_full if durable else 0,
             "snapshots_streamed": self.captures,
+            "snapshot_streamed_bytes": self.streamed_bytes,
             "snapshot_copy_cpu_s": self.copy_cpu_s,
             "snapshot_stream_cpu_s": self.stream_cpu_s,
             "snapshot_copy_gpu_s": self.copy_gpu_s,
@@ -445,7 +448,7 @@ class SnapshotWorker:
                 return
             started = time.thread_time()
             try:
-                self._stream(request)
+                self.streamed_bytes += self._stream(request)
                 self.captures += 1
                 if request.persist_world_size and self.durable is not None and request.slot.buffer is not None:
                     key = request.key  # the buffer is this thread's until it is done: copy it aside now
@@ -493,7 +496,8 @@ class SnapshotWorker:
         self._captured.set()
         return True
 
-    def _stream(self, request: CaptureRequest) -> None:
+    def _stream(self, request: CaptureRequest) -> int:
+        """Upload the snapshot to each of its stores; returns its size in bytes (0 if cancelled)."""
         buffer = request.slot.buffer
         assert buffer is not None
         data = buffer.bytes_view()
@@ -513,9 +517,10 @@ class SnapshotWorker:
                 conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
                 request.sealed_on.append(address.store)
             except SnapshotCancelledError:
-                return
+                return 0
             except StoreClientError as exc:
                 self.log.warning("snapshot not stored", step=key.step, store=address.store, reason=str(exc))
+        return len(data)
 
 
 def _pick(items: Sequence[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:

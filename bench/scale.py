@@ -1,0 +1,396 @@
+"""Snapshots at real bytes per step: what they cost a job whose ranks hold GBs of state.
+
+    cd bench && ../.venv/bin/python scale.py [--state-gb 1] [--step-s 1 5] [--steps 12] [--device cuda]
+
+Each scenario is a job of `--ranks` ranks (`bench/scale_train.py`), each holding `--state-gb` GiB of
+state (fp32 parameters and AdamW moments, every byte changed every step, no state shared between
+ranks), whose step stands in for a GPU step of `--step-s` seconds: it leaves the host's cores to the
+snapshot path. The default scenarios are the issue's: 1 GiB per rank with 1 s steps (the bytes per
+second of step of an 8B model on 64 GPUs) and with 5 s steps (70B on 512). Per scenario, three rounds,
+each on a control plane of its own (NATS, a detector, a swapper, `--stores` stores at `--replication`):
+
+1. snapshots off (`DEADPOOL_SNAPSHOT_EVERY=0`: hooks attached, heartbeats running, no capture);
+2. a snapshot after every step, streamed to the stores and committed;
+3. the same with a warm spare, and rank 1 SIGKILLed half-way through step `steps - 3`: the restore as
+   the spare sees it.
+
+Reported per scenario, as a table and then one JSON line:
+- `step_time_ratio`: median step (past `--warm-up-steps`) with snapshots on, over off;
+- `snapshot_every_steps`: the interval the job snapshots at (fixed at 1 today);
+- `snapshots_skipped`, `snapshot_waits`: captures dropped, and captures that waited for the stream before;
+- `commit_lag_s` (p50, max): from the end of the step a snapshot holds to its commit notice;
+- `lost_steps_bound_crash`, `lost_steps_bound_host`: the most completed steps a fault at the worst
+  moment of round 2 would have cost (newest completed step minus newest committed one, the swapper's
+  `lost_steps`), for a process crash and for a lost host (the same today: every copy is on the stores);
+- `cpu_ms_per_mb` against a plain memcpy's in the same run (capture, stream and store ingest);
+- `sender_bytes_per_snapshot_byte`: bytes sent over the loopback (every part runs on this host, so
+  every byte a member sends to a store crosses it once; the bus's few KB a step too) per byte snapshotted;
+- `store_ingest_gb_per_cpu_s`: those bytes per second of the stores' CPU (their capacity), and
+  `store_ingest_gb_per_s`: per second of the round (what the job asked of them);
+- `restore_s_remote` (and GB/s): round 3's restore phase, the spare fetching the rank's snapshot from
+  the stores; `restore_s_local`: null until a host-local copy exists (issue 23, point 3); and round 3's
+  downtime (the kill to every rank's first step after it), lost steps and phases. The stand-in step
+  has no collective, so a survivor leaves it only at its end: its `abort` phase is up to a step long,
+  where a real job's survivor is released from its broken collective at once;
+- `store_ram_gb_per_rank`: the stores' peak resident memory in round 2, above their start, per rank.
+
+Goals (issue 23): step_time_ratio <= 1.02 in each scenario (1.01 on a GPU), a process crash loses at most
+1 step (both the bound of round 2 and round 3's kill), and with 5 s steps a snapshot every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from measures import cpu_seconds, memcpy_ms_per_mb, percentile
+
+from deadpool_cli.demo import incident_report, inject_fault_mid_step
+from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_protocol import Commit, decode
+from deadpool_protocol.subjects import Subjects
+from deadpool_runtime.logs import get_logger
+
+SCRIPT = Path(__file__).resolve().with_name("scale_train.py")
+GOALS = {"step_time_ratio_max": 1.02, "step_time_ratio_max_gpu": 1.01, "lost_steps_crash_max": 1}
+SLOW_STEP_S = 5.0
+"""Scenarios with steps at least this long must snapshot every step (the issue's 70B job)."""
+COMMIT_GRACE_S = 10.0
+"""How long after the launcher exits the last commit notice may still come (a GB stream's tail)."""
+ROUND_TIMEOUT_S_PER_STEP = 20.0
+"""A round is given up after this many seconds per step (plus its start): a wedged job ends the run."""
+SAMPLE_PERIOD_S = 0.2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    state_gb: float
+    step_s: float
+
+
+def store_pids(stack: Stack) -> list[int]:
+    return [p.pid for name, p in stack.processes.items() if name.startswith("store")]
+
+
+def loopback_bytes() -> int:
+    """Bytes sent over this host's loopback so far (/proc/net/dev): every part of the run is on it, so
+    each byte a member sends to a store crosses it once (the bus's messages too, a few KB a step)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def sample_peak_rss(pids: list[int], peak: dict[int, int], stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for pid in pids:
+            peak[pid] = max(peak.get(pid, 0), resident_bytes(pid))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), SAMPLE_PERIOD_S)
+
+
+async def run_round(
+    stack: Stack, args: argparse.Namespace, workdir: Path, scenario: Scenario, kind: str
+) -> dict[str, Any]:
+    """One job: `kind` is off (no snapshots), on (a snapshot every step) or swap (on, plus a kill)."""
+    job = f"scale-{scenario.step_s * 1000:.0f}ms-{kind}-{secrets.token_hex(2)}"
+    stats_dir = workdir / job
+    nc = await stack.connect()
+    commit_t: dict[int, float] = {}
+
+    async def on_commit(msg: Any) -> None:
+        commit_t.setdefault(decode(msg.data, Commit).step, time.time())
+
+    await nc.subscribe(Subjects.for_job(job).commit, cb=on_commit)
+    watch = JobWatch(nc, job, get_logger(job=job))
+    await watch.start()
+    env = {
+        **os.environ,
+        "DEADPOOL_SNAPSHOT_EVERY": "0" if kind == "off" else "1",
+        "DEADPOOL_STATS_DIR": str(stats_dir),
+        "OMP_NUM_THREADS": "1",
+    }
+    spares = 1 if kind == "swap" else 0
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job]
+    command += ["--nproc", str(args.ranks), "--spares", str(spares)]
+    command += ["--gpus", args.gpus if args.device == "cuda" else "none"]
+    command += [str(SCRIPT), "--steps", str(args.steps), "--state-gb", str(scenario.state_gb)]
+    command += ["--step-s", str(scenario.step_s), "--device", args.device]
+    stores = store_pids(stack)
+    sent_before = loopback_bytes()
+    store_cpu_before = sum(cpu_seconds(pid) for pid in stores)
+    rss_before = {pid: resident_bytes(pid) for pid in stores}
+    peak: dict[int, int] = {}
+    stop_sampling = asyncio.Event()
+    sampler = asyncio.create_task(sample_peak_rss(stores, peak, stop_sampling))
+    timeout_s = ROUND_TIMEOUT_S_PER_STEP * args.steps + 120.0
+    started = time.monotonic()
+    with open(workdir / f"{job}.log", "wb") as log:
+        launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    killer = None
+    if kind == "swap":
+        killer = asyncio.create_task(inject_fault_mid_step(watch, 1, args.steps - 3, "kill"))
+    try:
+        returncode = await asyncio.wait_for(launcher.wait(), timeout_s)
+    except TimeoutError:
+        launcher.send_signal(signal.SIGTERM)
+        await launcher.wait()
+        raise RuntimeError(f"round {job} did not end within {timeout_s:.0f} s; see {workdir / f'{job}.log'}") from None
+    wall_s = time.monotonic() - started
+    deadline = time.monotonic() + COMMIT_GRACE_S
+    while kind != "off" and args.steps not in commit_t and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    stop_sampling.set()
+    await sampler
+    sent = loopback_bytes() - sent_before
+    store_cpu_s = sum(cpu_seconds(pid) for pid in stores) - store_cpu_before
+    incidents = list(watch.incidents)
+    await nc.close()
+    if returncode != 0:
+        raise RuntimeError(f"round {job} failed (exit {returncode}); see {workdir / f'{job}.log'}")
+    members = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("*.json"))]
+    incident = None
+    if killer is not None:
+        kill = killer.result() if killer.done() and killer.exception() is None else None
+        if kill is None or not incidents:
+            raise RuntimeError(f"round {job}: the kill or its incident is missing; see {workdir / f'{job}.log'}")
+        incident = incident_report(incidents[0], kill)
+    return {
+        "job": job,
+        "kind": kind,
+        "wall_s": wall_s,
+        "members": [m for m in members if m.get("rank") is not None and m["steps"]],
+        "commit_t": commit_t,
+        "store_cpu_s": store_cpu_s,
+        "sent_bytes": sent,
+        "store_ram_growth_bytes": sum(peak.get(pid, 0) - rss_before[pid] for pid in stores),
+        "incident": incident,
+    }
+
+
+def steps_past_warm_up(round_: dict[str, Any], warm_up: int) -> list[dict[str, Any]]:
+    return [s for m in round_["members"] for s in m["steps"] if s["step"] >= warm_up]
+
+
+def lost_steps_bound(on: dict[str, Any], warm_up: int) -> int:
+    """The swapper's `lost_steps` (newest completed step minus newest committed) at the worst moment of the
+    round: just before each step's completion is followed by its commit, i.e. at each completion."""
+    commits = sorted((t, step) for step, t in on["commit_t"].items())
+    times = [t for t, _ in commits]
+    newest: list[int] = []
+    for _, step in commits:
+        newest.append(max(step, newest[-1]) if newest else step)
+    worst = 0
+    for member in on["members"]:
+        for s in member["steps"]:
+            if s["step"] < warm_up:
+                continue
+            i = bisect_right(times, s["t_completed"])
+            committed = newest[i - 1] if i else -1
+            worst = max(worst, s["step"] - committed)
+    return worst
+
+
+def summarise(
+    scenario: Scenario,
+    off: dict[str, Any],
+    on: dict[str, Any],
+    swap: dict[str, Any],
+    args: argparse.Namespace,
+    memcpy: float,
+) -> dict[str, Any]:
+    warm_up = args.warm_up_steps
+    step_off = statistics.median(s["step_s"] for s in steps_past_warm_up(off, warm_up))
+    step_on = statistics.median(s["step_s"] for s in steps_past_warm_up(on, warm_up))
+    snapshot_bytes = on["members"][0]["snapshot_bytes"]  # the full state's (the first holds no moments yet)
+    streamed = sum(m.get("snapshots_streamed", 0) for m in on["members"]) or 1
+    captured_bytes = sum(m["snapshot_streamed_bytes"] for m in on["members"]) or 1
+    completed = {(m["rank"], s["step"]): s["t_completed"] for m in on["members"] for s in m["steps"]}
+    lags = [
+        t - max(completed[(m["rank"], step - 1)] for m in on["members"] if (m["rank"], step - 1) in completed)
+        for step, t in on["commit_t"].items()
+        if step >= 1 and any((m["rank"], step - 1) in completed for m in on["members"])
+    ]
+    copy_s = sum(m.get("snapshot_copy_cpu_s", 0.0) for m in on["members"])
+    stream_s = sum(m.get("snapshot_stream_cpu_s", 0.0) for m in on["members"])
+    cpu_ms_per_mb = 1000 * (copy_s + stream_s + on["store_cpu_s"]) / (captured_bytes / 1e6)
+    lost = lost_steps_bound(on, warm_up)
+    incident = swap["incident"]
+    restore_s = incident["phases"].get("restore")
+    result = {
+        "state_gb_per_rank": scenario.state_gb,
+        "step_s": scenario.step_s,
+        "snapshot_bytes_per_rank": snapshot_bytes,
+        "step_s_off_median": round(step_off, 4),
+        "step_s_on_median": round(step_on, 4),
+        "step_time_ratio": round(step_on / step_off, 4),
+        "snapshot_every_steps": 1,
+        "snapshots_streamed": streamed,
+        "snapshots_skipped": sum(m.get("snapshots_skipped", 0) for m in on["members"]),
+        "snapshot_waits": sum(m.get("snapshot_waits", 0) for m in on["members"]),
+        "committed": len(on["commit_t"]),
+        "commit_lag_s_p50": round(percentile(lags, 50), 3) if lags else None,
+        "commit_lag_s_max": round(max(lags), 3) if lags else None,
+        "lost_steps_bound_crash": lost,
+        "lost_steps_bound_host": lost,
+        "cpu_ms_per_mb": round(cpu_ms_per_mb, 3),
+        "memcpy_ms_per_mb": round(memcpy, 3),
+        "cpu_over_memcpy": round(cpu_ms_per_mb / memcpy, 2),
+        "cpu_ms_per_snapshot": {
+            "copy": round(1000 * copy_s / streamed, 1),
+            "stream": round(1000 * stream_s / streamed, 1),
+            "store_ingest": round(1000 * on["store_cpu_s"] / streamed, 1),
+        },
+        "sender_bytes_per_snapshot_byte": round(on["sent_bytes"] / captured_bytes, 3),
+        "store_ingest_gb_per_cpu_s": round(on["sent_bytes"] / 1e9 / on["store_cpu_s"], 2)
+        if on["store_cpu_s"]
+        else None,
+        "store_ingest_gb_per_s": round(on["sent_bytes"] / 1e9 / on["wall_s"], 3),
+        "store_ram_gb_per_rank": round(on["store_ram_growth_bytes"] / 2**30 / args.ranks, 2),
+        "restore_s_remote": restore_s,
+        "restore_gb_per_s_remote": round(snapshot_bytes / 1e9 / restore_s, 2) if restore_s else None,
+        "restore_s_local": None,
+        "swap_downtime_s": incident["downtime_s"],
+        "swap_lost_steps": incident["lost_steps"],
+        "swap_restore_link": incident["evidence"].get("restore_link"),
+        "swap_phases_s": incident["phases"],
+    }
+    return result
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="deadpool-scale-"))
+    print(f"work dir {workdir}", flush=True)
+    memcpy = memcpy_ms_per_mb()
+    scenarios = [Scenario(args.state_gb, step_s) for step_s in args.step_s]
+    results = []
+    for scenario in scenarios:
+        rounds = {}
+        for kind in ("off", "on", "swap"):
+            # A fresh control plane per round: a store keeps a finished job's last commits in its memory,
+            # and at GBs per rank those would leave the next job's snapshots no room.
+            config = StackConfig(
+                workdir=workdir / f"stack-{scenario.step_s * 1000:.0f}ms-{kind}",
+                stores=args.stores,
+                replication=args.replication,
+                store_capacity_bytes=int(args.store_gb * 2**30),
+            )
+            async with Stack(config) as stack:
+                r = await run_round(stack, args, workdir, scenario, kind)
+            steps = [s["step_s"] for s in steps_past_warm_up(r, args.warm_up_steps)]
+            print(
+                f"{scenario.state_gb:g} GiB/rank, {scenario.step_s:g} s steps, snapshots {kind:>4}: "
+                f"median step {statistics.median(steps):.3f} s, committed {len(r['commit_t'])}, "
+                f"wall {r['wall_s']:.1f} s",
+                flush=True,
+            )
+            rounds[kind] = r
+        results.append(summarise(scenario, rounds["off"], rounds["on"], rounds["swap"], args, memcpy))
+        print(f"scenario: {json.dumps(results[-1])}", flush=True)  # kept if a later scenario fails
+    ratio_max = GOALS["step_time_ratio_max_gpu" if args.device == "cuda" else "step_time_ratio_max"]
+    goals_met = all(
+        r["step_time_ratio"] <= ratio_max
+        and max(r["lost_steps_bound_crash"], r["swap_lost_steps"]) <= GOALS["lost_steps_crash_max"]
+        and (r["step_s"] < SLOW_STEP_S or r["snapshot_every_steps"] == 1)
+        for r in results
+    )
+    return {
+        "device": args.device,
+        "ranks": args.ranks,
+        "stores": args.stores,
+        "replication": args.replication,
+        "steps_per_round": args.steps,
+        "scenarios": results,
+        "goals": {"step_time_ratio_max": ratio_max, "lost_steps_crash_max": GOALS["lost_steps_crash_max"]},
+        "goals_met": goals_met,
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print("")
+    print(
+        f"{result['ranks']} ranks on {result['device']}, {result['stores']} store(s) at replication "
+        f"{result['replication']}, {result['steps_per_round']} steps per round"
+    )
+    for r in result["scenarios"]:
+        cpu = r["cpu_ms_per_snapshot"]
+        print(f"  {r['state_gb_per_rank']:g} GiB per rank, {r['step_s']:g} s steps:")
+        print(
+            f"    step {r['step_s_off_median']:.3f} s off, {r['step_s_on_median']:.3f} s on: ratio "
+            f"{r['step_time_ratio']:.4f} (goal <= {result['goals']['step_time_ratio_max']}); "
+            f"a snapshot every {r['snapshot_every_steps']} step(s)"
+        )
+        print(
+            f"    streamed {r['snapshots_streamed']}, skipped {r['snapshots_skipped']}, waited for the stream "
+            f"{r['snapshot_waits']}; committed {r['committed']}; commit lag p50 {r['commit_lag_s_p50']} s, "
+            f"max {r['commit_lag_s_max']} s"
+        )
+        print(
+            f"    lost-work bound: {r['lost_steps_bound_crash']} step(s) on a process crash, "
+            f"{r['lost_steps_bound_host']} on a lost host"
+        )
+        print(
+            f"    CPU per MB {r['cpu_ms_per_mb']:.3f} ms against a memcpy's {r['memcpy_ms_per_mb']:.3f} "
+            f"({r['cpu_over_memcpy']:.1f}x); per snapshot: copy {cpu['copy']} ms, stream {cpu['stream']} ms, "
+            f"store ingest {cpu['store_ingest']} ms"
+        )
+        print(
+            f"    sent {r['sender_bytes_per_snapshot_byte']} bytes per snapshot byte; store ingest "
+            f"{r['store_ingest_gb_per_cpu_s']} GB per CPU-second, {r['store_ingest_gb_per_s']} GB/s asked; "
+            f"store RAM {r['store_ram_gb_per_rank']} GiB per rank"
+        )
+        print(
+            f"    restore from the stores {r['restore_s_remote']} s ({r['restore_gb_per_s_remote']} GB/s), "
+            f"host-local: {r['restore_s_local']}; swap downtime {r['swap_downtime_s']} s, lost "
+            f"{r['swap_lost_steps']} step(s), link {r['swap_restore_link']}"
+        )
+        print("    swap phases (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["swap_phases_s"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-gb", type=float, default=1.0, help="GiB of state per rank")
+    parser.add_argument("--step-s", type=float, nargs="+", default=[1.0, 5.0], help="one scenario per step time")
+    parser.add_argument("--steps", type=int, default=12, help="training steps per round")
+    parser.add_argument("--warm-up-steps", type=int, default=3, help="steps of each round not measured")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--stores", type=int, default=1)
+    parser.add_argument("--replication", type=int, default=1)
+    parser.add_argument("--store-gb", type=float, default=8.0, help="each store's capacity, GiB")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument(
+        "--gpus", default="auto", help="with --device cuda: as deadpool launch --gpus (0,0,0 shares one)"
+    )
+    args = parser.parse_args()
+    if args.steps < args.warm_up_steps + 4:
+        parser.error("--steps must leave at least 4 measured steps, the kill's among them")
+    result = asyncio.run(main_async(args))
+    print_table(result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
