@@ -12,7 +12,16 @@ from nats.aio.client import Client
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
 from deadpool_cli.nats_server import free_port
-from deadpool_protocol import Commit, SnapshotComplete, StoreAddress, StoreStatus, Subjects, decode, encode
+from deadpool_protocol import (
+    Commit,
+    JobFinished,
+    SnapshotComplete,
+    StoreAddress,
+    StoreStatus,
+    Subjects,
+    decode,
+    encode,
+)
 from deadpool_protocol.dataplane import FRAME_LENGTH, PutChunk, Reply, Seal, decode_frame_header, encode_frame
 from deadpool_protocol.subjects import STORE_STATUS
 
@@ -163,6 +172,34 @@ async def test_a_full_store_refuses_with_a_clear_error_and_keeps_what_is_committ
 
     assert await asyncio.to_thread(fetch, 1) == first  # committed data survived the refusal
     assert "no complete snapshot" in await asyncio.to_thread(lambda: _fetch_error(address, 2))
+
+
+async def test_a_finished_job_leaves_room_for_the_next_one(nc: Client, spawn_service: SpawnService) -> None:
+    """Seen at GBs per rank (`bench/scale.py`): the store kept an ended job's last commits until it
+    restarted, and the next job's snapshots were refused, the store full."""
+    address = await start_store(nc, spawn_service)  # capacity 64 MiB
+
+    def upload(job: str, generation: int, nbytes: int) -> str:
+        conn = StoreConnection(address)
+        try:
+            conn.upload(UploadKey(job, generation, 0, "m", 1), memoryview(bytes(nbytes)), 4 * 1024 * 1024, b"", never)
+        except StoreClientError as exc:
+            return str(exc)
+        finally:
+            conn.close()
+        return ""
+
+    assert await asyncio.to_thread(upload, "first", 3, 40 * 1024 * 1024) == ""
+    await nc.publish(Subjects.for_job("first").commit, encode(Commit("first", 3, 1)))
+    await nc.flush()
+    assert "store full" in await asyncio.to_thread(upload, "next", 1, 30 * 1024 * 1024)
+    await nc.publish(Subjects.for_job("first").finished, b"\x00not a message")
+    await nc.publish(Subjects.for_job("first").finished, encode(JobFinished("first", 2, 1)))  # an older run's
+    await nc.request("deadpool.store.s0.status", b"", timeout=5)  # after the notices on this connection
+    assert "store full" in await asyncio.to_thread(upload, "next", 1, 30 * 1024 * 1024), "a newer run's stays"
+    await nc.publish(Subjects.for_job("first").finished, encode(JobFinished("first", 3, 1)))
+    await nc.request("deadpool.store.s0.status", b"", timeout=5)
+    assert await asyncio.to_thread(upload, "next", 1, 30 * 1024 * 1024) == ""
 
 
 def _fetch_error(address: StoreAddress, step: int) -> str:

@@ -17,14 +17,20 @@ def put_chunk(memory: SnapshotMemory, chunk: PutChunk, payload: bytes) -> None:
 
 
 def upload(
-    memory: SnapshotMemory, step: int, data: bytes, rank: int = 0, generation: int = 1, member: str = "m0"
+    memory: SnapshotMemory,
+    step: int,
+    data: bytes,
+    rank: int = 0,
+    generation: int = 1,
+    member: str = "m0",
+    job: str = "j",
 ) -> None:
     checksums = []
     for offset, n in chunk_spans(len(data), CHUNK):
         piece = data[offset : offset + n]
         checksums.append(chunk_checksum(piece))
-        put_chunk(memory, PutChunk("j", generation, rank, member, step, offset, n, len(data)), piece)
-    memory.seal(Seal("j", generation, rank, member, step, len(data), CHUNK, checksums, b"meta"))
+        put_chunk(memory, PutChunk(job, generation, rank, member, step, offset, n, len(data)), piece)
+    memory.seal(Seal(job, generation, rank, member, step, len(data), CHUNK, checksums, b"meta"))
 
 
 def test_a_sealed_snapshot_is_served_byte_for_byte() -> None:
@@ -94,6 +100,24 @@ def test_a_commit_that_goes_back_in_a_newer_generation_frees_the_abandoned_timel
     assert memory.commit("j", 8, generation=1) == [] and memory.committed_steps("j") == [4, 6], "a late old commit"
 
 
+def test_a_finished_job_frees_its_run_and_leaves_other_jobs_and_a_newer_run_alone() -> None:
+    """Seen with GBs per rank: a store kept each ended job's last commits until it restarted, and the
+    next job's snapshots were refused as the store was full."""
+    memory = SnapshotMemory(capacity_bytes=10_000, keep_committed=2, uncommitted_max=8)
+    for step in range(1, 4):
+        upload(memory, step, bytes([step]) * 8, generation=2)
+        upload(memory, step, bytes([step]) * 8, job="other")
+    memory.commit("j", 2, generation=2)
+    upload(memory, 9, b"newerrun", generation=3)  # a new run of the name, already started
+    freed = memory.finished("j", 2)
+    assert sorted(key[2] for key in freed) == [2, 3]  # step 1 went with the commit of 2
+    assert [s for s in range(1, 10) if _has(memory, s)] == [9], "the newer run's snapshot stays"
+    assert all(_has(memory, step, job="other") for step in range(1, 4))
+    assert memory.finished("j", 2) == [], "a repeated notice frees nothing more"
+    assert memory.commit("j", 2, generation=2) == [], "a late commit of the ended run is still ignored"
+    assert memory.used_bytes == 8 + 3 * 8
+
+
 def test_uncommitted_snapshots_per_rank_are_bounded_and_the_next_commit_candidate_stays() -> None:
     memory = SnapshotMemory(capacity_bytes=10_000, uncommitted_max=2)
     for step in range(1, 5):
@@ -161,9 +185,9 @@ def test_pooled_buffers_give_way_to_a_snapshot_of_another_size() -> None:
     assert memory.pooled_bytes == 0 and memory.used_bytes == 40
 
 
-def _has(memory: SnapshotMemory, step: int) -> bool:
+def _has(memory: SnapshotMemory, step: int, job: str = "j") -> bool:
     try:
-        memory.get("j", 0, step)
+        memory.get(job, 0, step)
     except StoreError:
         return False
     return True

@@ -77,7 +77,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "store": {
         "publish": [STORE_STATUS, _ANY.snapshot_complete, _PING],
-        "subscribe": [_ANY.commit, _STORE_OWN, _SERVICE, _REPLIES],
+        "subscribe": [_ANY.commit, _ANY.finished, _STORE_OWN, _SERVICE, _REPLIES],
     },
     "launcher": {
         "publish": [_ANY.heartbeat_batch, _ANY.run_start, *event_subjects("*", ("child_exit",))],

@@ -12,7 +12,10 @@ sender's manifest. Rules:
   all, which is the next step to commit); everything else is freed;
 - an upload that is not sealed within `unsealed_max_s` (its sender died or gave up) is freed;
 - a new snapshot that would exceed `capacity_bytes` is refused with a clear error; nothing committed is
-  ever evicted to make room.
+  ever evicted to make room;
+- once a job has finished (`finished`), everything of it up to its last generation is freed: a new run
+  of its name never restores from an ended run's copies (it starts afresh or from the durable tier, in
+  a newer generation), and at GBs per rank they would leave the next job's snapshots no room.
 
 Freed buffers are kept for reuse (a rank's snapshot has the same size every step), as long as stored
 plus pooled bytes stay within `capacity_bytes`: fresh memory costs a page fault per 4 KiB on first
@@ -195,6 +198,16 @@ class SnapshotMemory:
         for key in freed:
             self._drop(key)
         return abandoned + freed
+
+    def finished(self, job: str, generation: int) -> list[SnapshotKey]:
+        """`job` ended in `generation`: free every snapshot of it of that generation or an older one.
+        Returns the freed keys. A repeated or late notice frees nothing more, and a newer run's snapshots
+        (a newer generation) stay; the commit bookkeeping stays too, so a late commit of the ended run is
+        still ignored as before."""
+        freed = [key for key, snap in self._snapshots.items() if key[0] == job and snap.generation <= generation]
+        for key in freed:
+            self._drop(key)
+        return freed
 
     def _entry_for(self, chunk: PutChunk) -> StoredSnapshot:
         key = (chunk.job, chunk.rank, chunk.step)

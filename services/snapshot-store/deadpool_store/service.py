@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from deadpool_protocol import Commit, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
+from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.subjects import STORE_STATUS, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
@@ -132,6 +132,11 @@ class StoreService:
         if freed:
             self.log.debug("snapshots freed", job=commit.job, step=commit.step, freed=len(freed))
 
+    async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
+        freed = self.memory.finished(finished.job, finished.generation)
+        if freed:
+            self.log.info("snapshots of a finished job freed", job=finished.job, freed=len(freed))
+
     async def _on_replicate(self, request: Replicate, _msg: Msg) -> None:
         key = (request.job, request.rank, request.step, request.target.store)
         if key in self._replicating:
@@ -171,6 +176,7 @@ class StoreService:
     async def run(self, stop: asyncio.Event) -> None:
         self.port = await self.server.start(self.config.host, self.config.port)
         await subscribe_validated(self.nc, Subjects.any_job().commit, Commit, self._on_commit, self.log)
+        await subscribe_validated(self.nc, Subjects.any_job().finished, JobFinished, self._on_finished, self.log)
         replicate = store_replicate(self.config.store_id)
         await subscribe_validated(self.nc, replicate, Replicate, self._on_replicate, self.log)
         service = await add_service(
