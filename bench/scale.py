@@ -290,8 +290,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     for scenario in scenarios:
         rounds = {}
         for kind in ("off", "on", "swap"):
-            # A fresh control plane per round: a store keeps a finished job's last commits in its memory,
-            # and at GBs per rank those would leave the next job's snapshots no room.
+            # A fresh control plane per round, so no round inherits another's: a store's pooled buffers
+            # would spare the next round the first touch of its memory that a new job pays.
             config = StackConfig(
                 workdir=workdir / f"stack-{scenario.step_s * 1000:.0f}ms-{kind}",
                 stores=args.stores,
