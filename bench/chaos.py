@@ -49,6 +49,9 @@ for a store fault also heal_s, from the fault until the swapper has placed the s
 seen the store back, empty) and every rank's committed step has its replicas again.
 `unheard_s_max` is the longest any event waited in a job worker of the leading swapper (read from its
 status every 0.25 s), and `false_verdicts` counts members declared failed that no fault touched.
+A member that reported itself caught in a collective its broken group could not release (gloo's
+pending send, `MemberErrorCause.STUCK_COLLECTIVE`: a known limit, docs/architecture.md §5) was touched
+by the fault that broke its group: it counts in `stuck_exits`, apart.
 `lost_committed` counts restores that found no copy of the committed step. A run is wedged if no rank
 completes a step for longer than the slowest recovery the timeouts allow (`wedge_s`: collective timeout
 + heartbeat timeout + fence timeout; plus the outage itself for `jetstream_outage`). Then the same job runs again
@@ -729,7 +732,8 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
     lost_committed = sum(int(i.evidence.get("lost_committed_steps", "0")) for i in incidents)
     lost_committed += sum(f.cause is MemberErrorCause.SNAPSHOT_UNAVAILABLE for f in watch.failures)
     links = [i.evidence.get("restore_link", "") for i in incidents]
-    false_verdicts = sorted({f.member for f in watch.failures if f.member not in chaos.touched})
+    stuck = sorted({f.member for f in watch.failures if f.cause is MemberErrorCause.STUCK_COLLECTIVE})
+    false_verdicts = sorted({f.member for f in watch.failures if f.member not in chaos.touched} - set(stuck))
     disk_faults = [f for f in faults if f.kind == "disk_full"]
     result = {
         "faults": len(faults),
@@ -747,6 +751,7 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
         "unheard_s_max": round(chaos.unheard_s_max, 4),
         "false_verdicts": len(false_verdicts),
         "false_verdict_members": false_verdicts[:10],
+        "stuck_exits": len(stuck),
         "disk_full_faults": len(disk_faults),
         "disk_full_not_persisted_again": sum(f.extra.get("persisted_again_s") is None for f in disk_faults),
         "lost_committed": lost_committed,
@@ -823,7 +828,8 @@ def main() -> None:
     )
     print(
         f"longest wait of an event in a job worker {result['unheard_s_max']} s; false verdicts "
-        f"{result['false_verdicts']}; disk-full faults {result['disk_full_faults']}, not persisted again "
+        f"{result['false_verdicts']} (and {result['stuck_exits']} stuck in gloo's pending send); disk-full faults "
+        f"{result['disk_full_faults']}, not persisted again "
         f"{result['disk_full_not_persisted_again']}"
     )
     print(json.dumps(result))

@@ -410,10 +410,14 @@ def test_a_member_that_cannot_go_on_for_a_reason_a_spare_shares_ends_the_job_wit
     assert told.failed and told.reason == ended.reason
 
 
-def test_an_exception_in_a_step_is_swapped_not_fatal() -> None:
+@pytest.mark.parametrize("cause", [MemberErrorCause.STEP, MemberErrorCause.STUCK_COLLECTIVE])
+def test_an_exception_in_a_step_or_a_collective_gloo_cannot_release_is_swapped_not_fatal(
+    cause: MemberErrorCause,
+) -> None:
     core, _ = formed_core()
     evidence = {"error": "InjectedFaultError"}
-    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0), 5.0), Rebuild)
+    failure = Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0, cause=cause)
+    (rebuild,) = published(fail(core, failure, 5.0), Rebuild)
     assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished
 
 

@@ -349,11 +349,14 @@ class MemberErrorCause(enum.StrEnum):
     """No store could provide the snapshot the rebuild named."""
     REPLICAS_DISAGREE = "replicas_disagree"
     """The ranks' snapshots of the restore step do not fit together (steps, layouts or partitions differ)."""
+    STUCK_COLLECTIVE = "stuck_collective"
+    """The training thread is caught in a collective its broken group could not release (gloo's send
+    waiting for a peer that left, `stuck_watch.py`): that member's lot, not the job's: swap it."""
 
     @property
     def ends_job(self) -> bool:
         """A spare would meet this cause as well: the job ends with the member's reason."""
-        return self is not MemberErrorCause.STEP
+        return self not in (MemberErrorCause.STEP, MemberErrorCause.STUCK_COLLECTIVE)
 
 
 @dataclass(frozen=True, slots=True)

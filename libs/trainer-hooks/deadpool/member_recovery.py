@@ -217,7 +217,7 @@ class Recovery:
         after its group was broken (gloo cannot interrupt a send whose peer left). Say so and exit,
         so that the swapper replaces this member instead of waiting for the collective timeout."""
         error = RuntimeError(f"stuck in a collective of generation {generation} that its broken group did not release")
-        self.report_fatal(error)
+        self.report_fatal(error, MemberErrorCause.STUCK_COLLECTIVE)
         self.log.error("exiting: stuck in a collective the abort could not release", generation=generation)
         os._exit(3)
 
