@@ -120,9 +120,13 @@ async def run_round(
     stats_dir = workdir / job
     nc = await stack.connect()
     commit_t: dict[int, float] = {}
+    last_committed = asyncio.Event()
 
     async def on_commit(msg: Any) -> None:
-        commit_t.setdefault(decode(msg.data, Commit).step, time.time())
+        step = decode(msg.data, Commit).step
+        commit_t.setdefault(step, time.time())
+        if step >= args.steps:
+            last_committed.set()
 
     await nc.subscribe(Subjects.for_job(job).commit, cb=on_commit)
     watch = JobWatch(nc, job, get_logger(job=job))
@@ -160,9 +164,9 @@ async def run_round(
         await launcher.wait()
         raise RuntimeError(f"round {job} did not end within {timeout_s:.0f} s; see {workdir / f'{job}.log'}") from None
     wall_s = time.monotonic() - started
-    deadline = time.monotonic() + COMMIT_GRACE_S
-    while kind != "off" and args.steps not in commit_t and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    if kind != "off":
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(last_committed.wait(), COMMIT_GRACE_S)
     stop_sampling.set()
     await sampler
     sent = loopback_bytes() - sent_before
