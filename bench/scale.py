@@ -83,10 +83,6 @@ class Scenario:
     step_s: float
 
 
-def store_pids(stack: Stack) -> list[int]:
-    return [p.pid for name, p in stack.processes.items() if name.startswith("store")]
-
-
 def loopback_bytes() -> int:
     """Bytes sent over this host's loopback so far (/proc/net/dev): every part of the run is on it, so
     each byte a member sends to a store crosses it once (the bus's messages too, a few KB a step)."""
@@ -143,7 +139,7 @@ async def run_round(
     command += ["--gpus", args.gpus if args.device == "cuda" else "none"]
     command += [str(SCRIPT), "--steps", str(args.steps), "--state-gb", str(scenario.state_gb)]
     command += ["--step-s", str(scenario.step_s), "--device", args.device]
-    stores = store_pids(stack)
+    stores = [stack.processes[name].pid for name in stack.names("store")]
     sent_before = loopback_bytes()
     store_cpu_before = sum(cpu_seconds(pid) for pid in stores)
     rss_before = {pid: resident_bytes(pid) for pid in stores}
@@ -232,12 +228,11 @@ def summarise(
     snapshot_bytes = on["members"][0]["snapshot_bytes"]  # the full state's (the first holds no moments yet)
     streamed = sum(m.get("snapshots_streamed", 0) for m in on["members"]) or 1
     captured_bytes = sum(m["snapshot_streamed_bytes"] for m in on["members"]) or 1
-    completed = {(m["rank"], s["step"]): s["t_completed"] for m in on["members"] for s in m["steps"]}
-    lags = [
-        t - max(completed[(m["rank"], step - 1)] for m in on["members"] if (m["rank"], step - 1) in completed)
-        for step, t in on["commit_t"].items()
-        if step >= 1 and any((m["rank"], step - 1) in completed for m in on["members"])
-    ]
+    done: dict[int, float] = {}  # each step's completion by its last rank
+    for member in on["members"]:
+        for step in member["steps"]:
+            done[step["step"]] = max(done.get(step["step"], 0.0), step["t_completed"])
+    lags = [t - done[step - 1] for step, t in on["commit_t"].items() if step - 1 in done]  # snapshot s follows step s-1
     copy_s = sum(m.get("snapshot_copy_cpu_s", 0.0) for m in on["members"])
     stream_s = sum(m.get("snapshot_stream_cpu_s", 0.0) for m in on["members"])
     cpu_ms_per_mb = 1000 * (copy_s + stream_s + on["store_cpu_s"]) / (captured_bytes / 1e6)
