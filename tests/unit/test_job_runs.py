@@ -157,10 +157,10 @@ def test_a_rank_lost_while_training_is_held_is_swapped_and_the_new_generation_he
     core.tick(2.0)  # every store lost: held
     core.on_failure(Failure("j", 1, formation.ranks[1], 1, FailureReason.EXIT, {}, 3.0, 3.0), 3.0)
     (swap,) = published(core.tick(3.1), Rebuild)  # the vacant rank's rebuild goes out, held or not
-    assert swap.ranks[1] == "spare" and not swap.local
+    # The spare is on the dead member's launcher: it restores from the crash copy left there, no store needed.
+    assert swap.ranks[1] == "spare" and swap.local
     for rank, member in enumerate(swap.ranks):
-        core.on_ack(
-            RebuildAck("j", swap.generation, member, rank, 4, 5, RestoreSource.DURABLE, RebuildMarks(), 4.0), 4.0
-        )
+        source = RestoreSource.LOCAL if rank == 0 else RestoreSource.HOST_COPY
+        core.on_ack(RebuildAck("j", swap.generation, member, rank, 4, 5, source, RebuildMarks(), 4.0), 4.0)
     (void,) = published(core.tick(4.1), GenerationVoid)  # still no store: the new generation is held too
     assert void.generation == swap.generation and core.jobs["j"].held_since == 2.0

@@ -46,7 +46,7 @@ def formed(now: float = 0.0) -> tuple[SwapperCore, Rebuild]:
     core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1.5))
     announce(core, now)
     for rank in range(W):
-        hello = MemberHello("j", 0, f"r{rank}", f"h{rank}", 100, "l0", rank, W, "127.0.0.1", 4000, now)
+        hello = MemberHello("j", 0, f"r{rank}", f"h{rank}", 100, f"l-h{rank}", rank, W, "127.0.0.1", 4000, now)
         _, decision = core.on_hello(hello, now)
     (formation,) = published(decision, Rebuild)
     for member in formation.ranks:
@@ -122,7 +122,9 @@ def test_a_store_lost_while_a_rebuild_is_pending_is_left_to_the_rebuild() -> Non
     core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1.5))
     announce(core, 0.0)
     for rank in range(W):
-        core.on_hello(MemberHello("j", 0, f"r{rank}", f"h{rank}", 1, "l0", rank, W, "127.0.0.1", 4000, 0.0), 0.0)
+        core.on_hello(
+            MemberHello("j", 0, f"r{rank}", f"h{rank}", 1, f"l-h{rank}", rank, W, "127.0.0.1", 4000, 0.0), 0.0
+        )
     assert core.jobs["j"].pending is not None
     announce(core, 1.6, STORES[1:])
     assert published(core.tick(1.6), Placement) == []
@@ -131,7 +133,7 @@ def test_a_store_lost_while_a_rebuild_is_pending_is_left_to_the_rebuild() -> Non
 def test_a_rebuild_names_the_generation_whose_copies_of_the_committed_step_are_valid() -> None:
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
-    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.6), 0.6)
+    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l-h9", -1, W, "127.0.0.1", 4000, 0.6), 0.6)
     core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 0.7, 0.7), 0.7)
     announce(core, 0.8)
     (rebuild,) = published(core.tick(0.8), Rebuild)
@@ -204,7 +206,7 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
     core, formation = formed()
     complete(core, 4, formation.placement, 0.3)
     complete(core, 5, formation.placement, 0.4)
-    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
+    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l-h9", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
     lost = tuple(formation.placement[1])  # both stores holding rank 1's snapshots
     announce(core, 2.0, tuple(s for s in STORES if s not in lost))
     rebuild = kill_rank(core, "r1", 1, 2.0)
@@ -235,7 +237,7 @@ def test_a_member_that_finds_no_copy_moves_the_rebuild_down_the_chain_until_the_
     core, formation = formed()
     complete(core, 4, formation.placement, 0.3)
     complete(core, 5, formation.placement, 0.4)
-    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l0", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
+    core.on_hello(MemberHello("j", 0, "spare", "h9", 1, "l-h9", -1, W, "127.0.0.1", 4000, 0.5), 0.5)
     announce(core, 1.0)
     first = kill_rank(core, "r1", 1, 1.0)
     assert (first.restore_step, first.durable) == (5, False)

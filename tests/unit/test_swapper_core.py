@@ -31,7 +31,7 @@ W = 2
 
 
 def hello(member: str, hint: int, host: str = "h0", world_size: int = W) -> MemberHello:
-    return MemberHello("j", 0, member, host, 100, "l0", hint, world_size, "127.0.0.1", 4000, 0.0)
+    return MemberHello("j", 0, member, host, 100, f"l-{host}", hint, world_size, "127.0.0.1", 4000, 0.0)
 
 
 def published(decision: Decision, kind: type[Any]) -> list[Any]:
@@ -132,6 +132,61 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
     assert rebuild.restore_step == 4
     assert rebuild.rendezvous_member == "r0"  # a survivor hosts the rendezvous
     assert not [a for a in decision.actions if isinstance(a, Fence)]  # a process that exited needs no fence
+
+
+def crash_copy_core() -> SwapperCore:
+    """Ranks r0, r1 on host h0 (launcher l-h0), step 4 committed on both stores; spares "here" on h0
+    and "there" on h1."""
+    core, formation = formed_core(spares=("there",))
+    core.on_hello(hello("here", -1, host="h0"), 0.3)
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
+    return core
+
+
+def test_a_crashed_process_goes_to_a_spare_of_its_launcher_which_restores_from_the_crash_copy_left_there() -> None:
+    core = crash_copy_core()
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
+    assert rebuild.ranks == ["r0", "here"]
+    # No step named: the ranks agree on the newest one they all hold (survivors in their buffers, the
+    # newcomer in the crash copy), at or past the committed step 4.
+    assert rebuild.local and rebuild.restore_step == -1
+    for rank, member in enumerate(rebuild.ranks):
+        source = RestoreSource.LOCAL if member == "r0" else RestoreSource.HOST_COPY
+        marks = RebuildMarks()
+        core.on_ack(
+            RebuildAck("j", rebuild.generation, member, rank, 4, 5 if member == "r0" else -1, source, marks, 6.0), 6.0
+        )
+    incident = core.jobs["j"].incidents[-1]
+    assert incident.restore_step == 4 and incident.lost_steps == 1, "the step the ranks agreed on, not 'none'"
+    assert incident.evidence["restore_link"] == "local"
+    state = core.jobs["j"]
+    assert state.committed_step == 4 and state.committed_holders, "the stores' copies of step 4 stay known"
+
+
+def test_a_crash_copy_that_cannot_be_had_moves_the_rebuild_to_the_committed_step_on_the_stores() -> None:
+    core = crash_copy_core()
+    (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
+    gone = RebuildAck("j", first.generation, "here", 1, -1, -1, RestoreSource.UNAVAILABLE, RebuildMarks(), 6.0)
+    (second,) = published(core.on_ack(gone, 6.0), Rebuild)
+    assert second.generation == first.generation + 1 and not second.local and second.restore_step == 4
+
+
+def test_a_lost_host_goes_to_a_spare_elsewhere_and_restores_from_the_stores() -> None:
+    core = crash_copy_core()
+    failures = [
+        Failure("j", 1, f"r{r}", r, FailureReason.HEARTBEAT, {}, 5.0, 5.01, lost_host="h0", lost_host_members=3)
+        for r in range(W)
+    ]
+    core.on_failure(failures[0], 5.02)
+    core.on_failure(failures[1], 5.02)
+    core.on_hello(hello("s3", -1, host="h2"), 5.03)
+    decision = core.on_failure(
+        Failure("j", 1, "here", -1, FailureReason.HEARTBEAT, {}, 5.0, 5.01, lost_host="h0", lost_host_members=3), 5.04
+    )
+    rebuild = (published(decision, Rebuild) or published(core.tick(5.5), Rebuild))[0]
+    assert set(rebuild.ranks) == {"there", "s3"} and not rebuild.local and rebuild.restore_step == 4
 
 
 def test_a_member_that_may_still_run_is_fenced_and_its_generation_voided_before_the_rebuild() -> None:
@@ -482,6 +537,6 @@ def test_a_rank_lost_during_formation_starts_the_next_generation_fresh_again() -
     assert again.generation == 2 and again.ranks == ["r0", "s"] and again.restore_step == -1
     for member in again.ranks:
         core.on_ack(ack(again, member, 3.0, source=RestoreSource.FRESH), 3.0)
-    core.on_hello(hello("s2", -1), 4.0)
+    core.on_hello(hello("s2", -1, host="h1"), 4.0)  # on another host: no crash copy of rank 1 there
     (later,) = published(fail(core, Failure("j", 2, "s", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     assert later.restore_step == 0  # formed now: a committed step (at least step 0) is restored

@@ -27,7 +27,7 @@ W = 2
 
 
 def spare(core: SwapperCore, now: float, name: str = "spare") -> None:
-    core.on_hello(MemberHello("j", 0, name, "h9", 100, "l0", -1, W, "127.0.0.1", 4000, now), now)
+    core.on_hello(MemberHello("j", 0, name, "h9", 100, "l-h9", -1, W, "127.0.0.1", 4000, now), now)
 
 
 def test_a_failure_handled_while_the_stores_view_is_stale_becomes_a_rebuild_once_they_are_heard() -> None:
@@ -153,7 +153,7 @@ def test_timers_follow_the_monotonic_clock_and_stamps_the_wall_clock_however_it_
     core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9), wall_offset=lambda: wall[0])
     announce(core, 0.0)
     for rank in range(W):
-        core.on_hello(MemberHello("j", 0, f"r{rank}", "h0", 1, "l0", rank, W, "127.0.0.1", 4000, 0.0), 0.0)
+        core.on_hello(MemberHello("j", 0, f"r{rank}", "h0", 1, "l-h0", rank, W, "127.0.0.1", 4000, 0.0), 0.0)
     formation = core.jobs["j"].pending
     assert formation is not None and formation.command.t_decided == 1_000_000.0
     for member in formation.command.ranks:

@@ -126,6 +126,8 @@ class RestoreSource(enum.StrEnum):
     """Its own ping-pong buffer."""
     STORE = "store"
     """Fetched from a snapshot store."""
+    HOST_COPY = "host_copy"
+    """A newcomer: the crash copy the rank's dead holder left on this host (`deadpool.host_copy`)."""
     DURABLE = "durable"
     """Resumed from the durable tier's files."""
     FRESH = "fresh"
@@ -327,12 +329,16 @@ class Heartbeat(JobMessage):
     phase: MemberPhase = MemberPhase.SPARE
     rebuild_state: RebuildState | None = None
     """The state of the rebuild under way (`phase` REBUILDING), else None."""
+    local_step: int = NO_STEP
+    """The newest step the member's own snapshot buffers hold whole: on its host's shared memory, the
+    crash copy a newcomer there restores from if this member dies (`deadpool.host_copy`)."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
         _check_rank(self.rank)
         _check_step(self.step)
+        _check_step(self.local_step)
         _need(self.snapshots_skipped >= 0, "snapshots_skipped is negative")
 
 

@@ -79,6 +79,8 @@ class Progress:
     step_completed_t: float = 0.0
     phase: MemberPhase = MemberPhase.SPARE
     rebuild_state: RebuildState | None = None
+    local_step: int = -1
+    """The newest step the member's own buffers hold whole (its crash copy, on its host)."""
 
 
 Command = Rebuild | GenerationVoid | JobFinished
@@ -294,6 +296,7 @@ class ControlLink:
                 step_completed_t=p.step_completed_t,
                 phase=p.phase,
                 rebuild_state=p.rebuild_state,
+                local_step=p.local_step,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))

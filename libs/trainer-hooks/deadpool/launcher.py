@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
@@ -35,6 +36,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from deadpool.cuda_devices import DevicePlan
+from deadpool.host_copy_dir import SHM_ROOT, make_job_dir, remove_job_dir, sweep_stale
 from deadpool.member_config import ENV, MemberConfig, env_float, host_name
 from deadpool_protocol import (
     NO_RANK,
@@ -111,6 +113,9 @@ class LaunchConfig:
     hold_without_stores_s: float = 0.0
     """When every snapshot store is lost: 0 trains on unprotected; above 0 holds training until a store
     returns, at most this long (`RunStart.hold_without_stores_s`)."""
+    host_copy_root: str = str(SHM_ROOT)
+    """Where the job's host-local crash copies live (`deadpool.host_copy`); '' keeps every member's
+    snapshot buffers in its own process (a crash then restores from the stores)."""
 
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
@@ -165,6 +170,8 @@ class Launcher:
         self._beats: dict[str, Heartbeat] = {}
         self._stopper: asyncio.Task[None] | None = None
         self._stopping = False
+        self.host_copy_dir: Path | None = None
+        """The job's crash copies on this host (removed when the launcher ends)."""
 
     @property
     def world_size(self) -> int:
@@ -172,6 +179,25 @@ class Launcher:
 
     async def run(self, stop: asyncio.Event) -> int:
         """Run the children to the end; returns the launcher's exit code (0: the job finished)."""
+        self.host_copy_dir = self._make_host_copy_dir()
+        try:
+            return await self._run(stop)
+        finally:
+            if self.host_copy_dir is not None:  # the children have exited: nothing outlives the job here
+                remove_job_dir(self.host_copy_dir)
+
+    def _make_host_copy_dir(self) -> Path | None:
+        root = self.config.host_copy_root
+        if not root:
+            return None
+        try:
+            sweep_stale(self.log, Path(root))
+            return make_job_dir(self.config.job, self.launcher_id, Path(root))
+        except OSError as exc:
+            self.log.warning("no host-local crash copies: a crashed member restores from the stores", error=str(exc))
+            return None
+
+    async def _run(self, stop: asyncio.Event) -> int:
         self._nc = await connect(
             self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log, self.config.nkey_file
         )
@@ -304,6 +330,7 @@ class Launcher:
                 ENV.WORLD_SIZE: str(self.world_size),
                 ENV.HOST: self.host,
                 ENV.RENDEZVOUS_HOST: self.config.rendezvous_host,
+                ENV.HOST_COPY_DIR: str(self.host_copy_dir or ""),
                 "PYTHONUNBUFFERED": "1",
             }
         )

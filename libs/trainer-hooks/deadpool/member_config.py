@@ -61,6 +61,8 @@ class ENV(enum.StrEnum):
     HEARTBEAT_VIA_LAUNCHER = "DEADPOOL_HEARTBEAT_VIA_LAUNCHER"
     LOCAL_INDEX = "DEADPOOL_LOCAL_INDEX"
     """The member's slot on its host (0 .. ranks + spares - 1; a respawn takes its dead member's)."""
+    HOST_COPY_DIR = "DEADPOOL_HOST_COPY_DIR"
+    """The launcher's directory for the job's host-local crash copies (`host_copy`); unset: none."""
     DEVICE = "DEADPOOL_DEVICE"
     """The index of the member's own GPU among those it sees (`cuda_devices`), when it was given one."""
 
@@ -126,6 +128,9 @@ class MemberConfig:
     """If set, each member writes its per-step timings there as `<member>.json` when it closes."""
     nats_nkey: str = ""
     """The member role's NATS nkey seed file ('' where the server has no auth)."""
+    host_copy_dir: str = ""
+    """Where the member's snapshot buffers live as files in the host's shared memory, so that they
+    outlive it (`deadpool.host_copy`; set by `deadpool launch`); '' keeps them in the process."""
 
     def __post_init__(self) -> None:
         require_name(self.job, "job")
@@ -200,6 +205,7 @@ class MemberConfig:
             resume_from=_env_str(env, ENV.RESUME_FROM, cls.resume_from),
             stats_dir=_env_str(env, ENV.STATS_DIR, cls.stats_dir),
             heartbeat_via_launcher=_env_bool(env, ENV.HEARTBEAT_VIA_LAUNCHER, cls.heartbeat_via_launcher),
+            host_copy_dir=_env_str(env, ENV.HOST_COPY_DIR, cls.host_copy_dir),
         )
 
 

@@ -406,6 +406,7 @@ class Member:
             in_step=False,
             snapshots_skipped=self._worker.skipped,
             step_completed_t=time.time(),
+            local_step=self._worker.newest_local_step(),
             section="" if section == FIRST_STEP_SECTION else section,
         )
         self.stats.stalled(time.perf_counter() - entered)

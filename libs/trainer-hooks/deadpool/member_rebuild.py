@@ -195,7 +195,10 @@ class MemberRebuild:
         if command.restore_step != NO_STEP:
             self._take(*self._snapshot_for(command.restore_step))
         elif self.resuming or command.local:
-            pass  # read once the group exists (`exchange`): every rank must take the same step
+            # Read once the group exists (`exchange`): every rank must take the same step. A newcomer
+            # first takes the crash copy the rank's dead holder left on this host, if any.
+            if command.local and not self.survivor:
+                self._take_host_copy()
         elif self.survivor:  # formation again (a member died in the first one): back to the start
             for param in self.parts.objects.module.parameters():
                 param.grad = None  # of a first step that never completed; no optimizer step ran
@@ -268,21 +271,39 @@ class MemberRebuild:
                 load_module(self.parts.objects.module, [self.snapshot, *self.replicas])
         self.marks = replace(self.marks, rendezvous=time.time())
 
+    def _take_host_copy(self) -> None:
+        """A newcomer: move the crash copies of this rank a dead member left on this host into this
+        member's buffers (verified against their checksums), to agree on a step with the survivors."""
+        worker = self.parts.worker
+        if worker.host_copy is None:
+            return
+        inherited = worker.host_copy.inherit(self.rank, lambda head: head.generation < self.generation)
+        worker.take_inherited(inherited)
+        self.log.info("crash copies of this rank taken", steps=[c.head.step for c in inherited])
+
     def _restore_newest_own(self) -> None:
-        """Training was held while every store was lost: agree with every rank on the newest step all of
-        them hold in their own buffers (none is in a store), and load ours."""
+        """Agree with every rank on the newest step all of them hold in their own buffers (a newcomer: in
+        the crash copy it took), and load ours. Training was held while every store was lost, or a
+        process crashed and its rank went to a spare on its host."""
         worker = self.parts.worker
         mine = worker.local_steps()
+        device = exchange_device(self.group)
         try:
-            step = agree_on_newest(mine, self.group, exchange_device(self.group))
+            step = agree_on_newest(mine, self.group, device)
+            slot = worker.local(step) if step != NO_STEP else None
+            # A step number alone does not tell timelines apart: a copy of an abandoned one (captured
+            # before a rollback) is refused by every rank alike.
+            same_timeline = agree_on_newest([slot.generation if slot is not None else NO_STEP], self.group, device)
         except RuntimeError as exc:  # the new group broke under the agreement
             self.parts.waits.check(self.generation)
             raise RendezvousFailedError(f"agreeing on a step in generation {self.generation}: {exc}") from exc
-        slot = worker.local(step) if step != NO_STEP else None
         if slot is None or slot.buffer is None:  # every rank finds the same: they all say so
             raise RestoreUnavailableError(f"the ranks hold no step in common in their own buffers (here: {mine})")
-        self._take(slot.buffer, SnapshotMeta.decode(slot.meta), RestoreSource.LOCAL)
-        self.log.info("restored the newest step every rank holds", step=step, held_here=mine)
+        if same_timeline == NO_STEP:
+            raise RestoreUnavailableError(f"the ranks' copies of step {step} were captured in different generations")
+        source = RestoreSource.LOCAL if self.survivor else RestoreSource.HOST_COPY
+        self._take(slot.buffer, SnapshotMeta.decode(slot.meta), source)
+        self.log.info("restored the newest step every rank holds", step=step, held_here=mine, source=source)
 
     def _resume_from_durable(self) -> None:
         """Agree with every rank on the newest persisted step they all have intact, and load ours."""

@@ -48,6 +48,7 @@ import torch
 
 from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.durable_tier import DurableWriter
+from deadpool.host_copy import HostCopy, InheritedSlot, SlotHead, checksums_of
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import SnapshotSources
@@ -72,6 +73,8 @@ class SnapshotSlot:
     buffer: FlatBuffer | None = None
     step: int = -1
     meta: bytes = b""
+    generation: int = 0
+    """The generation that captured `step` (a step number alone does not tell two timelines apart)."""
     plan: CopyPlan | None = None
     """The copies into this buffer, for the sources it was made for (made again when the plan changes)."""
 
@@ -162,9 +165,12 @@ class SnapshotWorker:
         stream_nice: int = 0,
         wait_s: float = 60.0,
         durable: DurableWriter | None = None,
+        host_copy: HostCopy | None = None,
     ) -> None:
         self.log = log
         self.durable = durable
+        self.host_copy = host_copy
+        """The slots' files in the host's shared memory (`host_copy`); None: in this process only."""
         self.chunk_bytes = chunk_bytes
         self.stream_nice = stream_nice
         self.wait_s = wait_s
@@ -191,7 +197,7 @@ class SnapshotWorker:
         self.streamed_bytes = 0
         """The bytes of the snapshots streamed (once each, whatever the number of stores)."""
         self.copy_cpu_s = 0.0
-        """CPU time the copy thread spent copying, over all captures."""
+        """CPU time the copy thread spent copying (and checksumming the host-local copy), over all captures."""
         self.stream_cpu_s = 0.0
         """CPU time the stream thread spent streaming (socket copies, checksums), over all captures."""
         self.copy_gpu_s = 0.0
@@ -228,13 +234,15 @@ class SnapshotWorker:
         slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
         slot.step = -1  # invalid until the copy is done
         slot.meta = meta
+        if self.host_copy is not None:
+            self.host_copy.invalidate(self.slots.index(slot))
         request = CaptureRequest(slot=slot, key=key, stores=list(stores), persist_world_size=persist_world_size)
         fits = slot.buffer is not None and (slot.buffer.layout is layout or slot.buffer.layout == layout)
         if not fits and any(t.is_cuda for t in sources.tensors):
             request.pending = self._defer_to_copy_thread(layout, sources)
         else:
             if not fits:  # host memory: cheap to allocate, its pages are touched by the copy thread
-                slot.buffer, slot.plan = FlatBuffer(layout), None
+                slot.buffer, slot.plan = self._new_buffer(slot, layout, pin=False), None
             assert slot.buffer is not None
             if slot.plan is None or slot.plan.sources is not sources:
                 slot.plan = CopyPlan.make(slot.buffer, sources)
@@ -268,9 +276,63 @@ class SnapshotWorker:
     def forget_after(self, step: int) -> None:
         """Invalidate local snapshots newer than `step` (their timeline was abandoned)."""
         self.wait_captured(COPY_WAIT_S)  # a copy still running then is of an abandoned generation
-        for slot in self.slots:
+        for index, slot in enumerate(self.slots):
             if slot.step > step:
                 slot.step = -1
+                if self.host_copy is not None:
+                    self.host_copy.invalidate(index)
+
+    def newest_local_step(self) -> int:
+        """The newest step this member's buffers hold whole (-1: none), without waiting: heartbeats."""
+        return max(slot.step for slot in self.slots)
+
+    def take_inherited(self, inherited: Sequence[InheritedSlot]) -> None:
+        """A newcomer: a dead member's host-local copies, moved into this member's files, are now its
+        own slots (restored from like a survivor's own buffers)."""
+        self.wait_captured(COPY_WAIT_S)
+        for copy in inherited:
+            slot = self.slots[copy.index]
+            slot.buffer, slot.plan = copy.buffer, None
+            slot.step, slot.meta, slot.generation = copy.head.step, copy.head.meta, copy.head.generation
+
+    def _new_buffer(self, slot: SnapshotSlot, layout: SnapshotLayout, pin: bool) -> FlatBuffer:
+        """A slot's buffer for a new layout: in the host's shared memory when the launcher gave this
+        member a directory there, else (or when /dev/shm cannot hold it) in this process."""
+        host_copy = self.host_copy
+        if host_copy is not None:
+            try:
+                return host_copy.buffer(self.slots.index(slot), layout, pin)
+            except OSError as exc:
+                self.host_copy = None
+                self.log.warning(
+                    "no host-local crash copy: the shared memory cannot hold the snapshot buffers; a crash "
+                    "of this member restores from the stores",
+                    bytes=layout.total_bytes,
+                    error=str(exc),
+                )
+        return FlatBuffer(layout, pin=pin)
+
+    def _publish_local(self, request: CaptureRequest) -> None:
+        """The copy is whole: write what the slot's shared-memory file holds, so that it survives this
+        process (a crash copy the rank's next holder on this host restores from)."""
+        host_copy, slot, key = self.host_copy, request.slot, request.key
+        if host_copy is None or slot.buffer is None or slot.step != key.step:
+            return
+        data = slot.buffer.bytes_view()
+        head = SlotHead(
+            key.job,
+            key.member,
+            key.rank,
+            key.generation,
+            key.step,
+            slot.meta,
+            self.chunk_bytes,
+            checksums_of(data, self.chunk_bytes),
+        )
+        try:
+            host_copy.publish(self.slots.index(slot), head)
+        except OSError as exc:
+            self.log.warning("host-local copy not written", step=key.step, error=str(exc))
 
     def drop_stores(self, keep: set[str]) -> None:
         """Abandon the uploads to every store not in `keep` (from any thread): lost, or placed elsewhere.
@@ -422,6 +484,8 @@ class SnapshotWorker:
             started = time.thread_time()
             try:
                 copied = self._copy(request)
+                if copied:
+                    self._publish_local(request)
             except Exception:
                 self.log.exception("snapshot copy failed", step=request.key.step)
                 copied = False
@@ -476,7 +540,7 @@ class SnapshotWorker:
         if request.pending is not None:  # pragma: no cover - needs a GPU
             layout, sources, clones, _ = request.pending
             if slot.buffer is None or slot.buffer.layout != layout:
-                slot.buffer = FlatBuffer(layout, pin=True)
+                slot.buffer = self._new_buffer(slot, layout, pin=True)
             slot.plan = CopyPlan.make(slot.buffer, sources)
             self._issue(request, slot.plan, clones)
         if request.cuda_event is not None and not wait_for_event(  # pragma: no cover - needs a GPU
@@ -492,7 +556,7 @@ class SnapshotWorker:
                 torch._foreach_copy_(request.host_views, request.host_sources)
         if self._abandoned(request):
             return False
-        slot.step = request.key.step
+        slot.step, slot.generation = request.key.step, request.key.generation
         self._captured.set()
         return True
 

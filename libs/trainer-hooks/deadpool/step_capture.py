@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from deadpool.control_link import ControlLink
 from deadpool.ddp_check import find_ddp
 from deadpool.durable_tier import DurableWriter
 from deadpool.errors import MemberCannotContinueError
+from deadpool.host_copy import HostCopy
 from deadpool.member_config import MemberConfig
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
@@ -58,8 +60,9 @@ def snapshot_worker(config: MemberConfig, log: Any) -> SnapshotWorker:
         if config.durable_dir
         else None
     )
+    host_copy = HostCopy(Path(config.host_copy_dir), config.job, config.member, log) if config.host_copy_dir else None
     return SnapshotWorker(
-        log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, config.snapshot_wait_s, durable
+        log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, config.snapshot_wait_s, durable, host_copy
     )
 
 

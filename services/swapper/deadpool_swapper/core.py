@@ -247,6 +247,10 @@ class OpenIncident:
     fence_s: float = 0.0
     traceparent: str = ""
     """The failure's trace context (the detector's `detect` span)."""
+    launcher: str = ""
+    """The failed member's launcher: while its host is up, its crash copy is there (`host_copy`)."""
+    host_lost: bool = False
+    """The detector saw the member's whole host go silent: no crash copy of it can be had."""
 
 
 @dataclass
@@ -603,6 +607,8 @@ class SwapperCore:
                 t_fault=failure.t_fault,
                 t_detected=failure.t_detected,
                 traceparent=failure.traceparent,
+                launcher=info.launcher,
+                host_lost=bool(failure.lost_host),
             )
         )
         actions += self._void(state, now, f"rank {rank} ({failure.member}) failed: {failure.reason}")
@@ -688,16 +694,23 @@ class SwapperCore:
         committed = self._commit_newest(state, now)
         failed_hosts = {i.host for i in state.open_incidents}
         newcomers: set[str] = set()
+        host_copies = True
+        """Every vacant rank goes to a spare of the launcher its crash copy is on (its host is up)."""
         for rank in vacant:
-            spare = pick_spare(state.spares, state.members, failed_hosts)
+            incident = next((i for i in reversed(state.open_incidents) if i.rank == rank), None)
+            launcher = incident.launcher if incident is not None and not incident.host_lost else ""
+            spare = pick_spare(state.spares, state.members, failed_hosts, launcher)
             assert spare is not None
             state.spares.remove(spare)
             state.ranks[rank] = spare
             newcomers.add(spare)
+            host_copies = host_copies and bool(launcher) and state.members[spare].launcher == launcher
             for incident in state.open_incidents:
                 if incident.rank == rank:
                     incident.replacement = spare
-        rebuild = self._publish_rebuild(state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}")
+        rebuild = self._publish_rebuild(
+            state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}", host_copies=host_copies
+        )
         if committed is None:
             return rebuild
         return dataclasses.replace(
@@ -705,11 +718,20 @@ class SwapperCore:
         )
 
     def _publish_rebuild(
-        self, state: JobState, now: float, newcomers: set[str], reason: str, local: bool = False
+        self,
+        state: JobState,
+        now: float,
+        newcomers: set[str],
+        reason: str,
+        local: bool = False,
+        host_copies: bool = False,
     ) -> Decision:
         """Publish the next generation. With no live store it still goes out: it restores from the next
         link of the chain that has the state (the survivors' own buffers, the durable tier), or the job
-        ends saying why; its placement names no store until one comes back (`_heal_placement`)."""
+        ends saying why; its placement names no store until one comes back (`_heal_placement`).
+        `host_copies`: every newcomer takes its rank where the rank's crash copy is (its dead holder's
+        launcher): the ranks restore the newest step they all hold, survivors in their own buffers and
+        newcomers in the copies (a process crash loses at most the step it was in), stores or none."""
         stores = self.live_stores(now)
         if not stores and not state.formed:
             return Decision([], "waiting for a snapshot store: a generation forms with its step-0 snapshot stored")
@@ -736,13 +758,20 @@ class SwapperCore:
             state.durable_failed,
             state.world_size,
         )
-        if choice is None:
+        if host_copies and newcomers and state.formed and not state.local_failed:
+            choice = RestoreChoice(
+                NO_STEP,
+                0,
+                RestoreLink.LOCAL,
+                "the newest step every rank holds, newcomers in their host's crash copies",
+            )
+        elif choice is None:
             why = (
                 "every copy of the committed step is gone: no live store holds it for some rank, and no "
                 "member could restore from a durable tier (none configured, or no step all ranks have intact)"
             )
             return self._end_job(state, now, why)
-        if state.formed and state.committed_step == NO_STEP and not state.unavailable:
+        elif state.formed and state.committed_step == NO_STEP and not state.unavailable:
             # Formed, and step 0's reports not in yet: members ack formation once it is sealed.
             choice = RestoreChoice(0, 0, RestoreLink.COMMITTED, "step 0, stored at formation")
         if local and not newcomers and not state.local_failed:
@@ -894,12 +923,15 @@ class SwapperCore:
         return Decision([Persist(state.job), *decision.actions], f"{what}; {decision.reason}")
 
     def _adopt_local_step(self, state: JobState, pending: PendingRebuild) -> None:
-        """Training resumed from the step every rank held itself: it is the committed step now (no
-        store holds it; the next commit makes copies), wherever it lies from the last commit."""
+        """Training resumed from the step every rank held itself (or in its host's crash copy). The
+        committed step it is, the stores' copies stay known; a newer one is the committed step now (no
+        store holds it whole: the next commit makes copies), the one before it the older link."""
         step = max(a.restore_step for a in pending.acks.values())
-        state.previous_committed = CommittedCopies()
-        state.committed_step, state.committed_generation = step, state.generation
-        state.committed_holders = {}
+        if step != state.committed_step:
+            newer = step > state.committed_step
+            state.previous_committed = state.committed_copies() if newer else CommittedCopies()
+            state.committed_step, state.committed_generation = step, state.generation
+            state.committed_holders = {}
         state.restore_step = step
         state.completes = {}
 
@@ -924,7 +956,8 @@ class SwapperCore:
         # restores from (a survivor whose own buffers no longer hold the restore step fetches too).
         last_completed = max((a.last_completed_step for a in acks), default=NO_STEP)
         last_completed = max(last_completed, state.restore_step)
-        restored = max(a.restore_step for a in acks) if pending.command.durable else pending.command.restore_step
+        agreed = pending.command.durable or pending.command.local  # the ranks agreed on the step themselves
+        restored = max(a.restore_step for a in acks) if agreed else pending.command.restore_step
         phases = incident_phases(incident, acks)
         return Incident(
             job=state.job,

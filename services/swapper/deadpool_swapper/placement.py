@@ -54,14 +54,18 @@ SNAPSHOTS_PER_RANK = 3
 the next candidate and the one streaming in. Placement reserves that much room per rank placed."""
 
 
-def pick_spare(spares: Sequence[str], members: Mapping[str, MemberInfo], avoid_hosts: set[str]) -> str | None:
-    """The spare to promote: one on another host than the failed rank if any, else the earliest registered."""
+def pick_spare(
+    spares: Sequence[str], members: Mapping[str, MemberInfo], avoid_hosts: set[str], launcher: str = ""
+) -> str | None:
+    """The spare to promote. `launcher`: the failed member's, when its host is up (a process crashed):
+    a spare of that launcher takes the rank from the crash copy left there (`deadpool.host_copy`).
+    Otherwise one on another host than the failed ranks' if any; then the earliest registered."""
     if not spares:
         return None
 
-    def preference(member: str) -> tuple[bool, float, str]:
+    def preference(member: str) -> tuple[bool, bool, float, str]:
         info = members[member]
-        return (info.host in avoid_hosts, info.registered_at, member)
+        return (bool(launcher) and info.launcher != launcher, info.host in avoid_hosts, info.registered_at, member)
 
     return min(spares, key=preference)
 

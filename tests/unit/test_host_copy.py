@@ -1,0 +1,119 @@
+"""The host-local crash copy: a member's snapshot buffers are files in its launcher's directory, a
+newcomer on the host takes a dead member's copies of its rank (verified), and nothing of a job
+outlives its launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from deadpool.host_copy import HEAD_BYTES_MAX, HostCopy, SlotHead
+from deadpool.host_copy_dir import make_job_dir, sweep_stale
+from deadpool.snapshot_layout import plan_layout
+from deadpool.snapshot_worker import SnapshotWorker
+from deadpool.store_client import UploadKey
+from deadpool.training_state import SnapshotMeta, collect_sources
+from deadpool_runtime.logs import get_logger
+
+WAIT_S = 10.0
+LOG = get_logger(test="host_copy")
+
+
+def capture_steps(job_dir: Path, member: str, rank: int, steps: list[int]) -> tuple[nn.Module, dict[int, Any]]:
+    """A member's worker captures `steps` (the model changed between them); returns the model and each
+    step's weights as captured."""
+    torch.manual_seed(rank)
+    first = nn.Linear(64, 64)
+    model = nn.Sequential(first, nn.Linear(64, 8))
+    sources = collect_sources(model, None)
+    layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+    worker = SnapshotWorker(LOG, chunk_bytes=4096, host_copy=HostCopy(job_dir, "j", member, LOG))
+    weights = {}
+    for step in steps:
+        with torch.no_grad():
+            first.weight.add_(1.0)
+        meta = SnapshotMeta(step, layout, {}, b"", {}).encode()
+        request = worker.capture(UploadKey("j", 3, rank, member, step), layout, sources, meta, [])
+        assert request is not None and request.done.wait(WAIT_S)
+        weights[step] = first.weight.detach().clone()
+    return model, weights
+
+
+def test_a_dead_members_last_two_captures_are_taken_whole_by_the_newcomer_of_its_rank(tmp_path: Path) -> None:
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    _, weights = capture_steps(job_dir, "dead", 1, [1, 2, 3])
+    capture_steps(job_dir, "other-rank", 0, [1, 2, 3])
+
+    taken = HostCopy(job_dir, "j", "newcomer", LOG).inherit(1)
+
+    assert sorted(t.head.step for t in taken) == [2, 3], "the two newest captures, not the overwritten one"
+    for copy in taken:
+        assert copy.head.rank == 1 and copy.head.generation == 3
+        assert torch.equal(copy.buffer.views[0], weights[copy.head.step])
+    assert not list((job_dir / "dead").iterdir()), "the copies moved to the newcomer's own files"
+    assert len(list((job_dir / "other-rank").iterdir())) == 4, "another rank's copies are not touched"
+
+
+def test_a_slot_being_overwritten_is_not_taken(tmp_path: Path) -> None:
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    capture_steps(job_dir, "dead", 0, [1, 2])
+    dead = HostCopy(job_dir, "j", "dead", LOG)
+    dead.invalidate(0)  # what a capture does before its copy writes a byte
+
+    taken = HostCopy(job_dir, "j", "newcomer", LOG).inherit(0)
+
+    assert [t.head.step for t in taken] == [2]
+
+
+def test_a_copy_that_fails_its_checksums_is_refused_and_the_other_is_taken(tmp_path: Path) -> None:
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    capture_steps(job_dir, "dead", 0, [1, 2])
+    newest = next(p for p in (job_dir / "dead").glob("*.head") if SlotHead.decode(p.read_bytes()).step == 2)
+    with open(newest.with_suffix(".bin"), "r+b") as f:  # one flipped byte in the newest step's bytes
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    taken = HostCopy(job_dir, "j", "newcomer", LOG).inherit(0)
+
+    assert [t.head.step for t in taken] == [1]
+
+
+def test_malformed_and_oversized_heads_are_refused_unread(tmp_path: Path) -> None:
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    capture_steps(job_dir, "dead", 0, [1, 2])
+    heads = sorted((job_dir / "dead").glob("*.head"))
+    heads[0].write_bytes(b"\x93not a head")
+    with open(heads[1], "r+b") as f:
+        f.truncate(HEAD_BYTES_MAX + 1)
+
+    assert HostCopy(job_dir, "j", "newcomer", LOG).inherit(0) == []
+
+
+def test_a_copy_of_another_job_or_rank_is_not_taken(tmp_path: Path) -> None:
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    capture_steps(job_dir, "dead", 0, [1])
+
+    assert HostCopy(job_dir, "j", "newcomer", LOG).inherit(1) == []
+    assert HostCopy(job_dir, "other-job", "newcomer", LOG).inherit(0) == []
+
+
+def test_the_directories_of_launchers_that_are_gone_are_swept_and_a_live_ones_kept(tmp_path: Path) -> None:
+    live = make_job_dir("j", "live", tmp_path)
+    dead_dir = tmp_path / "deadpool-copy-j-dead"
+    dead_dir.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    (dead_dir / "launcher.pid").write_text(str(child.pid))  # a pid that has exited
+
+    removed = sweep_stale(LOG, tmp_path)
+
+    assert dead_dir in removed and not dead_dir.exists()
+    assert live.exists() and int((live / "launcher.pid").read_text()) == os.getpid()
