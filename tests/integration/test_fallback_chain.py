@@ -43,7 +43,8 @@ async def launch(
     nats_args: list[str], job: str, out: Path, log: Path, *flags: str, spares: int = 1
 ) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--spares", str(spares), "--collective-timeout-s", "20", *flags, str(SCRIPT), "--steps", str(STEPS)]
+    command += ["--spares", str(spares), "--collective-timeout-s", "20", "--no-host-copy", *flags]  # the stores' chain
+    command += [str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)

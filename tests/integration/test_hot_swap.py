@@ -54,7 +54,9 @@ def complete(spans: list[ReceivedSpan]) -> bool:
 
 def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Path) -> None:
     marker = f"DEADPOOL_TEST_MARK={uuid.uuid4().hex}"
-    args = ["--model-size", "tiny", "--steps", "10", "--kill-step", "4", "--kill-rank", "2"]
+    # --no-host-copy: the spare restores from a store (a lost host's path), whose span the trace must hold;
+    # the crash copy's path is tests/integration/test_host_copy.py's.
+    args = ["--model-size", "tiny", "--steps", "10", "--kill-step", "4", "--kill-rank", "2", "--no-host-copy"]
     with OtlpReceiver() as receiver:
         env = {
             **os.environ,

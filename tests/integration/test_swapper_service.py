@@ -50,7 +50,7 @@ async def queue_of(nc: Client, subject: str, kind: type[Any]) -> asyncio.Queue[A
 
 async def hello(nc: Client, member: str, hint: int, host: str) -> HelloReply:
     port = 4000 + max(hint, 0)
-    request = MemberHello("job1", 0, member, host, 1000, "l0", hint, 2, "127.0.0.1", port, time.time(), run=RUN)
+    request = MemberHello("job1", 0, member, host, 1000, f"l-{host}", hint, 2, "127.0.0.1", port, time.time(), run=RUN)
     reply = await nc.request(S.hello, encode(request), timeout=5)
     return decode(reply.data, HelloReply)
 

@@ -34,7 +34,8 @@ SETTLE_S = 0.3
 
 async def launch(nats_args: list[str], job: str, out: Path, log: Path, spares: int = 1) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--spares", str(spares), "--collective-timeout-s", "20", str(SCRIPT), "--steps", str(STEPS)]
+    command += ["--spares", str(spares), "--collective-timeout-s", "20", "--no-host-copy"]  # the store path
+    command += [str(SCRIPT), "--steps", str(STEPS)]
     command += ["--model-size", "tiny", "--out", str(out)]
     with open(log, "wb") as sink:
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink)

@@ -82,6 +82,8 @@ class DemoConfig:
     """kill (SIGKILL), stop (SIGSTOP: frozen, heartbeats too), hang (the training thread stuck in Python,
     heartbeats going on), exception (raised in the training thread), reset (the rank's process-group
     connections reset: every rank alive, the job regroups without a swap)."""
+    host_copy: bool = True
+    """False: `deadpool launch --no-host-copy`, the swap restores from a store (as a lost host's does)."""
     heartbeat_timeout_s: float = 2.0
     """Below the detector's own default (`DetectorConfig`): the demo's steps are short."""
     hang_floor_s: float = 3.0
@@ -182,6 +184,7 @@ async def _train(
     launch = ["launch", *stack.nats_args, "--job", job, "--nproc", str(cfg.nproc), "--spares", str(spares)]
     launch += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
     launch += ["--gpus", cfg.gpus if cfg.device == "cuda" else "none"]
+    launch += [] if cfg.host_copy else ["--no-host-copy"]
     train = ["--steps", str(cfg.steps), "--model-size", cfg.model_size, "--seed", str(cfg.seed), "--out", str(out)]
     train += ["--device", cfg.device]
     if cfg.device == "cuda":  # the weights are compared bit for bit

@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--no-reference", action="store_true", help="skip the uninterrupted reference run")
     demo.add_argument(
+        "--no-host-copy", action="store_true", help="as deadpool launch --no-host-copy: the swap restores from a store"
+    )
+    demo.add_argument(
         "--reference-from",
         default=DemoConfig.reference_from,
         metavar="RUN_DIR",
@@ -149,6 +152,13 @@ def _parser() -> argparse.ArgumentParser:
         help="when every snapshot store is lost, hold training until one returns, for at most this long, then "
         "end the job (default %(default)g: train on unprotected; a lost rank then restores from the durable "
         "tier, if any)",
+    )
+    launch.add_argument(
+        "--no-host-copy",
+        action="store_true",
+        help="keep each member's snapshot buffers in its own process rather than in this host's shared "
+        "memory: a crashed rank then restores from the stores, as a lost host's does (default: a crash copy "
+        "in /dev/shm, which a spare of this launcher restores from)",
     )
     launch.add_argument(
         "--run-id",
@@ -447,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
             hang_floor_s=args.hang_floor_s,
             hang_factor=args.hang_factor,
             run_timeout_s=args.run_timeout_s,
+            host_copy=not args.no_host_copy,
         )
         try:
             sys.exit(asyncio.run(run_demo(cfg)))
@@ -542,6 +553,7 @@ def _launch(args: argparse.Namespace) -> int:
                 member_nkey_file=member_nkey,
                 run=args.run_id,
                 hold_without_stores_s=args.hold_without_stores_s,
+                host_copy_root="" if args.no_host_copy else LaunchConfig.host_copy_root,
             )
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 
