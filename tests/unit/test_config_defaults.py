@@ -110,9 +110,10 @@ def test_the_launch_command_defaults_to_the_launcher_and_member_configs() -> Non
 
 def test_the_demo_command_defaults_to_the_demo_config() -> None:
     options = parsed("demo")
-    knobs = set(field_defaults(DemoConfig)) - {"script", "reference"}  # no option; --no-reference
+    knobs = set(field_defaults(DemoConfig)) - {"script", "reference", "host_copy"}  # no option; --no-…
     same_defaults(options, DemoConfig, knobs)
     assert options["no_reference"] is not DemoConfig.reference
+    assert options["no_host_copy"] is not DemoConfig.host_copy
 
 
 def test_the_demo_config_reads_what_it_shares_with_the_stack_and_the_detector() -> None:
