@@ -41,6 +41,7 @@ from deadpool.training_state import SnapshotMeta
 from deadpool_protocol.dataplane import chunk_checksum
 
 __all__ = [
+    "CHECKSUM_BYTES",
     "HEAD_BYTES_MAX",
     "HostCopy",
     "InheritedSlot",
@@ -51,6 +52,11 @@ HEAD_VERSION = 1
 HEAD_BYTES_MAX = 64 * 1024 * 1024
 """The largest head read back (a layout of a million tensors fits): a bigger file is refused unread."""
 SLOTS = 2
+CHECKSUM_BYTES = 64 * 1024 * 1024
+"""The span of one checksum of a crash copy. Large on purpose: each call takes the GIL once (XXH3 itself
+runs without it), and every acquisition competes with the training thread. With the stream's 4 MiB,
+the GPU check on an H200 (an 86 MB snapshot per step of 62-72 ms) measured the training thread's time
+in the hooks at p50 10.4 ms; with 64 MiB, 4.4 ms (docs/performance.md §12)."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,8 @@ class SlotHead:
         return head
 
 
-def checksums_of(data: memoryview, chunk_bytes: int) -> list[int]:
-    """XXH3-64 of each `chunk_bytes` chunk of `data` (the data plane's checksum, at ~24 GB/s)."""
+def checksums_of(data: memoryview, chunk_bytes: int = CHECKSUM_BYTES) -> list[int]:
+    """XXH3-64 of each `chunk_bytes` chunk of `data` (the data plane's checksum, at ~15-20 GB/s)."""
     return [chunk_checksum(data[i : i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)]
 
 

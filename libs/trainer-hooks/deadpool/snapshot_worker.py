@@ -48,7 +48,7 @@ import torch
 
 from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.durable_tier import DurableWriter
-from deadpool.host_copy import HostCopy, InheritedSlot, SlotHead, checksums_of
+from deadpool.host_copy import CHECKSUM_BYTES, HostCopy, InheritedSlot, SlotHead, checksums_of
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import SnapshotSources
@@ -320,14 +320,7 @@ class SnapshotWorker:
             return
         data = slot.buffer.bytes_view()
         head = SlotHead(
-            key.job,
-            key.member,
-            key.rank,
-            key.generation,
-            key.step,
-            slot.meta,
-            self.chunk_bytes,
-            checksums_of(data, self.chunk_bytes),
+            key.job, key.member, key.rank, key.generation, key.step, slot.meta, CHECKSUM_BYTES, checksums_of(data)
         )
         try:
             host_copy.publish(self.slots.index(slot), head)
