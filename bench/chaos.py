@@ -87,7 +87,7 @@ from deadpool_cli.demo import default_script
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
-from deadpool_protocol import SWAPPER_STATUS, MemberErrorCause, Rebuild
+from deadpool_protocol import SWAPPER_STATUS, Incident, MemberErrorCause, Rebuild
 from deadpool_protocol.codec import to_fields
 from deadpool_runtime.clock_fault import CLOCK_STEP_FILE_ENV
 from deadpool_runtime.logs import get_logger
@@ -116,6 +116,8 @@ STORE_KINDS = ("store_kill", "store_host")
 KILL_LATER = ("all_stores", "stale_stores", "jetstream_outage", "clock_step")
 """Faults that set a stage (stores gone, swappers frozen, JetStream away, clocks stepped) and kill a rank
 in it some seconds later: their downtime runs from that kill."""
+PROCESS_KILLS = ("kill", "kill2", "kill_in_recovery", "stop", "spare_takeover")
+"""Faults that end a training process while its host stays up: its crash copy is there (`host_copy`)."""
 OVERLAPPING = ("kill2", "kill_in_recovery", "spare_takeover", "rendezvous_host")
 SPARES_NEEDED = {
     "kill": 1,
@@ -614,7 +616,15 @@ async def launch(
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=subprocess.STDOUT, env=env)
 
 
-def summarise(faults: list[Fault]) -> dict[str, Any]:
+def summarise(faults: list[Fault], incidents: list[Incident]) -> dict[str, Any]:
+    """Per fault kind: its faults, recoveries, downtimes, and the most steps its incidents lost (an
+    incident belongs to the newest fault injected before it was detected)."""
+    injected = sorted((f.t, f.kind) for f in faults)
+    lost: dict[str, int] = {}
+    for incident in incidents:
+        before = [kind for t, kind in injected if t <= incident.t_detected]
+        if before:
+            lost[before[-1]] = max(lost.get(before[-1], 0), incident.lost_steps)
     by_kind: dict[str, Any] = {}
     for kind in KINDS:
         rows = [f for f in faults if f.kind == kind]
@@ -627,6 +637,7 @@ def summarise(faults: list[Fault]) -> dict[str, Any]:
             "downtime_s_p50": round(statistics.median(downs), 4) if downs else None,
             "downtime_s_p99": round(percentile(downs, 99), 4) if downs else None,
             "downtime_s_max": round(max(downs), 4) if downs else None,
+            "lost_steps_max": lost.get(kind),
         }
     return by_kind
 
@@ -722,7 +733,7 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
     rebuilds = [{"t": t, **to_fields(r)} for t, r in watch.rebuilds]
     (workdir / "rebuilds.json").write_text(json.dumps(rebuilds, indent=1))
     faults = chaos.faults
-    by_kind = summarise(faults)
+    by_kind = summarise(faults, incidents)
     overlap = [f.downtime_s for f in faults if f.kind in OVERLAPPING and f.downtime_s is not None]
     recovered = sum(f.downtime_s is not None for f in faults)
     heals = [f.extra.get("heal_s") for f in faults if f.kind in (*STORE_KINDS, "all_stores")]
@@ -745,6 +756,10 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
         "downtime_s_p99": {k: v["downtime_s_p99"] for k, v in by_kind.items()},
         "overlap_downtime_s_p99": round(percentile(overlap, 99), 4) if overlap else None,
         "lost_steps_max": max((i.lost_steps for i in incidents), default=0),
+        "lost_steps_max_by_kind": {k: v["lost_steps_max"] for k, v in by_kind.items()},
+        "lost_steps_max_process_kill": max(
+            (v["lost_steps_max"] or 0 for k, v in by_kind.items() if k in PROCESS_KILLS), default=0
+        ),
         "lost_steps_max_ram": max(
             (i.lost_steps for i in incidents if i.evidence.get("restore_link") != "durable"), default=0
         ),
@@ -809,13 +824,17 @@ def main() -> None:
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     print("")
-    print(f"{'kind':>16} {'faults':>6} {'recovered':>9} {'downtime p50 (s)':>16} {'p99 (s)':>8} {'max (s)':>8}")
+    print(
+        f"{'kind':>16} {'faults':>6} {'recovered':>9} {'downtime p50 (s)':>16} {'p99 (s)':>8} {'max (s)':>8} "
+        f"{'lost steps max':>14}"
+    )
     for kind, row in result["by_kind"].items():
         p50, p99, top = (
             row[k] if row[k] is not None else float("nan")
             for k in ("downtime_s_p50", "downtime_s_p99", "downtime_s_max")
         )
-        print(f"{kind:>16} {row['faults']:>6} {row['recovered']:>9} {p50:>16.3f} {p99:>8.3f} {top:>8.3f}")
+        lost = "-" if row["lost_steps_max"] is None else str(row["lost_steps_max"])
+        print(f"{kind:>16} {row['faults']:>6} {row['recovered']:>9} {p50:>16.3f} {p99:>8.3f} {top:>8.3f} {lost:>14}")
     print(
         f"faults {result['faults']}, recovered {result['recovered']}, wedged {result['wedged']}, "
         f"bit-identical {result['bit_identical']} ({result['tensors_compared']} tensors), "

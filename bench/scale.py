@@ -11,25 +11,30 @@ each on a control plane of its own (NATS, a detector, a swapper, `--stores` stor
 
 1. snapshots off (`DEADPOOL_SNAPSHOT_EVERY=0`: hooks attached, heartbeats running, no capture);
 2. a snapshot after every step, streamed to the stores and committed;
-3. the same with a warm spare, and rank 1 SIGKILLed half-way through step `steps - 3`: the restore as
-   the spare sees it.
+3. the same with a warm spare, and rank 1 SIGKILLed half-way through step `steps - 3`: the spare, on the
+   same launcher, restores from the crash copy the dead member left in the host's shared memory;
+4. the same kill with `deadpool launch --no-host-copy`: the spare restores from the stores, as it would
+   after a lost host.
 
 Reported per scenario, as a table and then one JSON line:
 - `step_time_ratio`: median step (past `--warm-up-steps`) with snapshots on, over off;
 - `snapshot_every_steps`: the interval the job snapshots at (fixed at 1 today);
 - `snapshots_skipped`, `snapshot_waits`: captures dropped, and captures that waited for the stream before;
 - `commit_lag_s` (p50, max): from the end of the step a snapshot holds to its commit notice;
-- `lost_steps_bound_crash`, `lost_steps_bound_host`: the most completed steps a fault at the worst
-  moment of round 2 would have cost (newest completed step minus newest committed one, the swapper's
-  `lost_steps`), for a process crash and for a lost host (the same today: every copy is on the stores);
+- `lost_steps_bound_host`: the most completed steps a lost host at the worst moment of round 2 would
+  have cost (newest completed step minus newest committed one, the swapper's `lost_steps`);
+  `lost_steps_bound_crash`: for a process crash, whose host keeps its crash copy: 1 (the step it was in)
+  while every completed step's capture finished before the next optimizer step, as the fence makes it,
+  and none was skipped; else the host's bound;
 - `cpu_ms_per_mb` against a plain memcpy's in the same run (capture, stream and store ingest);
 - `sender_bytes_per_snapshot_byte`: bytes sent over the loopback (every part runs on this host, so
   every byte a member sends to a store crosses it once; the bus's few KB a step too) per byte snapshotted;
 - `store_ingest_gb_per_cpu_s`: those bytes per second of the stores' CPU (their capacity), and
   `store_ingest_gb_per_s`: per second of the round (what the job asked of them);
-- `restore_s_remote` (and GB/s): round 3's restore phase, the spare fetching the rank's snapshot from
-  the stores; `restore_s_local`: null until a host-local copy exists (issue 23, point 3); and round 3's
-  downtime (the kill to every rank's first step after it), lost steps and phases. The stand-in step
+- `restore_s_local`: round 3's restore phase, the spare taking the crash copy (moving its files, checking
+  its checksums; the load into the model follows in `apply`); `restore_s_remote` (and GB/s): round 4's,
+  the spare fetching the rank's snapshot from the stores; and each round's downtime (the kill to every
+  rank's first step after it), lost steps and phases. The stand-in step
   has no collective, so a survivor leaves it only at its end: its `abort` phase is up to a step long,
   where a real job's survivor is released from its broken collective at once;
 - `store_ram_gb_per_rank`: the stores' peak resident memory in round 2, above their start, per rank.
@@ -133,9 +138,10 @@ async def run_round(
         "DEADPOOL_STATS_DIR": str(stats_dir),
         "OMP_NUM_THREADS": "1",
     }
-    spares = 1 if kind == "swap" else 0
+    swap = kind.startswith("swap")
     command = [sys.executable, "-m", "deadpool_cli", "launch", *stack.nats_args, "--job", job]
-    command += ["--nproc", str(args.ranks), "--spares", str(spares)]
+    command += ["--nproc", str(args.ranks), "--spares", "1" if swap else "0"]
+    command += ["--no-host-copy"] if kind == "swap-remote" else []
     command += ["--gpus", args.gpus if args.device == "cuda" else "none"]
     command += [str(SCRIPT), "--steps", str(args.steps), "--state-gb", str(scenario.state_gb)]
     command += ["--step-s", str(scenario.step_s), "--device", args.device]
@@ -151,7 +157,7 @@ async def run_round(
     with open(workdir / f"{job}.log", "wb") as log:
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT, env=env)
     killer = None
-    if kind == "swap":
+    if swap:
         killer = asyncio.create_task(inject_fault_mid_step(watch, 1, args.steps - 3, "kill"))
     try:
         returncode = await asyncio.wait_for(launcher.wait(), timeout_s)
@@ -216,12 +222,11 @@ def lost_steps_bound(on: dict[str, Any], warm_up: int) -> int:
 
 def summarise(
     scenario: Scenario,
-    off: dict[str, Any],
-    on: dict[str, Any],
-    swap: dict[str, Any],
+    rounds: dict[str, dict[str, Any]],
     args: argparse.Namespace,
     memcpy: float,
 ) -> dict[str, Any]:
+    off, on = rounds["off"], rounds["on"]
     warm_up = args.warm_up_steps
     step_off = statistics.median(s["step_s"] for s in steps_past_warm_up(off, warm_up))
     step_on = statistics.median(s["step_s"] for s in steps_past_warm_up(on, warm_up))
@@ -237,8 +242,9 @@ def summarise(
     stream_s = sum(m.get("snapshot_stream_cpu_s", 0.0) for m in on["members"])
     cpu_ms_per_mb = 1000 * (copy_s + stream_s + on["store_cpu_s"]) / (captured_bytes / 1e6)
     lost = lost_steps_bound(on, warm_up)
-    incident = swap["incident"]
-    restore_s = incident["phases"].get("restore")
+    skipped = sum(m.get("snapshots_skipped", 0) for m in on["members"])
+    local, remote = rounds["swap"]["incident"], rounds["swap-remote"]["incident"]
+    restore_s = remote["phases"].get("restore")
     result = {
         "state_gb_per_rank": scenario.state_gb,
         "step_s": scenario.step_s,
@@ -248,12 +254,12 @@ def summarise(
         "step_time_ratio": round(step_on / step_off, 4),
         "snapshot_every_steps": 1,
         "snapshots_streamed": streamed,
-        "snapshots_skipped": sum(m.get("snapshots_skipped", 0) for m in on["members"]),
+        "snapshots_skipped": skipped,
         "snapshot_waits": sum(m.get("snapshot_waits", 0) for m in on["members"]),
         "committed": len(on["commit_t"]),
         "commit_lag_s_p50": round(percentile(lags, 50), 3) if lags else None,
         "commit_lag_s_max": round(max(lags), 3) if lags else None,
-        "lost_steps_bound_crash": lost,
+        "lost_steps_bound_crash": 1 if skipped == 0 else lost,
         "lost_steps_bound_host": lost,
         "cpu_ms_per_mb": round(cpu_ms_per_mb, 3),
         "memcpy_ms_per_mb": round(memcpy, 3),
@@ -271,11 +277,15 @@ def summarise(
         "store_ram_gb_per_rank": round(on["store_ram_growth_bytes"] / 2**30 / args.ranks, 2),
         "restore_s_remote": restore_s,
         "restore_gb_per_s_remote": round(snapshot_bytes / 1e9 / restore_s, 2) if restore_s else None,
-        "restore_s_local": None,
-        "swap_downtime_s": incident["downtime_s"],
-        "swap_lost_steps": incident["lost_steps"],
-        "swap_restore_link": incident["evidence"].get("restore_link"),
-        "swap_phases_s": incident["phases"],
+        "restore_s_local": local["phases"].get("restore"),
+        "swap_downtime_s": local["downtime_s"],
+        "swap_lost_steps": local["lost_steps"],
+        "swap_restore_link": local["evidence"].get("restore_link"),
+        "swap_phases_s": local["phases"],
+        "swap_remote_downtime_s": remote["downtime_s"],
+        "swap_remote_lost_steps": remote["lost_steps"],
+        "swap_remote_restore_link": remote["evidence"].get("restore_link"),
+        "swap_remote_phases_s": remote["phases"],
     }
     return result
 
@@ -288,7 +298,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for scenario in scenarios:
         rounds = {}
-        for kind in ("off", "on", "swap"):
+        for kind in ("off", "on", "swap", "swap-remote"):
             # A fresh control plane per round, so no round inherits another's: a store's pooled buffers
             # would spare the next round the first touch of its memory that a new job pays.
             config = StackConfig(
@@ -301,13 +311,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 r = await run_round(stack, args, workdir, scenario, kind)
             steps = [s["step_s"] for s in steps_past_warm_up(r, args.warm_up_steps)]
             print(
-                f"{scenario.state_gb:g} GiB/rank, {scenario.step_s:g} s steps, snapshots {kind:>4}: "
+                f"{scenario.state_gb:g} GiB/rank, {scenario.step_s:g} s steps, {kind:>11}: "
                 f"median step {statistics.median(steps):.3f} s, committed {len(r['commit_t'])}, "
                 f"wall {r['wall_s']:.1f} s",
                 flush=True,
             )
             rounds[kind] = r
-        results.append(summarise(scenario, rounds["off"], rounds["on"], rounds["swap"], args, memcpy))
+        results.append(summarise(scenario, rounds, args, memcpy))
         print(f"scenario: {json.dumps(results[-1])}", flush=True)  # kept if a later scenario fails
     ratio_max = GOALS["step_time_ratio_max_gpu" if args.device == "cuda" else "step_time_ratio_max"]
     goals_met = all(
@@ -362,11 +372,16 @@ def print_table(result: dict[str, Any]) -> None:
             f"store RAM {r['store_ram_gb_per_rank']} GiB per rank"
         )
         print(
-            f"    restore from the stores {r['restore_s_remote']} s ({r['restore_gb_per_s_remote']} GB/s), "
-            f"host-local: {r['restore_s_local']}; swap downtime {r['swap_downtime_s']} s, lost "
-            f"{r['swap_lost_steps']} step(s), link {r['swap_restore_link']}"
+            f"    a SIGKILL, the spare on its host: restore {r['restore_s_local']} s from the crash copy, downtime "
+            f"{r['swap_downtime_s']} s, lost {r['swap_lost_steps']} step(s), link {r['swap_restore_link']}"
         )
-        print("    swap phases (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["swap_phases_s"].items()))
+        print("      phases (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["swap_phases_s"].items()))
+        print(
+            f"    the same with --no-host-copy: restore {r['restore_s_remote']} s from the stores "
+            f"({r['restore_gb_per_s_remote']} GB/s), downtime {r['swap_remote_downtime_s']} s, lost "
+            f"{r['swap_remote_lost_steps']} step(s), link {r['swap_remote_restore_link']}"
+        )
+        print("      phases (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["swap_remote_phases_s"].items()))
 
 
 def main() -> None:

@@ -115,6 +115,14 @@ def test_status_shows_each_rank_with_its_step_and_heartbeat_age() -> None:
     assert any("no detector answered" in line for line in render(STATE, None))
 
 
+def test_status_shows_the_step_each_ranks_crash_copy_holds() -> None:
+    watched = {"watched": {"m0": {"step": 42, "local_step": 41, "heartbeat_age_s": 0.04}}, "median_step_s": 0.2}
+    lines = render(STATE, watched)
+    assert (
+        "  rank 0: m0 (host a, pid 10): step 42 (crash copy: step 41), heartbeat 0.0 s ago, step time 0.200 s" in lines
+    )
+
+
 def test_status_says_loudly_when_no_store_protects_the_job_and_how_many_steps_are_at_risk() -> None:
     unprotected = STATE | {"stores": [], "unprotected": {"since_committed_step": 41, "for_s": 95.0}}
     watched = {

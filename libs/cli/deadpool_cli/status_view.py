@@ -62,7 +62,7 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
         info = state["members"].get(member, {})
         beat = members.get(member, {})
         seen = (
-            f"{_phase(beat)}step {beat['step']}, heartbeat {beat['heartbeat_age_s']:.1f} s ago"
+            f"{_phase(beat)}step {beat['step']}{_crash_copy(beat)}, heartbeat {beat['heartbeat_age_s']:.1f} s ago"
             if beat
             else "no heartbeat yet"
         )
@@ -100,6 +100,12 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
             f"lost {inc['lost_steps']} step(s)"
         )
     return lines
+
+
+def _crash_copy(beat: dict[str, Any]) -> str:
+    """' (crash copy: step 41)' from a heartbeat's newest step held whole on its host ('' if none)."""
+    local = beat.get("local_step", -1)
+    return f" (crash copy: step {local})" if isinstance(local, int) and local >= 0 else ""
 
 
 def _phase(beat: dict[str, Any]) -> str:

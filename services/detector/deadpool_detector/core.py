@@ -226,6 +226,8 @@ class Watched:
     phase: str = ""
     """Its last heartbeat's `MemberPhase`, and the state of its rebuild if one is under way (for `deadpool status`)."""
     rebuild_state: str = ""
+    local_step: int = -1
+    """The newest step its own buffers hold whole (its crash copy on its host), for `deadpool status`."""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
@@ -310,6 +312,7 @@ class DetectorCore:
         watched.last_step = hb.step
         watched.pid = hb.pid
         watched.phase, watched.rebuild_state = hb.phase, hb.rebuild_state or ""
+        watched.local_step = hb.local_step
         watched.waiting = hb.waiting or hb.awaiting_rebuild or hb.rebuilding
         awaiting = hb.awaiting_rebuild and not hb.rebuilding and hb.generation >= view.generation
         if not awaiting:

@@ -293,6 +293,7 @@ class DetectorService:
                         "host": w.host,
                         "phase": w.phase,
                         "rebuild_state": w.rebuild_state,
+                        "local_step": w.local_step,
                         "heartbeat_age_s": round(now - w.last_seen, 3),
                     }
                     for m, w in view.members.items()
