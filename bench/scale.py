@@ -34,9 +34,7 @@ Reported per scenario, as a table and then one JSON line:
 - `restore_s_local`: round 3's restore phase, the spare taking the crash copy (moving its files, checking
   its checksums; the load into the model follows in `apply`); `restore_s_remote` (and GB/s): round 4's,
   the spare fetching the rank's snapshot from the stores; and each round's downtime (the kill to every
-  rank's first step after it), lost steps and phases. The stand-in step
-  has no collective, so a survivor leaves it only at its end: its `abort` phase is up to a step long,
-  where a real job's survivor is released from its broken collective at once;
+  rank's first step after it), lost steps and phases;
 - `store_ram_gb_per_rank`: the stores' peak resident memory in round 2, above their start, per rank.
 
 Goals (issue 23): step_time_ratio <= 1.02 in each scenario (1.01 on a GPU), a process crash loses at most

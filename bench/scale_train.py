@@ -7,11 +7,13 @@ parameter, in tensors of `--tensor-mb` (a large layer's size). No rank shares an
 (no DDP: each rank's snapshot holds its whole state, as under FSDP).
 
 Each step stands in for a GPU step that leaves the host's cores to the snapshot path: a sleep of
-`--step-s` seconds (forward and backward), then a fused AdamW step over every parameter (new gradients
-each step, so every byte of the state changes). Whatever the training thread waits for inside DeadPool
-(a capture, the optimizer step's wait for the previous capture's copy) lengthens the step, as it would
-on a GPU whose next kernels that thread has not yet launched. On `--device cuda` the state lives on the
-member's GPU and the optimizer step runs there.
+`--step-s` seconds (forward and backward), a one-element all-reduce standing in for the step's
+collectives (they keep a real job's ranks in lockstep: without one, a survivor trained on past a killed
+rank's last step until its own step ended, which a real job's cannot), then a fused AdamW step over
+every parameter (new gradients each step, so every byte of the state changes). Whatever the training
+thread waits for inside DeadPool (a capture, the optimizer step's wait for the previous capture's
+copy) lengthens the step, as it would on a GPU whose next kernels that thread has not yet launched.
+On `--device cuda` the state lives on the member's GPU and the optimizer step runs there.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import deadpool
@@ -62,6 +65,7 @@ def main() -> None:
         with job.step():
             assert job.rank is not None
             time.sleep(args.step_s)  # forward and backward, on the GPU of the job this stands in for
+            dist.all_reduce(torch.ones(1, device=device if dist.get_backend() == "nccl" else "cpu"))
             for p in model.parameters():  # new gradients: every byte of the moments changes
                 if p.grad is None:  # the first step, and after a rebuild (a restore drops gradients)
                     p.grad = torch.empty_like(p)
