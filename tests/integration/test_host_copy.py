@@ -10,25 +10,17 @@ for bit, and nothing of the job is left in /dev/shm once its launcher exits.
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import sys
 from pathlib import Path
 
 from deadpool.host_copy_dir import DIR_PREFIX, SHM_ROOT
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
 
-from .jobs import SCRIPT, every_rank_at, finish, kill, rank_steps, run_to_end, stop_all, tail, until, watcher
+from .jobs import every_rank_at, finish, kill, launch, rank_steps, stop_all, tail, until, watcher
 
 JOB = "crash-copy"
 STEPS = 60
-
-
-def launch_command(nats_args: list[str], job: str, out: Path) -> list[str]:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--spares", "1", "--collective-timeout-s", "20"]
-    return [*command, str(SCRIPT), "--steps", str(STEPS), "--model-size", "tiny", "--out", str(out)]
 
 
 async def test_a_rank_killed_with_every_store_lost_heals_from_its_hosts_crash_copy_bit_identical(
@@ -38,10 +30,7 @@ async def test_a_rank_killed_with_every_store_lost_heals_from_its_hosts_crash_co
     async with Stack(config) as stack:
         nc, watch = await watcher(stack, JOB)
         log = tmp_path / "job.log"
-        with open(log, "wb") as sink:
-            launcher = await asyncio.create_subprocess_exec(
-                *launch_command(stack.nats_args, JOB, tmp_path / "job"), stdout=sink, stderr=sink
-            )
+        launcher = await launch(stack.nats_args, JOB, log, steps=STEPS, nproc=2, spares=1, out=tmp_path / "job")
         try:
             await until(watch, lambda: every_rank_at(watch, 5), log, "training")
             stack.hold("store-0")
@@ -64,7 +53,11 @@ async def test_a_rank_killed_with_every_store_lost_heals_from_its_hosts_crash_co
         assert not list(SHM_ROOT.glob(f"{DIR_PREFIX}{JOB}-*")), "the job's crash copies outlived its launcher"
         stack.release("store-0")
         stack._start("store-0")
-        reference = tmp_path / "reference"
-        assert await run_to_end(launch_command(stack.nats_args, f"{JOB}-ref", reference), tmp_path / "ref.log") == 0
+        reference, ref_log = tmp_path / "reference", tmp_path / "ref.log"
+        plain = await launch(stack.nats_args, f"{JOB}-ref", ref_log, steps=STEPS, nproc=2, spares=1, out=reference)
+        try:
+            assert await finish(plain, ref_log) == 0, tail(ref_log)
+        finally:
+            stop_all(plain)
     identical, tensors, differences = compare_final_states(tmp_path / "job", reference)
     assert identical and tensors > 0, differences[:5]
