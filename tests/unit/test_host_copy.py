@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -117,3 +118,28 @@ def test_the_directories_of_launchers_that_are_gone_are_swept_and_a_live_ones_ke
 
     assert dead_dir in removed and not dead_dir.exists()
     assert live.exists() and int((live / "launcher.pid").read_text()) == os.getpid()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_shared_memory_refuses_the_buffer_at_once_and_the_member_keeps_its_own(tmp_path: Path) -> None:
+    """posix_fallocate refuses what /dev/shm cannot hold: no SIGBUS later, the capture goes on in process
+    memory, without a crash copy."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(shm)], check=True)
+    try:
+        job_dir = make_job_dir("j", "l0", shm)
+        torch.manual_seed(0)
+        model = nn.Linear(1024, 1024)  # 4 MiB of weights, more than the tmpfs holds
+        sources = collect_sources(model, None)
+        layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
+        worker = SnapshotWorker(LOG, chunk_bytes=4096, host_copy=HostCopy(job_dir, "j", "m", LOG))
+        meta = SnapshotMeta(1, layout, {}, b"", {}).encode()
+        request = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, meta, [])
+        assert request is not None and request.done.wait(WAIT_S)
+        assert worker.host_copy is None, "the member said it has no crash copy and kept its buffers itself"
+        slot = worker.local(1)
+        assert slot is not None and slot.buffer is not None
+        assert torch.equal(slot.buffer.by_name[sources.names[0]], model.weight)
+    finally:
+        subprocess.run(["umount", "--lazy", str(shm)], check=False)
