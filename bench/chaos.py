@@ -441,6 +441,15 @@ class Chaos:
         back = any(s["store"] == name and s.get("incarnation", "") != extra["incarnation"] for s in status["stores"])
         return back or (name not in placed and status.get("placement_version") != extra["version"])
 
+    async def _heal_view(self) -> str:
+        """What a heal that did not come waited on (for the log: a CI run once saw one, never again)."""
+        status = await self._status()
+        if not status:
+            return "no status"
+        stores = [(s["store"], s.get("incarnation", ""), s.get("heard_s_ago")) for s in status.get("stores", [])]
+        keys = ("committed_step", "replicas_short", "commit_lag_steps", "placement", "placement_version", "finished")
+        return json.dumps({k: status.get(k) for k in keys} | {"stores": stores})
+
     async def _wait_protected(self, timeout_s: float) -> bool:
         """Stores are back and hold every rank's committed step again: the job is protected."""
         deadline = time.time() + timeout_s
@@ -550,6 +559,7 @@ class Chaos:
                 fault.extra["heal_s"] = round(time.time() - t, 4) if healed else None
                 if not healed:
                     print(f"  NOT HEALED: {extra['store']}'s copies not made again in {HEAL_WAIT_S:.0f} s", flush=True)
+                    print(f"  the swapper's view then: {await self._heal_view()}", flush=True)
             if kind == "all_stores":
                 healed = await self._wait_protected(HEAL_WAIT_S)
                 fault.extra["heal_s"] = round(time.time() - t, 4) if healed else None
@@ -606,6 +616,7 @@ async def launch(
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job]
     command += ["--nproc", str(NPROC), "--spares", str(spares), "--respawns", str(respawns)]
     command += ["--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S)]
+    command += ["--snapshot-budget", str(args.snapshot_budget), "--snapshot-every", args.snapshot_every]
     if args.durable_every_steps and not reference:
         durable = str(durable_dir_of(out))
         command += ["--durable-dir", durable, "--durable-every-steps", str(args.durable_every_steps)]
@@ -770,6 +781,9 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
         "disk_full_faults": len(disk_faults),
         "disk_full_not_persisted_again": sum(f.extra.get("persisted_again_s") is None for f in disk_faults),
         "lost_committed": lost_committed,
+        "snapshot_budget": args.snapshot_budget,
+        "snapshot_every": args.snapshot_every,
+        "snapshot_every_max": watch.snapshot_every_max,
         "restore_links": {link: links.count(link) for link in sorted(set(links))},
         "store_faults": len(heals),
         "store_not_healed": len(heals) - len(healed),
@@ -819,6 +833,10 @@ def main() -> None:
     parser.add_argument("--workdir", default="")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument(
+        "--snapshot-budget", type=float, default=0.01, help="as deadpool launch (the job's K adapts within it)"
+    )
+    parser.add_argument("--snapshot-every", default="auto", help="as deadpool launch: auto, or a forced interval")
+    parser.add_argument(
         "--durable-every-steps", type=int, default=5, help="the chaos job's durable tier (0: none; not the reference)"
     )
     args = parser.parse_args()
@@ -839,7 +857,11 @@ def main() -> None:
         f"faults {result['faults']}, recovered {result['recovered']}, wedged {result['wedged']}, "
         f"bit-identical {result['bit_identical']} ({result['tensors_compared']} tensors), "
         f"overlapping-fault downtime p99 {result['overlap_downtime_s_p99']} s, "
-        f"lost steps max {result['lost_steps_max']}"
+        f"lost steps max {result['lost_steps_max']} (process kills {result['lost_steps_max_process_kill']})"
+    )
+    print(
+        f"snapshots: every {result['snapshot_every']} step(s) within a budget of {result['snapshot_budget']:g} "
+        f"of a step; the longest interval a rank named: {result['snapshot_every_max']}"
     )
     print(
         f"store faults {result['store_faults']}, not healed {result['store_not_healed']}, heal p50 "

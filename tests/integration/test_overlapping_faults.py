@@ -65,7 +65,10 @@ async def test_overlapping_kills_are_swapped_and_training_ends_bit_identical(tmp
         assert {i.rank for i in double} == {1, 3} and len({i.generation for i in double}) == 1, double
         assert double[0].generation > before
         assert len(watch.incidents) == 4 and len({i.generation for i in watch.incidents[2:]}) == 1
-        assert all(i.lost_steps <= 1 for i in watch.incidents)
+        # From a crash copy at most 1 step; a rank restored from the stores (its rebuild superseded) at most
+        # 2K-1 for the job's snapshot interval K (1 while the stores keep up).
+        bound = 2 * watch.snapshot_every_max - 1
+        assert all(i.lost_steps <= max(1, bound) for i in watch.incidents), (bound, watch.incidents)
 
         ref_log = tmp_path / "ref.log"
         reference = await launch(stack.nats_args, "overlap-ref", ref_log, steps=STEPS, spares=0, out=tmp_path / "ref")

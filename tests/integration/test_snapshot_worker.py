@@ -1,16 +1,20 @@
-"""Every rank snapshots every step it is due: a capture waits for the previous snapshot's stream, and a
-stream stuck on a store that never answers is abandoned after the bound (or at once, when the store is
-no longer placed)."""
+"""Every rank snapshots every step it is due. At a forced interval a capture waits for the previous
+snapshot's stream, and a stream stuck on a store that never answers is abandoned after the bound (or at
+once, when the store is no longer placed). At the adaptive interval a capture waits at most the budget,
+then goes on without streaming: into a third buffer beside the one streaming where the member keeps a
+crash copy, not at all where it keeps none."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from deadpool.host_copy import HostCopy
 from deadpool.snapshot_layout import plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.store_client import UploadKey
@@ -99,4 +103,68 @@ def test_dropping_a_store_that_is_no_longer_placed_frees_a_stream_blocked_on_it_
         assert request.done.wait(WAIT_S) and request.sealed_on == []
     finally:
         store.release()
+        worker.close()
+
+
+def test_adaptive_a_capture_beside_a_busy_stream_goes_into_a_third_buffer_and_keeps_the_newest(
+    tmp_path: Path,
+) -> None:
+    first_layer, sources, layout = model_and_plan()
+    store = SilentStore()
+    log = get_logger(test="worker")
+    worker = SnapshotWorker(log, chunk_bytes=4096, wait_s=60.0, host_copy=HostCopy(tmp_path, "j", "m", log))
+    stores = [StoreAddress("silent", "127.0.0.1", store.port)]
+    try:
+        first = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores, stream_wait_s=0.01)
+        assert first is not None and first.streamed and not first.done.wait(0.2)  # stuck on the store
+        for step in (2, 3, 4):
+            with torch.no_grad():
+                first_layer.weight.add_(1.0)
+            request = worker.capture(
+                UploadKey("j", 1, 0, "m", step), layout, sources, b"", stores, stream=step == 2, stream_wait_s=0.01
+            )
+            assert request is not None and not request.streamed, "captured, not streamed: the stream is busy"
+            assert worker.wait_captured(WAIT_S) and request.done.wait(WAIT_S)
+            slot = worker.local(step)
+            assert slot is not None and slot.buffer is not None
+            assert torch.equal(slot.buffer.views[0], first_layer.weight)
+            assert worker.local(step - 1) is not None, "the newest step before stays whole during the copy"
+        assert len(worker.slots) == 3 and worker.stream_skips == 1 and worker.skipped == 0
+        assert worker.local(1) is not None, "the buffer being streamed is never captured into"
+        assert worker.newest_local_step() == 4
+    finally:
+        store.release()
+        worker.close()
+
+
+def test_adaptive_without_a_crash_copy_a_skipped_stream_captures_nothing() -> None:
+    _, sources, layout = model_and_plan()
+    store = SilentStore()
+    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096, wait_s=60.0)
+    stores = [StoreAddress("silent", "127.0.0.1", store.port)]
+    try:
+        first = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores, stream_wait_s=0.01)
+        assert first is not None and worker.wait_captured(WAIT_S)
+        second = worker.capture(UploadKey("j", 1, 0, "m", 2), layout, sources, b"", stores, stream_wait_s=0.01)
+        assert second is None and worker.stream_skips == 1 and worker.waits == 1
+        assert len(worker.slots) == 2 and worker.local(1) is not None
+    finally:
+        store.release()
+        worker.close()
+
+
+def test_of_two_copies_of_one_step_the_newer_generations_is_restored_and_the_older_overwritten() -> None:
+    """A rebuild re-captures the step it restored in its new generation (its SEAL): the copy of the
+    abandoned timeline must neither be the one a restore takes nor the one kept."""
+    _, sources, layout = model_and_plan()
+    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096, wait_s=WAIT_S)
+    try:
+        for generation, step in ((1, 5), (2, 5), (2, 6)):
+            request = worker.capture(UploadKey("j", generation, 0, "m", step), layout, sources, b"", [])
+            assert request is not None and request.done.wait(WAIT_S)
+            if generation == 2:
+                slot = worker.local(5)
+                assert slot is not None and slot.generation == 2, "the abandoned timeline's copy"
+        assert sorted((s.step, s.generation) for s in worker.slots) == [(5, 2), (6, 2)]
+    finally:
         worker.close()

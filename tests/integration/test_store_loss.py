@@ -34,7 +34,9 @@ from .netns import TestNetwork, namespaces_available
 pytestmark = pytest.mark.skipif(not namespaces_available(), reason="network namespaces need root and iproute2")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-STEPS = 40
+STEPS = 400
+"""Training does not wait for a stream held up by the lost store (the due steps are not streamed
+meanwhile), so the job must outlast the store's detection (1.5 s) and heal: 40 steps once ended first."""
 RUN_TIMEOUT_S = 240.0
 WAIT_S = 60.0
 HEAL_WAIT_S = 15.0

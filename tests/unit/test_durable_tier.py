@@ -102,6 +102,17 @@ def test_persists_are_due_every_n_steps_or_after_t_seconds_on_the_grid(tmp_path:
         DurableWriter(str(tmp_path), "j", every_steps=0, keep=2, log=log)
 
 
+def test_streamed_every_k_steps_the_first_streamed_step_past_each_rule_step_is_persisted(tmp_path: Path) -> None:
+    """Only streamed steps are asked (every K-th, `snapshot_cadence`): a rule step that is not streamed
+    is persisted at the next streamed one, the same on every rank; a rollback persists again."""
+    writer = DurableWriter(str(tmp_path), "j", every_steps=10, keep=2, log=get_logger(test="durable"))
+    try:
+        assert [s for s in range(4, 44, 4) if writer.due(s)] == [12, 20, 32, 40]
+        assert [s for s in (16, 20, 24) if writer.due(s)] == [20], "rolled back to 16: step 20 persisted again"
+    finally:
+        writer.close()
+
+
 @contextlib.contextmanager
 def file_size_limit(nbytes: int) -> Iterator[None]:
     """Writes that would grow any file of this process past `nbytes` fail with EFBIG ("File too large"),

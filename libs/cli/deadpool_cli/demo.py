@@ -154,6 +154,8 @@ class RunResult:
     """If the run timed out: each member's last heartbeat, then the failures the detector declared."""
     steps_done: list[StepDone] = field(default_factory=list)
     """Every step completion of the members that ended cleanly, with its exact time (their step stats)."""
+    snapshot_every_max: int = 1
+    """The longest snapshot interval K a rank's heartbeat named: a lost host would have lost at most K."""
 
 
 async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
@@ -223,6 +225,7 @@ async def _train(
         log=str(log_path),
         stuck=stuck,
         steps_done=_steps_completed(stats_dir),
+        snapshot_every_max=watch.snapshot_every_max,
     )
     if killer is not None:
         if killer.done() and killer.exception() is None:
@@ -341,6 +344,14 @@ def _print_summary(report: dict[str, Any]) -> None:
         f"  run with the failure: {'finished' if swap['finished'] else 'DID NOT FINISH'} in {swap['wall_s']:.1f} s "
         f"(launcher exit code {swap['returncode']})"
     )
+    every = swap.get("snapshot_every_max", 1)
+    if cfg.get("host_copy", True):
+        w(
+            f"  snapshots: every step into the host's crash copy, every {every} step(s) at most to the stores "
+            f"(a crashed process loses at most 1 step, a lost host at most {2 * every - 1})"
+        )
+    else:
+        w(f"  snapshots: every {every} step(s) at most to the stores (a lost rank loses at most {2 * every - 1})")
     ref = report["runs"].get("reference")
     if ref or report["reference_from"]:
         if ref:
@@ -459,6 +470,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 "heartbeat_timeout_s",
                 "hang_floor_s",
                 "hang_factor",
+                "host_copy",
             )
         },
         "incidents": [incident_report(i, kill) for i in swap.incidents],
@@ -468,6 +480,7 @@ async def run_demo(cfg: DemoConfig) -> int:
                 "returncode": swap.returncode,
                 "finished": swap.finished,
                 "wall_s": round(swap.wall_s, 2),
+                "snapshot_every_max": swap.snapshot_every_max,
                 "log": swap.log,
                 "stuck": swap.stuck,
                 "kill": None

@@ -80,6 +80,8 @@ class JobWatch:
         self.incidents: list[Incident] = []
         self.finished = asyncio.Event()
         self.changed = asyncio.Condition()
+        self.snapshot_every_max = 1
+        """The longest snapshot interval a rank's heartbeat named (`SnapshotInterval`)."""
 
     async def start(self) -> None:
         s = Subjects.for_job(self.job)
@@ -102,6 +104,8 @@ class JobWatch:
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         view = self.members.setdefault(hb.member, MemberView())
+        if hb.rank >= 0:
+            self.snapshot_every_max = max(self.snapshot_every_max, hb.snapshot_every)
         if hb.step > view.step >= 0 and view._last_step_t:
             view.step_times.append((hb.t - view._last_step_t) / (hb.step - view.step))
         if hb.step != view.step:

@@ -161,6 +161,19 @@ def _parser() -> argparse.ArgumentParser:
         "in /dev/shm, which a spare of this launcher restores from)",
     )
     launch.add_argument(
+        "--snapshot-budget",
+        type=float,
+        default=MemberConfig.snapshot_budget,
+        help="the share of step time a step may wait for the last snapshot's stream (default %(default)g): "
+        "past it the job streams every K-th step instead, K a power of two it adapts (see deadpool status)",
+    )
+    launch.add_argument(
+        "--snapshot-every",
+        default=None,
+        help="stream every N-th step's snapshot, waiting for the stream if it is slower (default auto: the "
+        "job chooses within --snapshot-budget; 0: only the step-0 snapshot)",
+    )
+    launch.add_argument(
         "--run-id",
         default=LaunchConfig.run,
         help="the run this launcher starts, the same on every launcher of a job over several hosts "
@@ -493,6 +506,16 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"deadpool launch: {exc}", file=sys.stderr)
             return 2
     member_env: dict[str, str] = {}
+    if args.snapshot_budget != MemberConfig.snapshot_budget:  # else the members' environment's, or the default
+        if not 0 <= args.snapshot_budget < 1:
+            print("deadpool launch: --snapshot-budget is a share of step time, from 0 to below 1", file=sys.stderr)
+            return 2
+        member_env[ENV.SNAPSHOT_BUDGET] = str(args.snapshot_budget)
+    if args.snapshot_every is not None:
+        if args.snapshot_every != "auto" and not args.snapshot_every.isdigit():
+            print("deadpool launch: --snapshot-every is auto or a number of steps", file=sys.stderr)
+            return 2
+        member_env[ENV.SNAPSHOT_EVERY] = args.snapshot_every
     if args.durable_dir:
         member_env[ENV.DURABLE_DIR] = str(Path(args.durable_dir).resolve())
         member_env[ENV.DURABLE_EVERY_STEPS] = str(args.durable_every_steps)

@@ -91,7 +91,14 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "member": {
         "publish": [f"{PREFIX}.*.member.>", _TO_LAUNCHER],
-        "subscribe": [_ANY.rebuild, _ANY.void, _ANY.placement, _ANY.finished, f"{_ANY.inbox}.>"],
+        "subscribe": [
+            _ANY.rebuild,
+            _ANY.void,
+            _ANY.placement,
+            _ANY.finished,
+            _ANY.snapshot_interval,
+            f"{_ANY.inbox}.>",
+        ],
     },
 }
 _ANSWERS_REQUESTS = {"swapper", "detector", "store", "launcher"}
@@ -103,7 +110,7 @@ def job_member_permissions(job: str) -> dict[str, list[str]]:
     s = Subjects.for_job(job)
     return {
         "publish": [f"{PREFIX}.{job}.member.>", f"{PREFIX}.{job}.launcher.*.heartbeat"],
-        "subscribe": [s.rebuild, s.void, s.placement, s.finished, f"{s.inbox}.>"],
+        "subscribe": [s.rebuild, s.void, s.placement, s.finished, s.snapshot_interval, f"{s.inbox}.>"],
     }
 
 

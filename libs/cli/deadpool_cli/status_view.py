@@ -74,6 +74,11 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
     lines.append(f"  spares: {', '.join(spares) or 'none'}")
     lag, short = state.get("commit_lag_steps", 0), state.get("replicas_short", 0)
     lines.append(f"  commit lag: {lag} step(s) stored past the committed one; ranks short of replicas: {short}")
+    if every := _interval([beat for m, beat in members.items() if m in state["ranks"]]):
+        lines.append(
+            f"  snapshots streamed every {every} step(s): a lost host loses at most {2 * every - 1}, a crashed process "
+            "at most 1 where its crash copy is kept"
+        )
     placement = state.get("placement", [])
     for store in state["stores"]:
         ranks = [r for r, names in enumerate(placement) if store["store"] in names]
@@ -100,6 +105,12 @@ def render(state: dict[str, Any], watched: dict[str, Any] | None) -> list[str]:
             f"lost {inc['lost_steps']} step(s)"
         )
     return lines
+
+
+def _interval(beats: list[dict[str, Any]]) -> int:
+    """The job's snapshot interval: the longest one its ranks' heartbeats name (0: none named)."""
+    named = [b["snapshot_every"] for b in beats if isinstance(b.get("snapshot_every"), int)]
+    return max(named, default=0)
 
 
 def _crash_copy(beat: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ __all__ = [
     "HEARTBEATS_PER_BATCH_MAX",
     "NO_RANK",
     "NO_STEP",
+    "SNAPSHOT_EVERY_MAX",
     "TOKEN_BYTES",
     "TRACEPARENT_CHARS_MAX",
     "ChildExit",
@@ -80,6 +81,7 @@ __all__ = [
     "RunReply",
     "RunStart",
     "SnapshotComplete",
+    "SnapshotInterval",
     "StepResumed",
     "StoreAddress",
     "StoreStatus",
@@ -90,6 +92,9 @@ NO_RANK = -1
 """`rank` of a member that holds none (a spare, or a member not yet placed)."""
 NO_STEP = -1
 """`step` meaning "no step": nothing committed yet, or a fresh start."""
+SNAPSHOT_EVERY_MAX = 64
+"""The longest interval between two streamed snapshots a member may ask for (steps): the most a lost
+host can cost, when the stores can take no more than that."""
 FIRST_STEP_SECTION = "first-step"
 """The section a member names during its first step of a generation (after formation or a rebuild),
 which may compile (`torch.compile` recompiles a re-wrapped model) or warm caches: the detector holds
@@ -332,10 +337,14 @@ class Heartbeat(JobMessage):
     local_step: int = NO_STEP
     """The newest step the member's own snapshot buffers hold whole: on its host's shared memory, the
     crash copy a newcomer there restores from if this member dies (`deadpool.host_copy`)."""
+    snapshot_every: int = 1
+    """The job's snapshot interval as the member knows it: it streams every `snapshot_every`-th step,
+    so a lost host loses at most that many steps (`SnapshotInterval`)."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.member, "member")
+        _need(1 <= self.snapshot_every <= SNAPSHOT_EVERY_MAX, f"snapshot interval {self.snapshot_every} out of range")
         _check_rank(self.rank)
         _check_step(self.step)
         _check_step(self.local_step)
@@ -452,6 +461,29 @@ class StepResumed(JobMessage):
         _need_name(self.member, "member")
         _need(self.rank >= 0, "a resumed step belongs to a rank")
         _need(self.step >= 0, "a resumed step has a step")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotInterval(JobMessage):
+    """The interval (`every`) at which a rank's snapshot stream keeps up, sent by the rank to its peers
+    when it changes and every few seconds (delivery at least once; the newest from each rank counts).
+    A job streams at the longest interval its ranks ask for, a power of two, so that every rank
+    streams the same steps (`step % every == 0`) even while they disagree (`deadpool.snapshot_cadence`)."""
+
+    KIND: ClassVar[str] = "snapshot_interval"
+    member: Name
+    rank: int
+    every: int
+    t: float
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.member, "member")
+        _need(self.rank >= 0, "an interval belongs to a rank")
+        _need(
+            1 <= self.every <= SNAPSHOT_EVERY_MAX and self.every & (self.every - 1) == 0,
+            f"interval {self.every} is not a power of two from 1 to {SNAPSHOT_EVERY_MAX}",
+        )
 
 
 @dataclass(frozen=True, slots=True)

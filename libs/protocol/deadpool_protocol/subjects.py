@@ -73,6 +73,11 @@ class Subjects:
         """A rank's first completed step of a generation (`StepResumed`)."""
         return self._s("member.resumed")
 
+    @property
+    def snapshot_interval(self) -> str:
+        """A rank's snapshot interval, to its peers (`SnapshotInterval`)."""
+        return self._s("member.interval")
+
     # launchers
     @property
     def run_start(self) -> str:

@@ -44,6 +44,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     RebuildState,
+    SnapshotInterval,
     Subjects,
     decode,
     encode,
@@ -81,6 +82,8 @@ class Progress:
     rebuild_state: RebuildState | None = None
     local_step: int = -1
     """The newest step the member's own buffers hold whole (its crash copy, on its host)."""
+    snapshot_every: int = 1
+    """The job's snapshot interval as this member knows it (`deadpool.snapshot_cadence`)."""
 
 
 Command = Rebuild | GenerationVoid | JobFinished
@@ -93,11 +96,14 @@ class ControlLink:
         log: Any,
         on_command: Callable[[Command], None] | None = None,
         on_placement: Callable[[Placement], None] | None = None,
+        on_interval: Callable[[SnapshotInterval], None] | None = None,
     ) -> None:
         self.config = config
         self._on_command_cb = on_command
         self._on_placement_cb = on_placement
         """Called on the control thread with each newer placement (quick and thread-safe, too)."""
+        self._on_interval_cb = on_interval
+        """Called on the control thread with each snapshot interval a rank of the job says (quick too)."""
         """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
         (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
         self.log = log
@@ -228,6 +234,9 @@ class ControlLink:
         await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
         await subscribe_validated(self._nc, self.subjects.placement, Placement, self._on_placement, self.log)
+        await subscribe_validated(
+            self._nc, self.subjects.snapshot_interval, SnapshotInterval, self._on_interval, self.log
+        )
         self._ready.set()
         await self._register()
         beat = asyncio.create_task(self._heartbeats())
@@ -297,6 +306,7 @@ class ControlLink:
                 phase=p.phase,
                 rebuild_state=p.rebuild_state,
                 local_step=p.local_step,
+                snapshot_every=p.snapshot_every,
             )
             try:
                 await self._nc.publish(heartbeat_subject, encode(beat))
@@ -335,6 +345,16 @@ class ControlLink:
                 self._on_placement_cb(placement)
             except Exception:
                 self.log.exception("placement callback failed")
+
+    async def _on_interval(self, interval: SnapshotInterval, _msg: Msg) -> None:
+        if interval.job != self.config.job:
+            self.log.warning("snapshot interval of another job ignored", job=interval.job)
+            return
+        if self._on_interval_cb is not None:
+            try:
+                self._on_interval_cb(interval)
+            except Exception:
+                self.log.exception("interval callback failed")
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:

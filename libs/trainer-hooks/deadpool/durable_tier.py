@@ -343,6 +343,8 @@ class DurableWriter:
         self.every_s = every_s
         self.grid_steps = grid_steps
         self._last_t = time.monotonic()
+        self._last_step = 0
+        """The step last asked about (`due`)."""
         self.keep = keep
         self.log = log
         self.close_wait_s = close_wait_s
@@ -370,13 +372,19 @@ class DurableWriter:
         return self._thread.is_alive()
 
     def due(self, step: int) -> bool:
-        """Whether `step` is persisted (asked once per captured step, on the training thread)."""
+        """Whether `step` is persisted (asked once per streamed step, on the training thread). Steps are
+        streamed every K-th (`snapshot_cadence`), so a rule's own step may not come: the first streamed
+        step at or past it is taken instead (every rank streams the same steps: they all take it)."""
+        if step <= self._last_step:  # a rollback: the steps after it are trained again
+            self._last_step = step - 1
+        last, self._last_step = self._last_step, step
         if step <= 0:
             return False
-        if self.every_steps and step % self.every_steps == 0:
+        if self.every_steps and step // self.every_steps > last // self.every_steps:
             self._last_t = time.monotonic()
             return True
-        if self.every_s and step % self.grid_steps == 0 and time.monotonic() - self._last_t >= self.every_s:
+        crossed_grid = step // self.grid_steps > last // self.grid_steps
+        if self.every_s and crossed_grid and time.monotonic() - self._last_t >= self.every_s:
             self._last_t = time.monotonic()
             return True
         return False

@@ -51,7 +51,9 @@ __all__ = [
 HEAD_VERSION = 1
 HEAD_BYTES_MAX = 64 * 1024 * 1024
 """The largest head read back (a layout of a million tensors fits): a bigger file is refused unread."""
-SLOTS = 2
+SLOTS = 3
+"""Slots a member may keep: two it captures into in turn, and a third while one is being streamed
+(`snapshot_worker`: at the adaptive interval a capture goes on beside a busy stream)."""
 CHECKSUM_BYTES = 64 * 1024 * 1024
 """The span of one checksum of a crash copy. Large on purpose: each call takes the GIL once (XXH3 itself
 runs without it), and every acquisition competes with the training thread. With the stream's 4 MiB,
@@ -161,7 +163,7 @@ class HostCopy:
 
     def inherit(self, rank: int, usable: Callable[[SlotHead], bool] = lambda _h: True) -> list[InheritedSlot]:
         """Move into this member's directory the newest copies of `rank` a dead member of this host
-        left (its two slots), verified against their checksums; the ones refused are logged and left."""
+        left (up to `SLOTS`), verified against their checksums; the ones refused are logged and left."""
         found: list[tuple[SlotHead, Path, int]] = []
         for member_dir in sorted(p for p in self.job_dir.iterdir() if p.is_dir() and p != self.dir):
             for index in range(SLOTS):

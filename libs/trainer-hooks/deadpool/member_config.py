@@ -48,6 +48,7 @@ class ENV(enum.StrEnum):
     RENDEZVOUS_WAIT_S = "DEADPOOL_RENDEZVOUS_WAIT_S"
     BACKEND = "DEADPOOL_BACKEND"
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
+    SNAPSHOT_BUDGET = "DEADPOOL_SNAPSHOT_BUDGET"
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
     SNAPSHOT_STREAM_NICE = "DEADPOOL_SNAPSHOT_STREAM_NICE"
     STATS_DIR = "DEADPOOL_STATS_DIR"
@@ -97,9 +98,14 @@ class MemberConfig:
     backend: str = ""
     """'gloo' or 'nccl'; empty means nccl when CUDA is available, else gloo."""
     snapshot_chunk_bytes: int = 4 * 1024 * 1024
-    snapshot_every: int = 1
-    """Capture a snapshot after every `snapshot_every`-th step; 0 turns per-step snapshots off (the
-    step-0 snapshot taken when the job forms stays, so a failure still has a step to go back to)."""
+    snapshot_every: int | None = None
+    """Stream a snapshot after every `snapshot_every`-th step; None (the default, `auto`): every K-th,
+    K chosen by the job within `snapshot_budget` (`deadpool.snapshot_cadence`); 0 turns per-step
+    snapshots off (the step-0 snapshot taken when the job forms stays, so a failure still has a step
+    to go back to)."""
+    snapshot_budget: float = 0.01
+    """The share of step time a step may wait for the previous snapshot stream before its own is
+    skipped and the interval grows (adaptive interval only)."""
     snapshot_partition: bool = True
     """Under data parallelism, snapshot only this rank's share of the replicated parameters."""
     snapshot_stream_nice: int = 0
@@ -154,8 +160,10 @@ class MemberConfig:
             raise ValueError("rendezvous_wait_s must not be negative")
         if self.rendezvous_wait_s == 0:
             object.__setattr__(self, "rendezvous_wait_s", self.pg_timeout_s)
-        if self.snapshot_every < 0:
-            raise ValueError("snapshot_every must be 0 (off) or a positive number of steps")
+        if self.snapshot_every is not None and self.snapshot_every < 0:
+            raise ValueError("snapshot_every must be 0 (off), a positive number of steps, or None (auto)")
+        if not 0 <= self.snapshot_budget < 1:
+            raise ValueError(f"snapshot_budget is a share of step time, from 0 to below 1: {self.snapshot_budget}")
         if self.durable_every_steps < 0 or self.durable_every_s < 0 or self.durable_keep < 1:
             raise ValueError("durable_every_steps and durable_every_s must not be negative, durable_keep positive")
         if self.durable_dir and not (self.durable_every_steps or self.durable_every_s):
@@ -193,7 +201,8 @@ class MemberConfig:
             hello_wait_s=env_float(env, ENV.HELLO_WAIT_S, cls.hello_wait_s),
             rendezvous_wait_s=env_float(env, ENV.RENDEZVOUS_WAIT_S, cls.rendezvous_wait_s),
             backend=_env_str(env, ENV.BACKEND, cls.backend),
-            snapshot_every=_env_int(env, ENV.SNAPSHOT_EVERY, cls.snapshot_every),
+            snapshot_every=_env_every(env),
+            snapshot_budget=env_float(env, ENV.SNAPSHOT_BUDGET, cls.snapshot_budget),
             snapshot_partition=_env_bool(env, ENV.SNAPSHOT_PARTITION, cls.snapshot_partition),
             snapshot_stream_nice=_env_int(env, ENV.SNAPSHOT_STREAM_NICE, cls.snapshot_stream_nice),
             snapshot_wait_s=env_float(env, ENV.SNAPSHOT_WAIT_S, cls.snapshot_wait_s),
@@ -239,6 +248,12 @@ def _env_int(env: Mapping[str, str], key: str, default: int) -> int:
     """`key` as an integer, `default` if unset (an empty or malformed value raises `ValueError`)."""
     value = env.get(key)
     return default if value is None else int(value)
+
+
+def _env_every(env: Mapping[str, str]) -> int | None:
+    """`DEADPOOL_SNAPSHOT_EVERY`: None (the job chooses) if unset or `auto`, else a number of steps."""
+    value = env.get(ENV.SNAPSHOT_EVERY)
+    return None if value is None or value.strip().lower() == "auto" else int(value)
 
 
 def env_float(env: Mapping[str, str], key: str, default: float) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -68,7 +67,6 @@ __all__ = ["FINISH_WAIT_S", "NEXT", "Member", "check_transition"]
 FINISH_WAIT_S = 300.0
 DONE_RETRANSMIT_S = 1.0
 """After its last step a rank repeats its done report this often until it hears the job finished."""
-STEP_TIMES_KEPT = 16
 WARM_UP_SECTION = "warm-up"
 """The section a spare's heartbeats name while it warms up (it is not ready to take a rank yet)."""
 LEFT_LOOP_SECTION = "after-the-loop"
@@ -160,6 +158,7 @@ class Member:
             log,
             on_command=lambda command: self._recovery.on_command(command),
             on_placement=lambda placement: self._snapshots.on_placement(placement),
+            on_interval=lambda interval: self._snapshots.heard(interval),
         )
         self._snapshots = StepCapture(config, log, self._worker, self.objects, self.link, self.stats)
         if config.rank_hint < 0:  # a spare is not ready to take a rank before it has warmed up
@@ -332,7 +331,11 @@ class Member:
         gc.collect()  # free DDP/ZeRO objects before the interpreter tears torch down
         self._worker.close()
         if self.config.stats_dir:
-            self.stats.write(self.config.stats_dir, self.config.member, {"rank": self.rank} | self._worker.figures())
+            self.stats.write(
+                self.config.stats_dir,
+                self.config.member,
+                {"rank": self.rank} | self._worker.figures() | self._snapshots.figures(),
+            )
         self.link.close()
         self._tracing.shutdown()
         self._metrics.shutdown()
@@ -385,9 +388,8 @@ class Member:
         entered = time.perf_counter()
         step = self.next_step + 1
         self.next_step = self.completed_step = step
-        every = self.config.snapshot_every
         try:
-            captured = every > 0 and step % every == 0 and self._snapshots.capture(step, self.extra_state) is not None
+            captured = self._snapshots.step_completed(step, self.extra_state)
         except MemberCannotContinueError as exc:
             self._recovery.report_fatal(exc, exc.cause)
             raise
@@ -407,6 +409,7 @@ class Member:
             snapshots_skipped=self._worker.skipped,
             step_completed_t=time.time(),
             local_step=self._worker.newest_local_step(),
+            snapshot_every=self._snapshots.cadence.every(time.monotonic()),
             section="" if section == FIRST_STEP_SECTION else section,
         )
         self.stats.stalled(time.perf_counter() - entered)
@@ -448,8 +451,7 @@ class Member:
     # ------------------------------------------------------------------ figures
 
     def _recent_step_s(self) -> float:
-        recent = [s["step_s"] for s in self.stats.steps[-STEP_TIMES_KEPT:]]
-        return statistics.median(recent) if recent else 0.0
+        return self.stats.recent_step_s()
 
     def _step_metrics(self) -> Callable[[dict[str, Any]], None]:
         meter = self._metrics.meter
@@ -467,6 +469,12 @@ class Member:
             "{step}",
             "steps trained since no snapshot store receives this rank's snapshots (0 while one does)",
             lambda: [(float(self._snapshots.steps_at_risk), attributes())],
+        )
+        self._metrics.gauge(
+            "deadpool.snapshot.interval",
+            "{step}",
+            "the job's snapshot interval as this rank knows it: every K-th step is streamed to the stores",
+            lambda: [(float(self._snapshots.cadence.every(time.monotonic())), attributes())],
         )
 
         def record(step: dict[str, Any]) -> None:

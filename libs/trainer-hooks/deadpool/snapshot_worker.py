@@ -1,17 +1,22 @@
-"""Per-step snapshots off the training thread: two ping-pong buffers, a capture, a stream.
+"""Per-step snapshots off the training thread: ping-pong buffers, a capture, a stream.
 
-After optimizer step s the training thread calls `capture(s, …)`. The thread copies the state into the
-buffer not holding the newest snapshot (`torch._foreach_copy_`, which releases the GIL) and then
-streams it to the rank's stores. The next optimizer step waits in `wait_captured()` (an optimizer step
-pre-hook) only if that copy is still running; it normally finished long before, during forward and
-backward.
+After optimizer step s the training thread calls `capture(s, …)`. The thread copies the state into a
+buffer not holding the newest snapshot (`torch._foreach_copy_`, which releases the GIL) and then, if
+the step is due (`deadpool.snapshot_cadence`), streams it to the rank's stores. The next optimizer
+step waits in `wait_captured()` (an optimizer step pre-hook) only if that copy is still running; it
+normally finished long before, during forward and backward.
 
-Every rank snapshots every step it is due, never skipping one. A step commits only once every rank's
-snapshot of it is stored, so a skip decided by one rank alone (its stream still busy) left ranks
-holding different steps, and on a saturated host an earlier 4-rank run fell 6 steps behind. Instead,
-if the previous snapshot is still streaming when the next is due, the capture waits for it
-(`wait_s`, then the stuck uploads are abandoned): the committed step then trails training by at most
-one snapshot, and the price of a stream slower than a step is paid in step time, where it shows.
+A step commits only once every rank's snapshot of it is stored, so the ranks must stream the same
+steps: a skip decided by one rank alone (its stream still busy) once left ranks holding different
+steps, and on a saturated host an earlier 4-rank run fell 6 steps behind. Two ways keep them together:
+- adaptive (the default): the job streams every K-th step, K a power of two every rank knows. If the
+  previous stream is still running when a due step is captured, the capture waits at most the
+  budget's share of a step (`stream_wait_s`), then captures without streaming and the rank asks for a
+  longer interval. The stream keeps its buffer meanwhile, so a member with a crash copy captures into
+  a third buffer: its newest whole step is never the one being overwritten.
+- forced (`--snapshot-every N`): the capture waits for the previous stream (`wait_s`, then the stuck
+  uploads are abandoned), so that the committed step trails training by at most one snapshot, and the
+  price of a stream slower than a step is paid in step time, where it shows.
 
 On CUDA the copy is issued on a side stream into pinned buffers and the pre-hook makes the compute
 stream wait on the copy's event: the GPU orders the two, the CPU never blocks. The path is chosen per
@@ -23,15 +28,13 @@ until the copies are issued. Every wait on the GPU is bounded (`COPY_WAIT_S`) an
 generation is superseded: a survivor whose compute stream waits on a dead peer's collective must not
 hold its recovery on a copy that cannot finish.
 
-Two threads: the copy (the next optimizer step may wait for it) and the stream. The stream has a
-whole step to finish; if it has not, the next capture waits for it. Both run at normal priority by
-default. `stream_nice` lowers the stream's priority, for CPU training that keeps every core busy:
-the stream then runs in the moments training leaves idle, which took the GPT-medium step-time ratio
-from 1.056 to 1.023 on 2 cores. The price, on a saturated host: captures wait for the stream (before
-captures waited, snapshots fell behind by several steps: at nice 19 a 4-rank tiny-GPT job that failed
-after step 7 went back to step 1), and a
-SIGKILLed member takes 1.5 s to die, because its low-priority thread must be scheduled to exit
-(docs/performance.md).
+Two threads: the copy (the next optimizer step may wait for it) and the stream. Both run at normal
+priority by default. `stream_nice` lowers the stream's priority, for CPU training that keeps every core
+busy: the stream then runs in the moments training leaves idle, which took the GPT-medium step-time
+ratio from 1.056 to 1.023 on 2 cores. The price, on a saturated host: streams take longer (forced: the
+captures wait for them; before captures waited, snapshots fell behind by several steps: at nice 19 a
+4-rank tiny-GPT job that failed after step 7 went back to step 1), and a SIGKILLed member takes 1.5 s
+to die, because its low-priority thread must be scheduled to exit (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ import torch
 
 from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.durable_tier import DurableWriter
-from deadpool.host_copy import CHECKSUM_BYTES, HostCopy, InheritedSlot, SlotHead, checksums_of
+from deadpool.host_copy import CHECKSUM_BYTES, SLOTS, HostCopy, InheritedSlot, SlotHead, checksums_of
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import SnapshotSources
@@ -153,6 +156,8 @@ class CaptureRequest:
     done: threading.Event = field(default_factory=threading.Event)
     """Set when the upload to every store ended (sealed or failed)."""
     sealed_on: list[str] = field(default_factory=list)
+    streamed: bool = True
+    """Whether the capture goes to the stores (False: into this host's buffers only)."""
     persist_world_size: int = 0
     """If not 0, the durable tier persists this snapshot too (of a job of that many ranks)."""
 
@@ -179,8 +184,16 @@ class SnapshotWorker:
         """Captures given up: the stream stayed stuck even after its uploads were abandoned."""
         self.waits = 0
         """Captures that waited for the previous snapshot to finish streaming."""
-        self._idle = threading.Event()
-        self._idle.set()
+        self.stream_skips = 0
+        """Due streams skipped (adaptive interval): the previous one was still running after the wait."""
+        self.last_stream: tuple[int, float] = (-1, 0.0)
+        """(step, wall seconds from its capture to its last seal) of the newest snapshot sealed on every
+        one of its stores (the pace the interval follows: `snapshot_cadence`)."""
+        self._stream_idle = threading.Event()
+        self._stream_idle.set()
+        self._streaming: SnapshotSlot | None = None
+        """The slot the stream thread reads (not captured into until it is done)."""
+        self._stream_started = 0.0
         self._lock = threading.Lock()
         """Guards `_connections` (the stream thread adds, the control thread drops lost stores)."""
         self._captured = threading.Event()
@@ -220,23 +233,36 @@ class SnapshotWorker:
         meta: bytes,
         stores: Sequence[StoreAddress],
         persist_world_size: int = 0,
+        stream: bool = True,
+        stream_wait_s: float | None = None,
     ) -> CaptureRequest | None:
-        """Start snapshot `key.step`, first waiting for the previous one to finish streaming (bounded).
-        Returns None only if the stream stayed stuck even after its uploads were abandoned."""
-        if not self._idle.is_set():
+        """Start snapshot `key.step`, streamed to `stores` if `stream`.
+
+        If the previous snapshot is still streaming: `stream_wait_s` None (a forced interval) waits for
+        it (`wait_s`, then its uploads are abandoned); a number waits that long, then captures without
+        streaming (`request.streamed` False). Returns None if nothing was captured: the stream stayed
+        stuck even after its uploads were abandoned, or the stream was skipped and this member keeps no
+        crash copy (a capture for this process alone would serve nothing)."""
+        if not self._captured.wait(COPY_WAIT_S):  # the last copy never finished (a GPU held by a dead peer)
+            self.skipped += 1
+            return None
+        if stream and not self._stream_idle.is_set():
             self.waits += 1
-            if not self._idle.wait(self.wait_s):
-                self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
-                self.drop_stores(keep=set())
-                if not self._idle.wait(ABANDON_WAIT_S):
-                    self.skipped += 1
-                    return None
-        slot = min(self.slots, key=lambda s: s.step)  # overwrite the older of the two
+            streams = self._wait_stream(stream_wait_s)
+            if streams is None:
+                self.skipped += 1
+                return None
+            stream = streams
+        if not stream and self.host_copy is None:
+            return None
+        slot = self._slot_to_capture_into()
         slot.step = -1  # invalid until the copy is done
         slot.meta = meta
         if self.host_copy is not None:
             self.host_copy.invalidate(self.slots.index(slot))
-        request = CaptureRequest(slot=slot, key=key, stores=list(stores), persist_world_size=persist_world_size)
+        request = CaptureRequest(
+            slot=slot, key=key, stores=list(stores), streamed=stream, persist_world_size=persist_world_size
+        )
         fits = slot.buffer is not None and (slot.buffer.layout is layout or slot.buffer.layout == layout)
         if not fits and any(t.is_cuda for t in sources.tensors):
             request.pending = self._defer_to_copy_thread(layout, sources)
@@ -248,10 +274,39 @@ class SnapshotWorker:
                 slot.plan = CopyPlan.make(slot.buffer, sources)
             self._issue(request, slot.plan, sources.early_tensors)
         self._last_request = request
-        self._idle.clear()
+        if stream:
+            self._streaming, self._stream_started = slot, time.monotonic()
+            self._stream_idle.clear()
         self._captured.clear()
         self._requests.put(request)
         return request
+
+    def _wait_stream(self, stream_wait_s: float | None) -> bool | None:
+        """The previous snapshot is still streaming: whether this one streams (None: capture nothing)."""
+        if stream_wait_s is None:  # a forced interval: every due snapshot is streamed
+            if self._stream_idle.wait(self.wait_s):
+                return True
+            self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
+            self.drop_stores(keep=set())
+            return True if self._stream_idle.wait(ABANDON_WAIT_S) else None
+        if self._stream_idle.wait(stream_wait_s):
+            return True
+        self.stream_skips += 1
+        if time.monotonic() - self._stream_started > self.wait_s:  # stuck, not slow: free it for the next
+            self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
+            self.drop_stores(keep=set())
+        return False
+
+    def _slot_to_capture_into(self) -> SnapshotSlot:
+        """The oldest of the slots not being streamed (of two with one step, the older generation's); a
+        third slot while one streams, if this member keeps a crash copy (its newest whole step must not
+        be the one overwritten)."""
+        streaming = self._streaming if not self._stream_idle.is_set() else None
+        free = [slot for slot in self.slots if slot is not streaming]
+        if len(free) < 2 and self.host_copy is not None and len(self.slots) < SLOTS:
+            self.slots.append(SnapshotSlot())
+            free.append(self.slots[-1])
+        return min(free, key=lambda s: (s.step, s.generation))
 
     def wait_captured(self, timeout_s: float | None = None) -> bool:
         """Block until the last capture's copy finished (the optimizer pre-hook calls this)."""
@@ -268,10 +323,10 @@ class SnapshotWorker:
         if not self.wait_captured(COPY_WAIT_S):
             self.log.warning("snapshot copy still running: the local snapshot is not used", wait_s=COPY_WAIT_S)
             return None
-        for slot in self.slots:
-            if slot.step == step and slot.buffer is not None:
-                return slot
-        return None
+        # The newest generation's copy: a rebuild re-captures the step it restored (its SEAL), so two
+        # slots may hold one step number, the older one of an abandoned timeline.
+        held = [slot for slot in self.slots if slot.step == step and slot.buffer is not None]
+        return max(held, key=lambda slot: slot.generation, default=None)
 
     def forget_after(self, step: int) -> None:
         """Invalidate local snapshots newer than `step` (their timeline was abandoned)."""
@@ -291,6 +346,8 @@ class SnapshotWorker:
         own slots (restored from like a survivor's own buffers)."""
         self.wait_captured(COPY_WAIT_S)
         for copy in inherited:
+            while len(self.slots) <= copy.index:
+                self.slots.append(SnapshotSlot())
             slot = self.slots[copy.index]
             slot.buffer, slot.plan = copy.buffer, None
             slot.step, slot.meta, slot.generation = copy.head.step, copy.head.meta, copy.head.generation
@@ -349,6 +406,7 @@ class SnapshotWorker:
         return {
             "snapshots_skipped": self.skipped,
             "snapshot_waits": self.waits,
+            "snapshot_stream_skips": self.stream_skips,
             "durable_persisted": durable.persisted if durable else 0,
             "durable_skipped": durable.skipped if durable else 0,
             "durable_bytes": durable.bytes_written if durable else 0,
@@ -487,8 +545,10 @@ class SnapshotWorker:
                 request.issued.set()
             if not copied:
                 self._captured.set()
+            if not copied or not request.streamed:
                 request.done.set()
-                self._idle.set()
+                if request.streamed:
+                    self._stream_idle.set()
                 continue
             self._uploads.put(request)
 
@@ -505,8 +565,11 @@ class SnapshotWorker:
                 return
             started = time.thread_time()
             try:
-                self.streamed_bytes += self._stream(request)
+                streamed = self._stream(request)
+                self.streamed_bytes += streamed
                 self.captures += 1
+                if streamed and len(request.sealed_on) == len(request.stores) > 0:  # from its capture on
+                    self.last_stream = (request.key.step, time.monotonic() - self._stream_started)
                 if request.persist_world_size and self.durable is not None and request.slot.buffer is not None:
                     key = request.key  # the buffer is this thread's until it is done: copy it aside now
                     self.durable.offer(
@@ -522,7 +585,7 @@ class SnapshotWorker:
             finally:
                 self.stream_cpu_s += time.thread_time() - started
                 request.done.set()
-                self._idle.set()
+                self._stream_idle.set()
 
     def _abandoned(self, request: CaptureRequest) -> bool:
         return request.key.generation < self._cancel_below_generation

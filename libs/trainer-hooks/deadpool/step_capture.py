@@ -20,6 +20,7 @@ from deadpool.durable_tier import DurableWriter
 from deadpool.errors import MemberCannotContinueError
 from deadpool.host_copy import HostCopy
 from deadpool.member_config import MemberConfig
+from deadpool.snapshot_cadence import ANNOUNCE_EVERY_S, SnapshotCadence
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.state_tree import TreeError
@@ -36,12 +37,13 @@ from deadpool.training_state import (
     collect_sources,
     tensor_state_ids,
 )
-from deadpool_protocol import MemberErrorCause, Placement, StoreAddress
+from deadpool_protocol import MemberErrorCause, Placement, SnapshotInterval, StoreAddress
 
 __all__ = ["UNPROTECTED_LOG_S", "StepCapture", "snapshot_worker"]
 
 UNPROTECTED_LOG_S = 30.0
 """While every store is lost, a member says so this often (the swapper and `deadpool status` too)."""
+INTERVALS_KEPT = 1000
 PlanKey = tuple[tuple[int, ...], Partition, tuple[Any, ...]]
 
 
@@ -105,6 +107,15 @@ class StepCapture:
         self._unprotected: tuple[int, float] | None = None
         """(first step, when it was last said) while no store receives this rank's snapshots."""
         self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
+        self.cadence = SnapshotCadence(config.snapshot_budget, config.snapshot_every or None)
+        """Which steps are streamed: every K-th, K agreed with the peers (`snapshot_cadence`)."""
+        self._streams_seen = -1
+        """The step of the newest stream whose time the cadence has been told."""
+        self._announced: tuple[int, int, float] = (0, 0, -ANNOUNCE_EVERY_S)
+        """(generation, interval, when) this rank last told its peers its interval."""
+        self.intervals: list[tuple[int, int]] = []
+        """(step, interval) each time the job's interval changed, as this rank saw it (the first
+        `INTERVALS_KEPT`, for the member's stats file)."""
 
     def place(self, rank: int, world_size: int, generation: int, placement: list[StoreAddress]) -> None:
         """A rebuild made this member `rank` of `generation`, its snapshots going to `placement`."""
@@ -112,16 +123,25 @@ class StepCapture:
         self.placement = placement
         self.placement_version = 0
         self._plan = None
+        self.cadence.place(rank, generation)
 
     def forget_plan(self) -> None:
         """The tensors a plan names belong to a wrapper and optimizer being dropped."""
         self._plan = None
 
-    def capture(self, step: int, extra_state: dict[str, Any], loaded: Mapping[str, Any] | None = None) -> Any:
-        """Start the snapshot of `step`. `loaded`: the registered objects' states a rebuild has just
-        loaded, captured as they are rather than read back (a resumed formation's SEAL: a data loader
-        given a state has no iterator until the loop iterates it, and reading its state would fork
-        its workers inside the rebuild; see `UserState.read_once`)."""
+    def capture(
+        self,
+        step: int,
+        extra_state: dict[str, Any],
+        loaded: Mapping[str, Any] | None = None,
+        stream: bool = True,
+        stream_wait_s: float | None = None,
+    ) -> Any:
+        """Start the snapshot of `step` (streamed if `stream`; `stream_wait_s`: as `SnapshotWorker.capture`,
+        None waits for the previous stream, as the formation's must). `loaded`: the registered objects'
+        states a rebuild has just loaded, captured as they are rather than read back (a resumed
+        formation's SEAL: a data loader given a state has no iterator until the loop iterates it, and
+        reading its state would fork its workers inside the rebuild; see `UserState.read_once`)."""
         assert self.rank is not None
         self._adopt_placement()
         objects = self.objects
@@ -135,8 +155,61 @@ class StepCapture:
         key = UploadKey(self.config.job, self.generation, self.rank, self.config.member, step)
         self._say_if_unprotected(step)
         durable = self.worker.durable
-        persist = self.world_size if durable is not None and durable.due(step) else 0
-        return self.worker.capture(key, layout, sources, meta, self.placement, persist)
+        persist = self.world_size if stream and durable is not None and durable.due(step) else 0
+        return self.worker.capture(key, layout, sources, meta, self.placement, persist, stream, stream_wait_s)
+
+    def step_completed(self, step: int, extra_state: dict[str, Any]) -> bool:
+        """After optimizer step `step`: capture it if it is due, or if this member keeps a crash copy
+        (every step, streamed or not); then adjust and announce the interval. Whether it was captured."""
+        cadence, worker = self.cadence, self.worker
+        if self.config.snapshot_every == 0:  # snapshots off
+            return False
+        now = time.monotonic()
+        every = cadence.every(now)
+        if (not self.intervals or self.intervals[-1][1] != every) and len(self.intervals) < INTERVALS_KEPT:
+            self.intervals.append((step, every))
+        due = step % every == 0
+        captured = False
+        if due or worker.host_copy is not None:
+            wait_s = cadence.wait_s(self.stats.recent_step_s()) if cadence.adaptive else None
+            skips = worker.stream_skips
+            captured = self.capture(step, extra_state, stream=due, stream_wait_s=wait_s) is not None
+            if worker.stream_skips > skips:  # the last stream still ran after the budget's wait
+                cadence.skipped()
+                self.log.info("snapshot stream skipped: the last one still runs", step=step, every=every)
+        stream_step, stream_s = worker.last_stream
+        if stream_step != self._streams_seen:
+            self._streams_seen = stream_step
+            cadence.streamed(stream_s, self.stats.recent_step_s())
+        self._announce(now)
+        return captured
+
+    def figures(self) -> dict[str, Any]:
+        """The interval's story, for the member's stats file (`DEADPOOL_STATS_DIR`)."""
+        return {
+            "snapshot_every": self.cadence.every(time.monotonic()),
+            "snapshot_every_own": self.cadence.own,
+            "snapshot_intervals": self.intervals,
+            "snapshot_budget": self.cadence.budget,
+        }
+
+    def heard(self, interval: SnapshotInterval) -> None:
+        """A peer's interval (control thread)."""
+        self.cadence.heard(interval, time.monotonic())
+
+    def _announce(self, now: float) -> None:
+        """Tell the peers this rank's interval when it changed, and every `ANNOUNCE_EVERY_S` anyway."""
+        cadence = self.cadence
+        if not cadence.adaptive or self.rank is None:
+            return
+        said = (self.generation, cadence.own)
+        if said == self._announced[:2] and now - self._announced[2] < ANNOUNCE_EVERY_S:
+            return
+        self._announced = (*said, now)
+        interval = SnapshotInterval(
+            self.config.job, self.generation, self.config.member, self.rank, cadence.own, time.time()
+        )
+        self.link.publish(self.link.subjects.snapshot_interval, interval)
 
     def on_placement(self, placement: Placement) -> None:
         """Control thread: uploads to stores this rank's snapshots no longer go to are abandoned now

@@ -10,7 +10,9 @@ JSON when the member closes, if `DEADPOOL_STATS_DIR` is set.
 from __future__ import annotations
 
 import json
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ from typing import Any
 __all__ = ["StepStats"]
 
 STEPS_KEPT_MAX = 100_000
+RECENT_STEPS = 16
+"""Steps the recent step time is the median of."""
 
 
 @dataclass
@@ -29,6 +33,7 @@ class StepStats:
     listener: Callable[[dict[str, Any]], None] | None = None
     """Told of every step's record as it is made (the member's metrics)."""
     _current: dict[str, Any] | None = None
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def started(self, step: int, generation: int) -> None:
         now = time.perf_counter()
@@ -44,9 +49,14 @@ class StepStats:
             }
             if len(self.steps) < STEPS_KEPT_MAX:
                 self.steps.append(record)
+            self._recent.append(record["step_s"])
             if self.listener is not None:
                 self.listener(record)
         self._current = {"step": step, "generation": generation, "t": now, "stall_s": 0.0, "captured": False}
+
+    def recent_step_s(self) -> float:
+        """The median of the last `RECENT_STEPS` step times (0 before the first)."""
+        return statistics.median(self._recent) if self._recent else 0.0
 
     def stalled(self, seconds: float) -> None:
         if self._current is not None:

@@ -228,6 +228,8 @@ class Watched:
     rebuild_state: str = ""
     local_step: int = -1
     """The newest step its own buffers hold whole (its crash copy on its host), for `deadpool status`."""
+    snapshot_every: int = 1
+    """The job's snapshot interval as it knows it, for `deadpool status`."""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
 
@@ -312,7 +314,7 @@ class DetectorCore:
         watched.last_step = hb.step
         watched.pid = hb.pid
         watched.phase, watched.rebuild_state = hb.phase, hb.rebuild_state or ""
-        watched.local_step = hb.local_step
+        watched.local_step, watched.snapshot_every = hb.local_step, hb.snapshot_every
         watched.waiting = hb.waiting or hb.awaiting_rebuild or hb.rebuilding
         awaiting = hb.awaiting_rebuild and not hb.rebuilding and hb.generation >= view.generation
         if not awaiting:

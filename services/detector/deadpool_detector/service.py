@@ -294,6 +294,7 @@ class DetectorService:
                         "phase": w.phase,
                         "rebuild_state": w.rebuild_state,
                         "local_step": w.local_step,
+                        "snapshot_every": w.snapshot_every,
                         "heartbeat_age_s": round(now - w.last_seen, 3),
                     }
                     for m, w in view.members.items()

@@ -78,8 +78,13 @@ class DataPlaneServer:
         limits: ConnectionLimits | None = None,
         key: bytes = b"",
         tracing: Tracing | None = None,
+        ingest_bytes_per_s: float = 0.0,
     ) -> None:
         self.memory = memory
+        self.ingest_bytes_per_s = ingest_bytes_per_s
+        """Above 0, the store reads uploads no faster than this over all connections: a slow data plane
+        on demand, for tests and benchmarks (`DEADPOOL_STORE_INGEST_BYTES_PER_S`)."""
+        self._ingest_free_at = 0.0
         self.tracing = tracing or Tracing("deadpool-store", env={})
         self.key = key
         """With a key, every upload and fetch must carry its job's token (`job_token`)."""
@@ -288,8 +293,25 @@ class _Connection(asyncio.BufferedProtocol):
     def _chunk_read(self) -> None:
         assert self._chunk is not None
         self.server.memory.chunk_received(self._chunk)
+        self._throttle(self._chunk.nbytes)
         self._chunk = None
         self._expect(memoryview(self._length), self._length_read)
+
+    def _throttle(self, nbytes: int) -> None:
+        """With an ingest limit, stop reading this connection until the store's budget has paid for
+        the chunk (the sender's socket fills, so its stream slows down as behind a slow link)."""
+        rate = self.server.ingest_bytes_per_s
+        if rate <= 0 or self.transport is None:
+            return
+        now = time.monotonic()
+        free_at = max(now, self.server._ingest_free_at) + nbytes / rate
+        self.server._ingest_free_at = free_at
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_later(free_at - now, self._resume_reading)
+
+    def _resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _discard_next(self) -> None:
         """Read (and drop) the rest of a refused chunk, a scratch buffer at a time."""

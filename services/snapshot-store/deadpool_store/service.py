@@ -43,6 +43,8 @@ __all__ = ["StoreConfig", "main"]
 
 VERSION = "0.2.0"
 REPLICATIONS_MAX = 8
+INGEST_LIMIT_ENV = "DEADPOOL_STORE_INGEST_BYTES_PER_S"
+"""Tests and benchmarks only: a store that ingests no faster than this many bytes per second."""
 """Copies to other stores under way at once; past it a request is dropped (the swapper asks again)."""
 
 
@@ -90,7 +92,12 @@ class StoreService:
             lambda: [(self.memory.capacity_bytes, store)],
         )
         self.server = DataPlaneServer(
-            self.memory, self._on_sealed, log, key=config.dataplane_key, tracing=Tracing("deadpool-store")
+            self.memory,
+            self._on_sealed,
+            log,
+            key=config.dataplane_key,
+            tracing=Tracing("deadpool-store"),
+            ingest_bytes_per_s=float(os.environ.get(INGEST_LIMIT_ENV, "0") or 0),
         )
         self.events = EventPublisher(nc, log)
         self.port = 0

@@ -1,0 +1,76 @@
+"""Stores slower than the steps: the job streams every K-th step instead of waiting for them, with K the
+same on every rank, and a SIGKILLed rank still heals bit-identical, losing at most the step it was in.
+
+Real processes: NATS, a detector, a swapper, two stores that ingest no faster than `INGEST_BYTES_PER_S`
+(`DEADPOOL_STORE_INGEST_BYTES_PER_S`: a snapshot then takes several steps to stream), and `deadpool
+launch` with 2 ranks and a spare, at the default adaptive interval. Each member's stats file says which
+interval it streamed at from which step; the job's commits say which steps every rank streamed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_cli.weights_check import compare_final_states
+from deadpool_store.service import INGEST_LIMIT_ENV
+
+from .jobs import every_rank_at, finish, kill, launch, stop_all, tail, until, watcher
+
+JOB = "slow-stores"
+STEPS = 120
+INGEST_BYTES_PER_S = 4_000_000
+"""A tiny GPT rank's snapshot is about 0.2 MB: with two ranks at replication 2, a stream then takes
+0.1 s or more, several steps of 20-60 ms (measured: K rose to 8-16)."""
+
+
+async def test_slow_stores_make_the_job_stream_every_kth_step_and_a_kill_still_heals_bit_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(INGEST_LIMIT_ENV, str(INGEST_BYTES_PER_S))  # the stores inherit it, not the jobs
+    config = StackConfig(workdir=tmp_path, stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
+    stats = tmp_path / "stats"
+    env = {INGEST_LIMIT_ENV: "0", "DEADPOOL_STATS_DIR": str(stats)}
+    async with Stack(config) as stack:
+        nc, watch = await watcher(stack, JOB)
+        log = tmp_path / "job.log"
+        launcher = await launch(
+            stack.nats_args, JOB, log, steps=STEPS, nproc=2, spares=1, out=tmp_path / "job", env=env
+        )
+        try:
+            await until(watch, lambda: every_rank_at(watch, 40), log, "training")
+            victim = watch.holder_of(1)
+            assert victim is not None
+            kill(watch, victim, signal.SIGKILL)
+            await until(watch, lambda: bool(watch.incidents), log, "the rank swapped")
+            incident = watch.incidents[0]
+            assert incident.evidence.get("restore_link") == "local", incident.evidence
+            assert incident.lost_steps <= 1, incident
+            assert await finish(launcher, log) == 0, tail(log)
+        finally:
+            stop_all(launcher)
+            await nc.close()
+        reference, ref_log = tmp_path / "reference", tmp_path / "ref.log"
+        plain = await launch(
+            stack.nats_args, f"{JOB}-ref", ref_log, steps=STEPS, nproc=2, spares=1, out=reference, env=env
+        )
+        try:
+            assert await finish(plain, ref_log) == 0, tail(ref_log)
+        finally:
+            stop_all(plain)
+    identical, tensors, differences = compare_final_states(tmp_path / "job", reference)
+    assert identical and tensors > 0, differences[:5]
+
+    ranked = [json.loads(p.read_text()) for p in stats.glob("*.json")]
+    ranked = [r for r in ranked if r.get("rank") is not None and r["rank"] >= 0]
+    assert len(ranked) >= 4, "two ranks in each run wrote their stats"
+    for record in ranked:
+        intervals = [every for _, every in record["snapshot_intervals"]]
+        assert max(intervals) >= 2, f"rank {record['rank']} streamed every step behind slow stores: {intervals}"
+        assert all(every & (every - 1) == 0 for every in intervals), intervals
+        captured = [s["step"] for s in record["steps"] if s["captured"]]
+        assert len(captured) > STEPS // 2, "a crash copy is taken every step, streamed or not"

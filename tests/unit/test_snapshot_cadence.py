@@ -1,0 +1,101 @@
+"""The job's snapshot interval K: up at once when a snapshot takes longer to store than its interval,
+down one halving after slack, the longest any live peer of the generation asks for, and a forced
+interval left alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool.snapshot_cadence import FILL, PEER_TTL_S, SLACK_STREAMS, SnapshotCadence
+from deadpool_protocol import SNAPSHOT_EVERY_MAX, ProtocolError, SnapshotInterval
+
+pytestmark = pytest.mark.unit
+
+STEP_S = 1.0
+
+
+def interval(rank: int, every: int, generation: int = 1) -> SnapshotInterval:
+    return SnapshotInterval("j", generation, f"m{rank}", rank, every, 0.0)
+
+
+def test_a_stream_longer_than_its_interval_raises_k_at_once_to_the_power_of_two_that_fits() -> None:
+    cadence = SnapshotCadence(0.01)
+    cadence.streamed(0.5, STEP_S)
+    assert cadence.own == 1
+    cadence.streamed(2.5, STEP_S)  # fits in FILL of 4 steps (3.2 s), not of 2 (1.6 s)
+    assert cadence.own == 4
+    cadence.streamed(1000.0, STEP_S)
+    assert cadence.own == SNAPSHOT_EVERY_MAX
+
+
+def test_k_comes_down_one_halving_after_enough_slack_and_holds_inside_the_band() -> None:
+    cadence = SnapshotCadence(0.01)
+    cadence.streamed(6.0, STEP_S)
+    assert cadence.own == 8
+    in_band = FILL * 8 * STEP_S * 0.75  # above FILL of half the interval, below FILL of it
+    for _ in range(3 * SLACK_STREAMS):
+        cadence.streamed(in_band, STEP_S)
+    assert cadence.own == 8, "a stream filling 60 % of its interval moves nothing (hysteresis)"
+    quick = 0.01
+    for _ in range(SLACK_STREAMS - 1):
+        cadence.streamed(quick, STEP_S)
+    assert cadence.own == 8
+    cadence.streamed(quick, STEP_S)
+    assert cadence.own == 4, "one halving, not straight to 1"
+    cadence.streamed(in_band / 2, STEP_S)  # slack counts streams in a row
+    for _ in range(SLACK_STREAMS - 1):
+        cadence.streamed(quick, STEP_S)
+    assert cadence.own == 4
+
+
+def test_a_skipped_stream_is_counted_and_moves_nothing_but_the_slack() -> None:
+    """A stream held up by a lost store is no measure of the pace: once it ends, its stores changed."""
+    cadence = SnapshotCadence(0.01)
+    cadence.streamed(6.0, STEP_S)
+    for _ in range(SLACK_STREAMS - 1):
+        cadence.streamed(0.01, STEP_S)
+    cadence.skipped()
+    cadence.streamed(0.01, STEP_S)
+    assert cadence.own == 8 and cadence.skips == 1, "the skip broke the run of slack"
+
+
+def test_the_job_streams_at_the_longest_interval_a_live_peer_of_the_generation_asks_for() -> None:
+    cadence = SnapshotCadence(0.01)
+    cadence.place(rank=0, generation=1)
+    assert cadence.every(now=0.0) == 1
+    assert cadence.heard(interval(1, 4), now=0.0)
+    assert cadence.heard(interval(2, 2), now=0.0)
+    assert cadence.every(now=1.0) == 4
+    assert cadence.due(8, now=1.0) and not cadence.due(6, now=1.0)
+    assert not cadence.heard(interval(0, 16), now=1.0), "our own interval is ours, not a peer's"
+    assert not cadence.heard(interval(1, 16, generation=0), now=1.0), "an older generation's"
+    assert cadence.every(now=1.0) == 4
+    assert cadence.every(now=PEER_TTL_S + 0.5) == 1, "a peer gone silent no longer holds the job"
+    cadence.heard(interval(1, 4), now=20.0)
+    cadence.place(rank=0, generation=2)
+    assert cadence.every(now=20.0) == 1, "a new generation's peers say theirs again"
+
+
+def test_ranks_that_disagree_on_k_still_stream_common_steps() -> None:
+    slow, fast = SnapshotCadence(0.01), SnapshotCadence(0.01)
+    slow.own, fast.own = 8, 2
+    both = [s for s in range(1, 65) if slow.due(s, 0.0) and fast.due(s, 0.0)]
+    assert both == [s for s in range(1, 65) if s % 8 == 0]
+
+
+def test_a_forced_interval_does_not_adapt_and_the_budget_bounds_the_wait() -> None:
+    cadence = SnapshotCadence(0.02, forced_every=3)
+    cadence.streamed(100.0, STEP_S)
+    cadence.heard(interval(1, 64), now=0.0)
+    assert cadence.every(now=0.0) == 3 and not cadence.adaptive
+    assert SnapshotCadence(0.02).wait_s(1.5) == pytest.approx(0.03)
+    with pytest.raises(ValueError):
+        SnapshotCadence(1.0)
+    with pytest.raises(ValueError):
+        SnapshotCadence(0.01, forced_every=0)
+
+
+@pytest.mark.parametrize("every", [0, 3, 128, -2])
+def test_an_interval_off_the_grid_is_refused_on_the_wire(every: int) -> None:
+    with pytest.raises(ProtocolError):
+        interval(1, every).check()
