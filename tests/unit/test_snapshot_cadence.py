@@ -1,12 +1,12 @@
-"""The job's snapshot interval K: up at once when a snapshot takes longer to store than its interval,
-down one halving after slack, the longest any live peer of the generation asks for, and a forced
+"""The job's snapshot interval K: up when two snapshots in a row take longer to store than it, down
+after slack over enough steps, the longest any live peer of the generation asks for, and a forced
 interval left alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from deadpool.snapshot_cadence import FILL, PEER_TTL_S, SLACK_STREAMS, SnapshotCadence
+from deadpool.snapshot_cadence import FILL, PEER_TTL_S, SLACK_STEPS, SLACK_STREAMS, SnapshotCadence
 from deadpool_protocol import SNAPSHOT_EVERY_MAX, ProtocolError, SnapshotInterval
 
 pytestmark = pytest.mark.unit
@@ -18,45 +18,52 @@ def interval(rank: int, every: int, generation: int = 1) -> SnapshotInterval:
     return SnapshotInterval("j", generation, f"m{rank}", rank, every, 0.0)
 
 
-def test_a_stream_longer_than_its_interval_raises_k_at_once_to_the_power_of_two_that_fits() -> None:
-    cadence = SnapshotCadence(0.01)
-    cadence.streamed(0.5, STEP_S)
+class Cadence(SnapshotCadence):
+    """A cadence that counts the steps its snapshots were of."""
+
+    step = 0
+
+
+def streams(cadence: Cadence, stream_s: float, count: int) -> None:
+    """`count` snapshots, one per interval, each taking `stream_s` to store."""
+    for _ in range(count):
+        cadence.step += cadence.own
+        cadence.streamed(stream_s, STEP_S, cadence.step)
+
+
+def test_two_snapshots_slower_than_their_interval_raise_k_to_the_power_of_two_the_quicker_fits() -> None:
+    cadence = Cadence(0.01)
+    streams(cadence, 0.5, 3)
     assert cadence.own == 1
-    cadence.streamed(2.5, STEP_S)  # fits in FILL of 4 steps (3.2 s), not of 2 (1.6 s)
-    assert cadence.own == 4
-    cadence.streamed(1000.0, STEP_S)
+    streams(cadence, 12.0, 1)
+    assert cadence.own == 1, "one slow snapshot (a first touch of memory) is a one-off"
+    streams(cadence, 0.5, 1)
+    streams(cadence, 2.5, 1)  # fits in FILL of 4 steps (3.2 s), not of 2 (1.6 s)
+    assert cadence.own == 1
+    streams(cadence, 6.0, 1)
+    assert cadence.own == 4, "the quicker of the two in a row"
+    streams(cadence, 1000.0, 2)
     assert cadence.own == SNAPSHOT_EVERY_MAX
 
 
-def test_k_comes_down_one_halving_after_enough_slack_and_holds_inside_the_band() -> None:
-    cadence = SnapshotCadence(0.01)
-    cadence.streamed(6.0, STEP_S)
+def test_k_comes_down_after_slack_over_enough_steps_and_holds_inside_the_band() -> None:
+    cadence = Cadence(0.01)
+    streams(cadence, 6.0, 2)
     assert cadence.own == 8
     in_band = FILL * 8 * STEP_S * 0.75  # above FILL of half the interval, below FILL of it
-    for _ in range(3 * SLACK_STREAMS):
-        cadence.streamed(in_band, STEP_S)
+    streams(cadence, in_band, 10)
     assert cadence.own == 8, "a stream filling 60 % of its interval moves nothing (hysteresis)"
-    quick = 0.01
-    for _ in range(SLACK_STREAMS - 1):
-        cadence.streamed(quick, STEP_S)
+    streams(cadence, 0.01, SLACK_STREAMS - 1)
     assert cadence.own == 8
-    cadence.streamed(quick, STEP_S)
-    assert cadence.own == 4, "one halving, not straight to 1"
-    cadence.streamed(in_band / 2, STEP_S)  # slack counts streams in a row
-    for _ in range(SLACK_STREAMS - 1):
-        cadence.streamed(quick, STEP_S)
-    assert cadence.own == 4
-
-
-def test_a_skipped_stream_is_counted_and_moves_nothing_but_the_slack() -> None:
-    """A stream held up by a lost store is no measure of the pace: once it ends, its stores changed."""
-    cadence = SnapshotCadence(0.01)
-    cadence.streamed(6.0, STEP_S)
-    for _ in range(SLACK_STREAMS - 1):
-        cadence.streamed(0.01, STEP_S)
-    cadence.skipped()
-    cadence.streamed(0.01, STEP_S)
-    assert cadence.own == 8 and cadence.skips == 1, "the skip broke the run of slack"
+    streams(cadence, FILL * 2 * STEP_S * 0.9, 1)  # needs 2
+    assert cadence.own == 2, "down to the longest interval the slack snapshots needed, at once"
+    streams(cadence, 0.01, 4)
+    assert cadence.own == 2, f"at K = 2, slack must span {SLACK_STEPS} steps"
+    cadence.skipped()  # a skip breaks the run of slack
+    streams(cadence, 0.01, 4)
+    assert cadence.own == 2 and cadence.skips == 1
+    streams(cadence, 0.01, 1)
+    assert cadence.own == 1
 
 
 def test_the_job_streams_at_the_longest_interval_a_live_peer_of_the_generation_asks_for() -> None:
@@ -85,7 +92,7 @@ def test_ranks_that_disagree_on_k_still_stream_common_steps() -> None:
 
 def test_a_forced_interval_does_not_adapt_and_the_budget_bounds_the_wait() -> None:
     cadence = SnapshotCadence(0.02, forced_every=3)
-    cadence.streamed(100.0, STEP_S)
+    cadence.streamed(100.0, STEP_S, 1)
     cadence.heard(interval(1, 64), now=0.0)
     assert cadence.every(now=0.0) == 3 and not cadence.adaptive
     assert SnapshotCadence(0.02).wait_s(1.5) == pytest.approx(0.03)

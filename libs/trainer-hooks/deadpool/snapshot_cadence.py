@@ -10,11 +10,12 @@ Each rank asks for the interval its own stream keeps up with (`own`), and tells 
 (`SnapshotInterval`); the job streams at the longest interval any rank of the generation asks for
 (`every`). A rank's own interval is measured on each snapshot that reached every one of its stores
 (from its capture to its last seal, against the recent median step time):
-- it goes up at once, to the smallest power of two whose interval that snapshot filled at most
-  `FILL` of;
-- it comes down one halving at a time, after `SLACK_STREAMS` snapshots in a row that would have filled
-  at most `FILL` of half the interval. The band between the two (a stream filling 40-80 % of its
-  interval) is the hysteresis: K does not flap.
+- it goes up when two snapshots in a row took more than `FILL` of it, to the smallest power of two
+  whose interval the quicker of the two fits in at `FILL`: a one-off (a first touch of memory, a
+  pause) does not raise it, a slow data plane does within two snapshots;
+- it comes down once the snapshots of at least `SLACK_STEPS` steps, `SLACK_STREAMS` of them or more,
+  would each have fit in half of it, to the longest interval one of them needed. The band between
+  (a stream filling 40-80 % of its interval) is the hysteresis: K does not flap.
 A snapshot that did not reach every store (one was lost, its upload abandoned when the swapper placed
 the rank elsewhere) says nothing of the data plane's pace and changes nothing: a first version doubled
 K at each due step the stream was still busy, and a lost store (a stream held for 2 s) took K to 32 in
@@ -33,12 +34,14 @@ import threading
 
 from deadpool_protocol import SNAPSHOT_EVERY_MAX, SnapshotInterval
 
-__all__ = ["ANNOUNCE_EVERY_S", "FILL", "PEER_TTL_S", "SLACK_STREAMS", "SnapshotCadence"]
+__all__ = ["ANNOUNCE_EVERY_S", "FILL", "PEER_TTL_S", "SLACK_STEPS", "SLACK_STREAMS", "SnapshotCadence"]
 
 FILL = 0.8
-"""The share of its interval a stream may fill before the interval doubles."""
-SLACK_STREAMS = 4
-"""Streams in a row that would have fit in half the interval before it is halved."""
+"""The share of its interval a snapshot may take to store before the interval goes up."""
+SLACK_STREAMS = 2
+SLACK_STEPS = 8
+"""Before the interval comes down: at least this many snapshots in a row that would have fit in half of
+it, the last at least this many steps after the first (five at K = 2, three at K = 4, two from 8 on)."""
 PEER_TTL_S = 10.0
 """A peer's interval counts this long after it was last heard (peers say it every `ANNOUNCE_EVERY_S`):
 a peer gone silent (dead, or its messages lost) no longer holds the job at its interval."""
@@ -64,6 +67,12 @@ class SnapshotCadence:
         self.generation = 0
         self.rank = -1
         self._slack = 0
+        """Snapshots in a row that would have fit in half the interval, since step `_slack_since`; the
+        longest interval one of them needed."""
+        self._slack_since = 0
+        self._slack_needed = 1
+        self._last_needed: int | None = None
+        """The interval the previous snapshot needed (the interval goes up on two in a row)."""
         self._peers: dict[int, tuple[int, float]] = {}
         """rank -> (interval, when heard, monotonic) for this generation."""
         self._lock = threading.Lock()
@@ -110,19 +119,23 @@ class SnapshotCadence:
         self.skips += 1
         self._slack = 0
 
-    def streamed(self, stream_s: float, step_s: float) -> None:
-        """A snapshot reached every store `stream_s` after its capture while steps take `step_s`: adjust
-        this rank's own interval."""
+    def streamed(self, stream_s: float, step_s: float, step: int) -> None:
+        """The snapshot of `step` reached every store `stream_s` after its capture while steps take
+        `step_s`: adjust this rank's own interval."""
         if step_s <= 0:
             return
         needed = 1
         while needed < SNAPSHOT_EVERY_MAX and stream_s > FILL * needed * step_s:
             needed *= 2
-        if needed > self.own:
-            self.own, self._slack = needed, 0
-        elif needed < self.own:
-            self._slack += 1
-            if self._slack >= SLACK_STREAMS:
-                self.own, self._slack = self.own // 2, 0
-        else:
+        last, self._last_needed = self._last_needed, needed
+        if needed >= self.own:
             self._slack = 0
+            if last is not None and min(needed, last) > self.own:  # two in a row: not a one-off
+                self.own = min(needed, last)
+            return
+        if self._slack == 0:
+            self._slack_since, self._slack_needed = step, needed
+        self._slack += 1
+        self._slack_needed = max(self._slack_needed, needed)
+        if self._slack >= SLACK_STREAMS and step - self._slack_since >= SLACK_STEPS:
+            self.own, self._slack = self._slack_needed, 0

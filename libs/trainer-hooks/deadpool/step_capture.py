@@ -180,7 +180,7 @@ class StepCapture:
         stream_step, stream_s = worker.last_stream
         if stream_step != self._streams_seen:
             self._streams_seen = stream_step
-            cadence.streamed(stream_s, self.stats.recent_step_s())
+            cadence.streamed(stream_s, self.stats.recent_step_s(), stream_step)
         self._announce(now)
         return captured
 
