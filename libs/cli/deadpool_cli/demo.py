@@ -155,7 +155,7 @@ class RunResult:
     steps_done: list[StepDone] = field(default_factory=list)
     """Every step completion of the members that ended cleanly, with its exact time (their step stats)."""
     snapshot_every_max: int = 1
-    """The longest snapshot interval K a rank's heartbeat named: a lost host would have lost at most K."""
+    """The longest snapshot interval K a rank's heartbeat named: a lost host would have lost at most 2K-1."""
 
 
 async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:

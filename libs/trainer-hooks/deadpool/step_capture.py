@@ -113,6 +113,8 @@ class StepCapture:
         """The step of the newest stream whose time the cadence has been told."""
         self._announced: tuple[int, int, float] = (0, 0, -ANNOUNCE_EVERY_S)
         """(generation, interval, when) this rank last told its peers its interval."""
+        self._skip_said_t = -ANNOUNCE_EVERY_S
+        """When a skipped stream was last logged (at most every `ANNOUNCE_EVERY_S`)."""
         self.intervals: list[tuple[int, int]] = []
         """(step, interval) each time the job's interval changed, as this rank saw it (the first
         `INTERVALS_KEPT`, for the member's stats file)."""
@@ -176,7 +178,14 @@ class StepCapture:
             captured = self.capture(step, extra_state, stream=due, stream_wait_s=wait_s) is not None
             if worker.stream_skips > skips:  # the last stream still ran after the budget's wait
                 cadence.skipped()
-                self.log.info("snapshot stream skipped: the last one still runs", step=step, every=every)
+                if now - self._skip_said_t >= ANNOUNCE_EVERY_S:  # a store lost for seconds skips every step
+                    self._skip_said_t = now
+                    self.log.info(
+                        "snapshot stream skipped: the last one still runs",
+                        step=step,
+                        every=every,
+                        skipped_so_far=cadence.skips,
+                    )
         stream_step, stream_s = worker.last_stream
         if stream_step != self._streams_seen:
             self._streams_seen = stream_step

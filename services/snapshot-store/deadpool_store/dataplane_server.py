@@ -84,7 +84,8 @@ class DataPlaneServer:
         self.ingest_bytes_per_s = ingest_bytes_per_s
         """Above 0, the store reads uploads no faster than this over all connections: a slow data plane
         on demand, for tests and benchmarks (`DEADPOOL_STORE_INGEST_BYTES_PER_S`)."""
-        self._ingest_free_at = 0.0
+        self.ingest_free_at = 0.0
+        """With an ingest limit: when the bytes read so far will have been paid for (monotonic)."""
         self.tracing = tracing or Tracing("deadpool-store", env={})
         self.key = key
         """With a key, every upload and fetch must carry its job's token (`job_token`)."""
@@ -304,8 +305,8 @@ class _Connection(asyncio.BufferedProtocol):
         if rate <= 0 or self.transport is None:
             return
         now = time.monotonic()
-        free_at = max(now, self.server._ingest_free_at) + nbytes / rate
-        self.server._ingest_free_at = free_at
+        free_at = max(now, self.server.ingest_free_at) + nbytes / rate
+        self.server.ingest_free_at = free_at
         self.transport.pause_reading()
         asyncio.get_running_loop().call_later(free_at - now, self._resume_reading)
 

@@ -206,6 +206,8 @@ class StoreService:
                 handler=self._corrupt_endpoint,
             )
         self.log.info("store ready", host=self.config.host, port=self.port, capacity_bytes=self.config.capacity_bytes)
+        if self.server.ingest_bytes_per_s > 0:
+            self.log.warning("ingest limited (tests and benchmarks)", bytes_per_s=self.server.ingest_bytes_per_s)
         if not self.config.dataplane_key:
             self.log.warning("the data plane is open: no data-plane key, so uploads and fetches carry no token")
         while True:
