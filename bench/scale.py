@@ -25,7 +25,8 @@ Reported per scenario, as a table and then one JSON line:
 - `snapshot_every_steps`: the longest interval K the job streamed at past the warm-up (the ranks' stats
   files say from which step each K held: `snapshot_intervals`), and `snapshot_every_final`;
 - `snapshots_skipped`, `snapshot_waits`, `stream_skips`: captures dropped, captures that found the stream
-  busy, and due streams skipped because it still was after the budget's wait (K then doubles);
+  busy, and due streams skipped because it still was after the budget's wait (not streamed; K follows
+  what the streamed ones take);
 - `commit_lag_s` (p50, max): from the end of the step a snapshot holds to its commit notice;
 - `lost_steps_bound_host`: the most completed steps a lost host at the worst moment of round 2 would
   have cost (newest completed step minus newest committed one, the swapper's `lost_steps`);
