@@ -268,3 +268,12 @@ def test_every_field_of_every_message_has_a_bound_or_is_a_number() -> None:
 
     found = [u for cls in [*_KINDS.values(), *(type(f) for f in FRAMES), JobSummary] for u in unbounded(cls, "")]
     assert found == []
+
+
+def test_a_heartbeat_names_a_forced_interval_of_any_length_and_refuses_none() -> None:
+    """`--snapshot-every 100` is the member's interval, past the adaptive one's 64: a heartbeat refused
+    for it would make the member look dead. An interval below 1 step is no interval."""
+    decoded = decode(encode(dataclasses.replace(BEAT, snapshot_every=100)), Heartbeat)
+    assert decoded.snapshot_every == 100
+    with pytest.raises(ProtocolError):
+        dataclasses.replace(BEAT, snapshot_every=0).check()

@@ -68,25 +68,26 @@ def test_k_comes_down_after_slack_over_enough_steps_and_holds_inside_the_band() 
 
 def test_the_job_streams_at_the_longest_interval_a_live_peer_of_the_generation_asks_for() -> None:
     cadence = SnapshotCadence(0.01)
-    cadence.place(rank=0, generation=1)
+    cadence.place(rank=0, world_size=4, generation=1)
     assert cadence.every(now=0.0) == 1
     assert cadence.heard(interval(1, 4), now=0.0)
     assert cadence.heard(interval(2, 2), now=0.0)
     assert cadence.every(now=1.0) == 4
-    assert cadence.due(8, now=1.0) and not cadence.due(6, now=1.0)
+    assert 8 % cadence.every(now=1.0) == 0 and 6 % cadence.every(now=1.0) != 0
     assert not cadence.heard(interval(0, 16), now=1.0), "our own interval is ours, not a peer's"
     assert not cadence.heard(interval(1, 16, generation=0), now=1.0), "an older generation's"
+    assert not cadence.heard(interval(4, 16), now=1.0), "a rank the generation does not have (a hostile key)"
     assert cadence.every(now=1.0) == 4
     assert cadence.every(now=PEER_TTL_S + 0.5) == 1, "a peer gone silent no longer holds the job"
     cadence.heard(interval(1, 4), now=20.0)
-    cadence.place(rank=0, generation=2)
+    cadence.place(rank=0, world_size=4, generation=2)
     assert cadence.every(now=20.0) == 1, "a new generation's peers say theirs again"
 
 
 def test_ranks_that_disagree_on_k_still_stream_common_steps() -> None:
     slow, fast = SnapshotCadence(0.01), SnapshotCadence(0.01)
     slow.own, fast.own = 8, 2
-    both = [s for s in range(1, 65) if slow.due(s, 0.0) and fast.due(s, 0.0)]
+    both = [s for s in range(1, 65) if s % slow.every(0.0) == 0 and s % fast.every(0.0) == 0]
     assert both == [s for s in range(1, 65) if s % 8 == 0]
 
 

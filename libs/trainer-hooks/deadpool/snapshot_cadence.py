@@ -66,6 +66,7 @@ class SnapshotCadence:
         """Due streams skipped because the previous one was still running after the budget's wait."""
         self.generation = 0
         self.rank = -1
+        self.world_size = 0
         self._slack = 0
         """Snapshots in a row that would have fit in half the interval, since step `_slack_since`; the
         longest interval one of them needed."""
@@ -89,25 +90,24 @@ class SnapshotCadence:
             heard = [every for every, t in self._peers.values() if now - t <= PEER_TTL_S]
         return max([self.own, *heard])
 
-    def due(self, step: int, now: float) -> bool:
-        """Whether `step` is streamed."""
-        return step % self.every(now) == 0
-
     def wait_s(self, step_s: float) -> float:
         """How long a due capture may wait for the previous stream before it is skipped."""
         return self.budget * step_s
 
-    def place(self, rank: int, generation: int) -> None:
+    def place(self, rank: int, world_size: int, generation: int) -> None:
         """A new generation: the peers' intervals of the old one no longer count (each says its own again)."""
         with self._lock:
             if generation != self.generation:
                 self._peers.clear()
-            self.rank, self.generation = rank, generation
+            self.rank, self.world_size, self.generation = rank, world_size, generation
 
     def heard(self, interval: SnapshotInterval, now: float) -> bool:
-        """A peer said its interval (control thread); False if it is of another generation, or our own."""
+        """A peer said its interval (control thread); False if it is of another generation, our own, or
+        of a rank the generation does not have (one key holder naming a million ranks must not make
+        this map a million entries long)."""
         with self._lock:
-            if interval.generation != self.generation or interval.rank == self.rank:
+            ours = interval.generation == self.generation and interval.rank < self.world_size
+            if not ours or interval.rank == self.rank:
                 return False
             self._peers[interval.rank] = (interval.every, now)
             return True

@@ -125,7 +125,7 @@ class StepCapture:
         self.placement = placement
         self.placement_version = 0
         self._plan = None
-        self.cadence.place(rank, generation)
+        self.cadence.place(rank, world_size, generation)
 
     def forget_plan(self) -> None:
         """The tensors a plan names belong to a wrapper and optimizer being dropped."""
