@@ -180,7 +180,7 @@ class Member:
             capture=lambda step, loaded: self._snapshots.capture(step, self.extra_state, loaded),
         )
         computes_itself = backend == "gloo" and all(p.device.type == "cpu" for p in module.parameters())
-        self._recovery = Recovery(parts, self.position, self._enter, self._recent_step_s, computes_itself)
+        self._recovery = Recovery(parts, self.position, self._enter, self.stats.recent_step_s, computes_itself)
         self.link.start(
             MemberHello(
                 job=config.job,
@@ -449,9 +449,6 @@ class Member:
         self._group.destroy()
 
     # ------------------------------------------------------------------ figures
-
-    def _recent_step_s(self) -> float:
-        return self.stats.recent_step_s()
 
     def _step_metrics(self) -> Callable[[dict[str, Any]], None]:
         meter = self._metrics.meter

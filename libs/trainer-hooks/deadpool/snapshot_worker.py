@@ -11,8 +11,8 @@ steps: a skip decided by one rank alone (its stream still busy) once left ranks 
 steps, and on a saturated host an earlier 4-rank run fell 6 steps behind. Two ways keep them together:
 - adaptive (the default): the job streams every K-th step, K a power of two every rank knows. If the
   previous stream is still running when a due step is captured, the capture waits at most the
-  budget's share of a step (`stream_wait_s`), then captures without streaming and the rank asks for a
-  longer interval. The stream keeps its buffer meanwhile, so a member with a crash copy captures into
+  budget's share of a step (`stream_wait_s`), then captures without streaming (the interval follows
+  what the streamed snapshots take). The stream keeps its buffer meanwhile, so a member with a crash copy captures into
   a third buffer: its newest whole step is never the one being overwritten.
 - forced (`--snapshot-every N`): the capture waits for the previous stream (`wait_s`, then the stuck
   uploads are abandoned), so that the committed step trails training by at most one snapshot, and the
@@ -286,16 +286,19 @@ class SnapshotWorker:
         if stream_wait_s is None:  # a forced interval: every due snapshot is streamed
             if self._stream_idle.wait(self.wait_s):
                 return True
-            self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
-            self.drop_stores(keep=set())
+            self._abandon_stream()
             return True if self._stream_idle.wait(ABANDON_WAIT_S) else None
         if self._stream_idle.wait(stream_wait_s):
             return True
         self.stream_skips += 1
         if time.monotonic() - self._stream_started > self.wait_s:  # stuck, not slow: free it for the next
-            self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
-            self.drop_stores(keep=set())
+            self._abandon_stream()
         return False
+
+    def _abandon_stream(self) -> None:
+        """The stream has run past `wait_s`: its uploads are stuck (a store that takes and never answers)."""
+        self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
+        self.drop_stores(keep=set())
 
     def _slot_to_capture_into(self) -> SnapshotSlot:
         """The oldest of the slots not being streamed (of two with one step, the older generation's); a
