@@ -207,14 +207,20 @@ class StepCapture:
         self.cadence.heard(interval, time.monotonic())
 
     def _announce(self, now: float) -> None:
-        """Tell the peers this rank's interval when it changed, and every `ANNOUNCE_EVERY_S` anyway."""
+        """Tell the peers this rank's interval when it changed, and every `ANNOUNCE_EVERY_S` anyway, while
+        it is above 1. An interval of 1 adds nothing to the job's (the longest of them), so a rank at 1
+        says so once, and only when it comes down from more: every rank telling every other one is N²
+        messages, and a job whose stores keep up sends none."""
         cadence = self.cadence
         if not cadence.adaptive or self.rank is None:
             return
-        said = (self.generation, cadence.own)
-        if said == self._announced[:2] and now - self._announced[2] < ANNOUNCE_EVERY_S:
+        generation, every, said_t = self._announced
+        if cadence.own == 1:
+            if generation != self.generation or every == 1:
+                return  # nothing above 1 said in this generation, or the 1 already said
+        elif (generation, every) == (self.generation, cadence.own) and now - said_t < ANNOUNCE_EVERY_S:
             return
-        self._announced = (*said, now)
+        self._announced = (self.generation, cadence.own, now)
         interval = SnapshotInterval(
             self.config.job, self.generation, self.config.member, self.rank, cadence.own, time.time()
         )
