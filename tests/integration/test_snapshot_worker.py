@@ -14,11 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from deadpool.durable_tier import DurableWriter, complete_steps, load_rank
 from deadpool.host_copy import HostCopy
 from deadpool.snapshot_layout import plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.store_client import UploadKey
-from deadpool.training_state import collect_sources
+from deadpool.training_state import SnapshotMeta, capture_tree, collect_sources
 from deadpool_protocol import StoreAddress
 from deadpool_runtime.logs import get_logger
 
@@ -135,6 +136,33 @@ def test_adaptive_a_capture_beside_a_busy_stream_goes_into_a_third_buffer_and_ke
     finally:
         store.release()
         worker.close()
+
+
+def test_adaptive_a_durable_step_whose_stream_is_skipped_is_persisted_from_its_crash_copy(tmp_path: Path) -> None:
+    """Every rank is told the same durable step; a rank whose stream of it was skipped (the previous one
+    still ran) must persist it all the same, or no step is complete on every rank (a CI failure)."""
+    first_layer, sources, layout = model_and_plan()
+    store = SilentStore()
+    log = get_logger(test="worker")
+    durable = DurableWriter(str(tmp_path / "durable"), "j", every_steps=2, keep=2, log=log)
+    worker = SnapshotWorker(
+        log, chunk_bytes=4096, wait_s=60.0, host_copy=HostCopy(tmp_path, "j", "m", log), durable=durable
+    )
+    stores = [StoreAddress("silent", "127.0.0.1", store.port)]
+    try:
+        first = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores, stream_wait_s=0.01)
+        assert first is not None and not first.done.wait(0.2)  # stuck on the store
+        with torch.no_grad():
+            first_layer.weight.add_(1.0)
+        meta = SnapshotMeta.capture(2, layout, capture_tree(nn.Linear(1, 1), None, {}), sources, {}).encode()
+        second = worker.capture(UploadKey("j", 1, 0, "m", 2), layout, sources, meta, stores, 1, stream_wait_s=0.01)
+        assert second is not None and not second.streamed and second.done.wait(WAIT_S)
+    finally:
+        store.release()
+        worker.close()  # waits for the persist in hand
+    assert complete_steps(tmp_path / "durable", 1) == [2] and durable.persisted == 1
+    buffer, _ = load_rank(tmp_path / "durable", 2, 0, 1)
+    assert torch.equal(buffer.views[0], first_layer.weight)
 
 
 def test_adaptive_without_a_crash_copy_a_skipped_stream_captures_nothing() -> None:

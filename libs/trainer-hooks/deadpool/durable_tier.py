@@ -313,7 +313,8 @@ Well inside the launcher's `FINISH_GRACE_S` (30 s) for a member to exit once its
 
 
 class DurableWriter:
-    """Persists snapshots on a thread of its own; `offer` is called by the stream thread.
+    """Persists snapshots on a thread of its own; `offer` is called by the worker's stream thread (or its
+    copy thread, for a durable step whose stream was skipped).
 
     A persist that fails (a full disk, any other write error) is logged with its reason and counted
     (`failed`, `disk_full`, `last_failure`), its partial files are removed, and the next due persist is

@@ -540,6 +540,8 @@ class SnapshotWorker:
                 copied = self._copy(request)
                 if copied:
                     self._publish_local(request)
+                    if not request.streamed:  # a durable step whose stream was skipped: its crash copy
+                        self._persist(request)
             except Exception:
                 self.log.exception("snapshot copy failed", step=request.key.step)
                 copied = False
@@ -573,22 +575,23 @@ class SnapshotWorker:
                 self.captures += 1
                 if streamed and len(request.sealed_on) == len(request.stores) > 0:  # from its capture on
                     self.last_stream = (request.key.step, time.monotonic() - self._stream_started)
-                if request.persist_world_size and self.durable is not None and request.slot.buffer is not None:
-                    key = request.key  # the buffer is this thread's until it is done: copy it aside now
-                    self.durable.offer(
-                        key.step,
-                        key.rank,
-                        request.persist_world_size,
-                        key.generation,
-                        request.slot.buffer,
-                        request.slot.meta,
-                    )
+                self._persist(request)
             except Exception:
                 self.log.exception("snapshot stream failed", step=request.key.step)
             finally:
                 self.stream_cpu_s += time.thread_time() - started
                 request.done.set()
                 self._stream_idle.set()
+
+    def _persist(self, request: CaptureRequest) -> None:
+        """Offer a durable step to the durable tier, from the thread that holds its slot: the stream
+        thread once it is streamed, or the copy thread (before its next copy) if its stream was skipped,
+        so that every rank persists the step every rank was told is due."""
+        if request.persist_world_size and self.durable is not None and request.slot.buffer is not None:
+            key = request.key  # the buffer is this thread's until it is done: copy it aside now
+            self.durable.offer(
+                key.step, key.rank, request.persist_world_size, key.generation, request.slot.buffer, request.slot.meta
+            )
 
     def _abandoned(self, request: CaptureRequest) -> bool:
         return request.key.generation < self._cancel_below_generation

@@ -158,6 +158,8 @@ class StepCapture:
         self._say_if_unprotected(step)
         durable = self.worker.durable
         persist = self.world_size if stream and durable is not None and durable.due(step) else 0
+        if persist and self.worker.host_copy is None:  # a skipped stream would capture nothing to persist
+            stream_wait_s = None
         return self.worker.capture(key, layout, sources, meta, self.placement, persist, stream, stream_wait_s)
 
     def step_completed(self, step: int, extra_state: dict[str, Any]) -> bool:
