@@ -118,6 +118,9 @@ def test_adaptive_a_capture_beside_a_busy_stream_goes_into_a_third_buffer_and_ke
     try:
         first = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores, stream_wait_s=0.01)
         assert first is not None and first.streamed and not first.done.wait(0.2)  # stuck on the store
+        made = [slot.buffer for slot in worker.slots]  # all three at the first capture, not in the steps after
+        assert len(made) == 3 and all(b is not None and b.layout == layout for b in made)
+        assert sorted(p.name for p in (tmp_path / "m").glob("slot-*.bin")) == [f"slot-{i}.bin" for i in range(3)]
         for step in (2, 3, 4):
             with torch.no_grad():
                 first_layer.weight.add_(1.0)
@@ -130,7 +133,7 @@ def test_adaptive_a_capture_beside_a_busy_stream_goes_into_a_third_buffer_and_ke
             assert slot is not None and slot.buffer is not None
             assert torch.equal(slot.buffer.views[0], first_layer.weight)
             assert worker.local(step - 1) is not None, "the newest step before stays whole during the copy"
-        assert len(worker.slots) == 3 and worker.stream_skips == 1 and worker.skipped == 0
+        assert [slot.buffer for slot in worker.slots] == made and worker.stream_skips == 1 and worker.skipped == 0
         assert worker.local(1) is not None, "the buffer being streamed is never captured into"
         assert worker.newest_local_step() == 4
     finally:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from deadpool.host_copy import HEAD_BYTES_MAX, HostCopy, SlotHead
+from deadpool.host_copy import HEAD_BYTES_MAX, SLOTS, HostCopy, SlotHead
 from deadpool.host_copy_dir import make_job_dir, sweep_stale
 from deadpool.snapshot_layout import plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
@@ -46,19 +46,19 @@ def capture_steps(job_dir: Path, member: str, rank: int, steps: list[int]) -> tu
     return model, weights
 
 
-def test_a_dead_members_last_two_captures_are_taken_whole_by_the_newcomer_of_its_rank(tmp_path: Path) -> None:
+def test_a_dead_members_last_captures_are_taken_whole_by_the_newcomer_of_its_rank(tmp_path: Path) -> None:
     job_dir = make_job_dir("j", "l0", tmp_path)
-    _, weights = capture_steps(job_dir, "dead", 1, [1, 2, 3])
-    capture_steps(job_dir, "other-rank", 0, [1, 2, 3])
+    _, weights = capture_steps(job_dir, "dead", 1, [1, 2, 3, 4])
+    capture_steps(job_dir, "other-rank", 0, [1, 2, 3, 4])
 
     taken = HostCopy(job_dir, "j", "newcomer", LOG).inherit(1)
 
-    assert sorted(t.head.step for t in taken) == [2, 3], "the two newest captures, not the overwritten one"
+    assert sorted(t.head.step for t in taken) == [2, 3, 4], "one per slot (SLOTS), not the overwritten one"
     for copy in taken:
         assert copy.head.rank == 1 and copy.head.generation == 3
         assert torch.equal(copy.buffer.views[0], weights[copy.head.step])
     assert not list((job_dir / "dead").iterdir()), "the copies moved to the newcomer's own files"
-    assert len(list((job_dir / "other-rank").iterdir())) == 4, "another rank's copies are not touched"
+    assert len(list((job_dir / "other-rank").iterdir())) == 2 * SLOTS, "another rank's copies are not touched"
 
 
 def test_a_slot_being_overwritten_is_not_taken(tmp_path: Path) -> None:
@@ -121,16 +121,20 @@ def test_the_directories_of_launchers_that_are_gone_are_swept_and_a_live_ones_ke
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_a_full_shared_memory_refuses_the_buffer_at_once_and_the_member_keeps_its_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("features", [1024, 320], ids=["none-fits", "two-of-three-fit"])
+def test_a_full_shared_memory_refuses_the_buffer_at_once_and_the_member_keeps_its_own(
+    tmp_path: Path, features: int
+) -> None:
     """posix_fallocate refuses what /dev/shm cannot hold: no SIGBUS later, the capture goes on in process
-    memory, without a crash copy."""
+    memory, without a crash copy. A member that can hold only some of its buffers there holds none, and
+    gives the space back to the host's other members."""
     shm = tmp_path / "shm"
     shm.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(shm)], check=True)
     try:
         job_dir = make_job_dir("j", "l0", shm)
         torch.manual_seed(0)
-        model = nn.Linear(1024, 1024)  # 4 MiB of weights, more than the tmpfs holds
+        model = nn.Linear(features, features)  # 4 MiB of weights (none fits), or 0.4 MB (two of three)
         sources = collect_sources(model, None)
         layout = plan_layout(list(zip(sources.names, sources.tensors, strict=True)))
         worker = SnapshotWorker(LOG, chunk_bytes=4096, host_copy=HostCopy(job_dir, "j", "m", LOG))
@@ -138,6 +142,7 @@ def test_a_full_shared_memory_refuses_the_buffer_at_once_and_the_member_keeps_it
         request = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, meta, [])
         assert request is not None and request.done.wait(WAIT_S)
         assert worker.host_copy is None, "the member said it has no crash copy and kept its buffers itself"
+        assert len(worker.slots) == 2 and not list((job_dir / "m").glob("slot-*")), "nothing left in /dev/shm"
         slot = worker.local(1)
         assert slot is not None and slot.buffer is not None
         assert torch.equal(slot.buffer.by_name[sources.names[0]], model.weight)

@@ -1,6 +1,6 @@
-"""The host-local crash copy: a member's two snapshot buffers, kept in the host's shared memory.
+"""The host-local crash copy: a member's snapshot buffers, kept in the host's shared memory.
 
-A member's ping-pong buffers (`snapshot_worker`) are files in a directory its launcher made for the
+A member's buffers (`snapshot_worker`) are files in a directory its launcher made for the
 job (`DEADPOOL_HOST_COPY_DIR`, under /dev/shm), mapped into the member. They outlive the member: a
 SIGKILLed member leaves its last captured steps on its host, and the member that takes its rank on
 the same host (a spare there, or a respawn) moves them into its own directory and restores from them
@@ -16,10 +16,10 @@ that fails them is refused with its reason. The space is reserved when a buffer 
 (`posix_fallocate`): a full /dev/shm then refuses the buffer at once (the member keeps its buffers in
 its own memory, without a crash copy, and says so) instead of a SIGBUS on a later write.
 
-Memory: two buffers of the rank's snapshot per live member, as before (they moved from the process
-into /dev/shm), plus two per dead member whose rank has not yet been taken on this host, until the
-job ends. On CUDA the mapping is registered with the driver (`cudaHostRegister`), so the device-to-host
-copies run at pinned speed.
+Memory: `SLOTS` buffers of the rank's snapshot per live member, made at its first capture, plus those
+of each dead member whose rank has not yet been taken on this host, until the job ends. On CUDA the
+mapping is registered with the driver (`cudaHostRegister`), so the device-to-host copies run at pinned
+speed.
 """
 
 from __future__ import annotations
@@ -149,6 +149,12 @@ class HostCopy:
         self.invalidate(index)
         return map_buffer(self.bin_path(index), layout, pin, create=True)
 
+    def discard(self, index: int) -> None:
+        """Remove slot `index`'s files (its buffer unmapped first: the space goes back to /dev/shm)."""
+        for path in (self.head_path(index), self.bin_path(index)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
     def invalidate(self, index: int) -> None:
         """The slot's bytes are about to change: its head no longer describes them."""
         with contextlib.suppress(FileNotFoundError):
@@ -226,7 +232,8 @@ def map_buffer(path: Path, layout: SnapshotLayout, pin: bool, create: bool) -> F
             os.posix_fallocate(fd, 0, size)
         elif os.fstat(fd).st_size < size:
             raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, its layout {size}")
-        mapped = mmap.mmap(fd, size)
+        # Its page table filled now too (`fallocate` made the pages): the first copy need not fault them in.
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if create else 0))
     finally:
         os.close(fd)
     data = torch.frombuffer(mapped, dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Per-step snapshots off the training thread: ping-pong buffers, a capture, a stream.
+"""Per-step snapshots off the training thread: a few buffers, a capture, a stream.
 
 After optimizer step s the training thread calls `capture(s, …)`. The thread copies the state into a
 buffer not holding the newest snapshot (`torch._foreach_copy_`, which releases the GIL) and then, if
@@ -69,9 +69,10 @@ EVENT_POLL_S = 0.0005
 """The longest pause between two polls of a CUDA event (the pauses grow to it from 20 us)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class SnapshotSlot:
-    """One of the two ping-pong buffers, and which step it holds (-1: nothing valid)."""
+    """One of the member's buffers, and which step it holds (-1: nothing valid). Equal only to itself:
+    two empty slots are still two (`slots.index`)."""
 
     buffer: FlatBuffer | None = None
     step: int = -1
@@ -267,8 +268,8 @@ class SnapshotWorker:
         if not fits and any(t.is_cuda for t in sources.tensors):
             request.pending = self._defer_to_copy_thread(layout, sources)
         else:
-            if not fits:  # host memory: cheap to allocate, its pages are touched by the copy thread
-                slot.buffer, slot.plan = self._new_buffer(slot, layout, pin=False), None
+            if not fits:
+                self._fit_slots(layout, slot, pin=False)
             assert slot.buffer is not None
             if slot.plan is None or slot.plan.sources is not sources:
                 slot.plan = CopyPlan.make(slot.buffer, sources)
@@ -301,15 +302,11 @@ class SnapshotWorker:
         self.drop_stores(keep=set())
 
     def _slot_to_capture_into(self) -> SnapshotSlot:
-        """The oldest of the slots not being streamed (of two with one step, the older generation's); a
-        third slot while one streams, if this member keeps a crash copy (its newest whole step must not
-        be the one overwritten)."""
+        """The oldest of the slots not being streamed (of two with one step, the older generation's).
+        With a crash copy there are three (`_fit_slots`), so a capture beside a busy stream never
+        overwrites this member's newest whole step."""
         streaming = self._streaming if not self._stream_idle.is_set() else None
-        free = [slot for slot in self.slots if slot is not streaming]
-        if len(free) < 2 and self.host_copy is not None and len(self.slots) < SLOTS:
-            self.slots.append(SnapshotSlot())
-            free.append(self.slots[-1])
-        return min(free, key=lambda s: (s.step, s.generation))
+        return min((slot for slot in self.slots if slot is not streaming), key=lambda s: (s.step, s.generation))
 
     def wait_captured(self, timeout_s: float | None = None) -> bool:
         """Block until the last capture's copy finished (the optimizer pre-hook calls this)."""
@@ -355,22 +352,48 @@ class SnapshotWorker:
             slot.buffer, slot.plan = copy.buffer, None
             slot.step, slot.meta, slot.generation = copy.head.step, copy.head.meta, copy.head.generation
 
-    def _new_buffer(self, slot: SnapshotSlot, layout: SnapshotLayout, pin: bool) -> FlatBuffer:
-        """A slot's buffer for a new layout: in the host's shared memory when the launcher gave this
-        member a directory there, else (or when /dev/shm cannot hold it) in this process."""
+    def _fit_slots(self, layout: SnapshotLayout, into: SnapshotSlot, pin: bool) -> None:
+        """A capture in a new layout (the formation's, or the one the optimizer's state appears in at the
+        first step): make every slot's buffer for it at once, its memory touched, save the one being
+        streamed. The steps the others held were of the old layout; they are dropped. `into`: the slot
+        this capture copies into (kept when /dev/shm cannot hold the slots and two are left).
+
+        Fresh memory costs up to 3 s/GB on some hosts (this one). Made slot by slot as each is first
+        captured into, it made steps 1-3 of a 1 GiB rank take 3.7-5.7 s instead of 1.1, and those steps
+        held the interval's first judgement back by ten steps (`StepStats.recent_step_s` is a median
+        over them). Made here, it is one step's cost, or the formation's."""
+        streaming = self._streaming if not self._stream_idle.is_set() else None
+        if self.host_copy is not None:
+            self.slots.extend(SnapshotSlot() for _ in range(SLOTS - len(self.slots)))
+        refit = [s for s in self.slots if s is not streaming and (s.buffer is None or s.buffer.layout != layout)]
+        refit.sort(key=lambda s: s is not into)
+        for slot in refit:
+            slot.step, slot.plan, slot.buffer = -1, None, None  # the old buffers go before the new are made
         host_copy = self.host_copy
         if host_copy is not None:
             try:
-                return host_copy.buffer(self.slots.index(slot), layout, pin)
-            except OSError as exc:
-                self.host_copy = None
+                for slot in refit:
+                    slot.buffer = host_copy.buffer(self.slots.index(slot), layout, pin)
+                return
+            except OSError as exc:  # none there, not some: what this member took goes back to the others
                 self.log.warning(
                     "no host-local crash copy: the shared memory cannot hold the snapshot buffers; a crash "
                     "of this member restores from the stores",
                     bytes=layout.total_bytes,
+                    buffers=len(refit),
                     error=str(exc),
                 )
-        return FlatBuffer(layout, pin=pin)
+                self.host_copy = None
+                for slot in refit:
+                    slot.buffer = None
+                    host_copy.discard(self.slots.index(slot))
+                kept = [slot for slot in self.slots if slot is streaming] + refit  # `into` first of `refit`
+                self.slots = kept[:2]  # without a crash copy no capture goes on beside a busy stream
+                refit = [slot for slot in refit if slot in self.slots]
+        for slot in refit:
+            slot.buffer = FlatBuffer(layout, pin=pin)
+            if not pin:  # pinned memory is resident already
+                slot.buffer.data.zero_()
 
     def _publish_local(self, request: CaptureRequest) -> None:
         """The copy is whole: write what the slot's shared-memory file holds, so that it survives this
@@ -602,7 +625,8 @@ class SnapshotWorker:
         if request.pending is not None:  # pragma: no cover - needs a GPU
             layout, sources, clones, _ = request.pending
             if slot.buffer is None or slot.buffer.layout != layout:
-                slot.buffer = self._new_buffer(slot, layout, pin=True)
+                self._fit_slots(layout, slot, pin=True)  # before `_captured`: no capture reads the slots meanwhile
+            assert slot.buffer is not None
             slot.plan = CopyPlan.make(slot.buffer, sources)
             self._issue(request, slot.plan, clones)
         if request.cuda_event is not None and not wait_for_event(  # pragma: no cover - needs a GPU
