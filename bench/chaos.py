@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/chaos.py --faults 50 --seed 1
     .venv/bin/python bench/chaos.py --faults 10 --seed 3 --kinds kill,kill2,swapper
+    .venv/bin/python bench/chaos.py --faults 20 --seed 5 --store-ingest-mb-s 4   # at K > 1
 
 The example job (or `--script`: any script that takes the example's arguments) runs under the
 project's own control plane, as shipped for high availability: a 3-node NATS cluster (JetStream
@@ -91,6 +92,7 @@ from deadpool_protocol import SWAPPER_STATUS, Incident, MemberErrorCause, Rebuil
 from deadpool_protocol.codec import to_fields
 from deadpool_runtime.clock_fault import CLOCK_STEP_FILE_ENV
 from deadpool_runtime.logs import get_logger
+from deadpool_store.service import INGEST_LIMIT_ENV
 
 KINDS = (
     "kill",
@@ -784,6 +786,7 @@ async def run_chaos(args: argparse.Namespace, workdir: Path, kinds: list[str], s
         "snapshot_budget": args.snapshot_budget,
         "snapshot_every": args.snapshot_every,
         "snapshot_every_max": watch.snapshot_every_max,
+        "store_ingest_mb_s": args.store_ingest_mb_s or None,
         "restore_links": {link: links.count(link) for link in sorted(set(links))},
         "store_faults": len(heals),
         "store_not_healed": len(heals) - len(healed),
@@ -837,9 +840,18 @@ def main() -> None:
     )
     parser.add_argument("--snapshot-every", default="auto", help="as deadpool launch: auto, or a forced interval")
     parser.add_argument(
+        "--store-ingest-mb-s",
+        type=float,
+        default=0.0,
+        help="stores that ingest no faster than this (MB/s, 0: as fast as they can): a data plane slower than "
+        "the steps, so that the job streams every K-th step (K > 1) while the faults come",
+    )
+    parser.add_argument(
         "--durable-every-steps", type=int, default=5, help="the chaos job's durable tier (0: none; not the reference)"
     )
     args = parser.parse_args()
+    if args.store_ingest_mb_s > 0:  # every store started from here on inherits it, restarted ones too
+        os.environ[INGEST_LIMIT_ENV] = str(int(args.store_ingest_mb_s * 1e6))
     result = asyncio.run(main_async(args))
     print("")
     print(
