@@ -21,7 +21,11 @@ each on a control plane of its own (NATS, a detector, a swapper, `--stores` stor
 Reported per scenario, as a table and then one JSON line:
 - `step_time_ratio`: median step (past `--warm-up-steps`) with snapshots on, over off; and
   `step_time_ratio_settled`, the same over the round's second half (at 1 GiB the first steps pay for
-  the first touch of the crash copy's buffers and the stores' memory, seconds each, and K settles);
+  the first touch of the stores' memory, and K settles);
+- `hook_time_share`: the on-round's time the training thread spent inside DeadPool's hooks (its capture
+  and the optimizer step's wait for the copy; `stall_s` in the stats files) over its step time, past
+  the warm-up: what the budget bounds. The rest of a ratio above 1 is the snapshot path's threads and
+  the stores taking host cores the step itself uses (here the optimizer's update runs on the CPU);
 - `snapshot_every_steps`: the longest interval K the job streamed at past the warm-up (the ranks' stats
   files say from which step each K held: `snapshot_intervals`), and `snapshot_every_final`;
 - `snapshots_skipped`, `snapshot_waits`, `stream_skips`: captures dropped, captures that found the stream
@@ -254,6 +258,8 @@ def summarise(
     settled = args.steps // 2  # the round's second half: the first touches of GBs are over, K has settled
     settled_off = statistics.median(s["step_s"] for s in steps_past_warm_up(off, settled))
     settled_on = statistics.median(s["step_s"] for s in steps_past_warm_up(on, settled))
+    measured_on = steps_past_warm_up(on, warm_up)
+    hook_share = sum(s.get("stall_s", 0.0) for s in measured_on) / sum(s["step_s"] for s in measured_on)
     snapshot_bytes = on["members"][0]["snapshot_bytes"]  # the full state's (the first holds no moments yet)
     streamed = sum(m.get("snapshots_streamed", 0) for m in on["members"]) or 1
     streamed_bytes = sum(m["snapshot_streamed_bytes"] for m in on["members"]) or 1
@@ -280,6 +286,7 @@ def summarise(
         "step_s_on_median": round(step_on, 4),
         "step_time_ratio": round(step_on / step_off, 4),
         "step_time_ratio_settled": round(settled_on / settled_off, 4),
+        "hook_time_share": round(hook_share, 4),
         "snapshot_every_steps": max(intervals, default=0),
         "snapshot_every_final": max((m.get("snapshot_every", 0) for m in on["members"]), default=0),
         "snapshot_intervals_rank0": on["members"][0].get("snapshot_intervals", []),
@@ -386,7 +393,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"    step {r['step_s_off_median']:.3f} s off, {r['step_s_on_median']:.3f} s on: ratio "
             f"{r['step_time_ratio']:.4f} (goal <= {result['goals']['step_time_ratio_max']}), over the second half "
-            f"{r['step_time_ratio_settled']:.4f}; "
+            f"{r['step_time_ratio_settled']:.4f}; the training thread in DeadPool's hooks "
+            f"{100 * r['hook_time_share']:.2f} % of the step time; "
             f"streamed every {r['snapshot_every_steps']} step(s) at most (at the end: {r['snapshot_every_final']}; "
             f"rank 0's [step, K]: {r['snapshot_intervals_rank0']})"
         )
