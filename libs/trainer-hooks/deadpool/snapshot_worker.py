@@ -180,7 +180,7 @@ class SnapshotWorker:
         self.chunk_bytes = chunk_bytes
         self.stream_nice = stream_nice
         self.wait_s = wait_s
-        self.slots = [SnapshotSlot(), SnapshotSlot()]
+        self.slots = [SnapshotSlot() for _ in range(SLOTS if host_copy is not None else 2)]
         self.skipped = 0
         """Captures given up: the stream stayed stuck even after its uploads were abandoned."""
         self.waits = 0
@@ -363,8 +363,6 @@ class SnapshotWorker:
         held the interval's first judgement back by ten steps (`StepStats.recent_step_s` is a median
         over them). Made here, it is one step's cost, or the formation's."""
         streaming = self._streaming if not self._stream_idle.is_set() else None
-        if self.host_copy is not None:
-            self.slots.extend(SnapshotSlot() for _ in range(SLOTS - len(self.slots)))
         refit = [s for s in self.slots if s is not streaming and (s.buffer is None or s.buffer.layout != layout)]
         refit.sort(key=lambda s: s is not into)
         for slot in refit:
