@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/chaos.py --faults 50 --seed 1
     .venv/bin/python bench/chaos.py --faults 10 --seed 3 --kinds kill,kill2,swapper
-    .venv/bin/python bench/chaos.py --faults 20 --seed 5 --store-ingest-mb-s 4   # at K > 1
+    .venv/bin/python bench/chaos.py --faults 20 --seed 5 --store-ingest-mb-s 2   # at K > 1
 
 The example job (or `--script`: any script that takes the example's arguments) runs under the
 project's own control plane, as shipped for high availability: a 3-node NATS cluster (JetStream
