@@ -35,11 +35,13 @@ SEQUENCE = (
 )
 FAULTS = len(SEQUENCE)
 SEED = 7
-STEPS_PER_FAULT = 60
+STEPS_PER_FAULT = 100
 """Steps trained per fault (the bench's default is 120). The run and its fault-free reference both
 train every step, so the steps decide how long CI waits. Measured at 60: the ten faults were over
 after some 350 of the 630 steps (each waits for warm spares and settles first), and the run took
-114 s, its reference 84 s."""
+114 s, its reference 84 s; but once a member of `kill_in_recovery` exited stuck in gloo's pending
+send, the three spares it took were warm again only 10 s later, and the job's 630 steps were done
+before the 8th fault (a clean-clone CI run failed on `faults == 10`): 100 leaves that room."""
 TIMEOUT_S = 1200.0
 
 

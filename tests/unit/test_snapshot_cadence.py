@@ -1,6 +1,6 @@
-"""The job's snapshot interval K: up when two snapshots in a row take longer to store than it, down
-after slack over enough steps, the longest any live peer of the generation asks for, and a forced
-interval left alone."""
+"""The job's snapshot interval K: up when two snapshots in a row take longer to store than it (one,
+if it held a due stream back), down after slack over enough steps, the longest any live peer of the
+generation asks for, and a forced interval left alone."""
 
 from __future__ import annotations
 
@@ -44,6 +44,23 @@ def test_two_snapshots_slower_than_their_interval_raise_k_to_the_power_of_two_th
     assert cadence.own == 4, "the quicker of the two in a row"
     streams(cadence, 1000.0, 2)
     assert cadence.own == SNAPSHOT_EVERY_MAX
+
+
+def test_a_slow_snapshot_that_held_a_due_stream_back_raises_k_at_once_a_skip_alone_does_not() -> None:
+    """Skips are each rank's own: while K is too short the ranks stream different steps and nothing
+    commits, so a stored snapshot that took the whole interval (a due stream was skipped meanwhile)
+    raises K without waiting for a second one."""
+    cadence = Cadence(0.01)
+    streams(cadence, 0.5, 3)
+    cadence.skipped()
+    assert cadence.own == 1, "a skip alone (its stream may be held by a lost store) moves nothing"
+    streams(cadence, 6.0, 1)
+    assert cadence.own == 8, "the snapshot the skip waited on needed 8 steps: at once"
+    cadence.skipped()
+    streams(cadence, 0.5, 1)
+    assert cadence.own == 8, "a skip then a quick snapshot: nothing to raise"
+    streams(cadence, 20.0, 1)
+    assert cadence.own == 8, "no skip: one slow snapshot is still a one-off"
 
 
 def test_k_comes_down_after_slack_over_enough_steps_and_holds_inside_the_band() -> None:

@@ -13,6 +13,11 @@ Each rank asks for the interval its own stream keeps up with (`own`), and tells 
 - it goes up when two snapshots in a row took more than `FILL` of it, to the smallest power of two
   whose interval the quicker of the two fits in at `FILL`: a one-off (a first touch of memory, a
   pause) does not raise it, a slow data plane does within two snapshots;
+- it goes up at once, to what the snapshot needed, when the snapshot held a due stream back (a skip
+  while it streamed: it took longer than the whole interval). Skips are each rank's own, so while K is
+  too short the ranks stream different steps and nothing commits: waiting for a second slow snapshot
+  once left a job's committed step 17 steps behind at K = 8 (`bench/scale.py`, 1 GiB at 1 s steps),
+  past the 2K-1 a lost host is told it may lose;
 - it comes down once the snapshots of at least `SLACK_STEPS` steps, `SLACK_STREAMS` of them or more,
   would each have fit in half of it, to the longest interval one of them needed. The band between
   (a stream filling 40-80 % of its interval) is the hysteresis: K does not flap.
@@ -74,6 +79,8 @@ class SnapshotCadence:
         self._slack_needed = 1
         self._last_needed: int | None = None
         """The interval the previous snapshot needed (the interval goes up on two in a row)."""
+        self._skipped = False
+        """A due stream was skipped since the last snapshot stored: that one took the whole interval."""
         self._peers: dict[int, tuple[int, float]] = {}
         """rank -> (interval, when heard, monotonic) for this generation."""
         self._lock = threading.Lock()
@@ -113,11 +120,12 @@ class SnapshotCadence:
             return True
 
     def skipped(self) -> None:
-        """A due stream was skipped: the previous one was still running after the budget's wait. Counted
-        only: the interval follows what snapshots take once they are stored (a stream held up by a lost
-        store is no measure of the pace)."""
+        """A due stream was skipped: the previous one was still running after the budget's wait. The
+        interval follows what that snapshot takes once it is stored (`streamed`: up at once, as it took
+        the whole interval); a stream held up by a lost store is never stored, and no measure of the pace."""
         self.skips += 1
         self._slack = 0
+        self._skipped = True
 
     def streamed(self, stream_s: float, step_s: float, step: int) -> None:
         """The snapshot of `step` reached every store `stream_s` after its capture while steps take
@@ -128,9 +136,12 @@ class SnapshotCadence:
         while needed < SNAPSHOT_EVERY_MAX and stream_s > FILL * needed * step_s:
             needed *= 2
         last, self._last_needed = self._last_needed, needed
+        skipped, self._skipped = self._skipped, False
         if needed >= self.own:
             self._slack = 0
-            if last is not None and min(needed, last) > self.own:  # two in a row: not a one-off
+            if skipped and needed > self.own:  # it held the next due stream back
+                self.own = needed
+            elif last is not None and min(needed, last) > self.own:  # two in a row: not a one-off
                 self.own = min(needed, last)
             return
         if self._slack == 0:

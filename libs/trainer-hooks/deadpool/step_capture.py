@@ -163,11 +163,16 @@ class StepCapture:
         return self.worker.capture(key, layout, sources, meta, self.placement, persist, stream, stream_wait_s)
 
     def step_completed(self, step: int, extra_state: dict[str, Any]) -> bool:
-        """After optimizer step `step`: capture it if it is due, or if this member keeps a crash copy
-        (every step, streamed or not); then adjust and announce the interval. Whether it was captured."""
+        """After optimizer step `step`: adjust the interval to the last stream stored, capture the step if
+        it is due, or if this member keeps a crash copy (every step, streamed or not), and announce the
+        interval. Whether it was captured."""
         cadence, worker = self.cadence, self.worker
         if self.config.snapshot_every == 0:  # snapshots off
             return False
+        stream_step, stream_s = worker.last_stream  # first: a stream just stored may change this step's K
+        if stream_step != self._streams_seen:
+            self._streams_seen = stream_step
+            cadence.streamed(stream_s, self.stats.recent_step_s(), stream_step)
         now = time.monotonic()
         every = cadence.every(now)
         if (not self.intervals or self.intervals[-1][1] != every) and len(self.intervals) < INTERVALS_KEPT:
@@ -188,10 +193,6 @@ class StepCapture:
                         every=every,
                         skipped_so_far=cadence.skips,
                     )
-        stream_step, stream_s = worker.last_stream
-        if stream_step != self._streams_seen:
-            self._streams_seen = stream_step
-            cadence.streamed(stream_s, self.stats.recent_step_s(), stream_step)
         self._announce(now)
         return captured
 
