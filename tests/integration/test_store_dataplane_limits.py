@@ -1,6 +1,7 @@
 """The store's data-plane server under hostile peers, over real loopback sockets: connections beyond
-its bounds are refused, a peer stalled in the middle of a frame is dropped (slow loris), headers in
-memory are bounded over all connections, and honest uploads go on meanwhile."""
+its bounds are refused, a peer stalled in the middle of a frame is dropped (slow loris), so is one that
+sends no authorised frame (a stranger's idle socket), headers in memory are bounded over all
+connections, and honest uploads go on meanwhile."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from deadpool_protocol.bounds import TOKEN_BYTES
 from deadpool_protocol.dataplane import (
     FRAME_LENGTH,
     PutChunk,
@@ -17,12 +19,16 @@ from deadpool_protocol.dataplane import (
     chunk_checksum,
     decode_frame_header,
     encode_frame,
+    job_token,
 )
 from deadpool_runtime.logs import get_logger
 from deadpool_store.dataplane_server import ConnectionLimits, DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 
-LIMITS = ConnectionLimits(connections_max=6, per_peer_max=4, header_budget_bytes=4096, frame_idle_s=0.3, sweep_s=0.05)
+LIMITS = ConnectionLimits(
+    connections_max=6, per_peer_max=4, header_budget_bytes=4096, frame_idle_s=0.3, first_frame_s=0.3, sweep_s=0.05
+)
+KEY = bytes(range(32))
 CLOSED_WAIT_S = 5.0
 
 
@@ -42,20 +48,28 @@ async def closed_by_server(reader: asyncio.StreamReader) -> bool:
     """Whether the server closes the connection (EOF or reset) within the wait."""
     try:
         return await asyncio.wait_for(reader.read(1), CLOSED_WAIT_S) == b""
-    except (ConnectionResetError, TimeoutError):
+    except ConnectionResetError:
         return True
+    except TimeoutError:  # still open (this once counted as closed, and no test here could fail on it)
+        return False
 
 
 async def upload(port: int, step: int) -> bool:
-    """An honest upload of 8 bytes; True if the store sealed it."""
+    """An honest upload of 8 bytes on a connection of its own; True if the store sealed it."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sealed = await upload_on(reader, writer, step)
+    writer.close()
+    return sealed
+
+
+async def upload_on(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, step: int, token: bytes = b"") -> bool:
+    """An upload of 8 bytes on this connection, carrying `token`; True if the store sealed it."""
     data = bytes(range(8))
-    writer.write(encode_frame(PutChunk("j", 1, 0, "m", step, 0, 8, 8)) + data)
-    writer.write(encode_frame(Seal("j", 1, 0, "m", step, 8, 8, [chunk_checksum(data)], b"meta")))
+    writer.write(encode_frame(PutChunk("j", 1, 0, "m", step, 0, 8, 8, token)) + data)
+    writer.write(encode_frame(Seal("j", 1, 0, "m", step, 8, 8, [chunk_checksum(data)], b"meta", token)))
     await writer.drain()
     (length,) = FRAME_LENGTH.unpack(await reader.readexactly(FRAME_LENGTH.size))
     reply = decode_frame_header(await reader.readexactly(length), Reply)
-    writer.close()
     return isinstance(reply, Reply) and reply.ok
 
 
@@ -67,9 +81,10 @@ async def test_a_peer_stalled_mid_frame_is_dropped_and_one_idle_between_frames_i
     loris_w.write(FRAME_LENGTH.pack(1000) + b"\x81")  # a header of 1000 bytes, 1 of them sent
     await loris_w.drain()
     idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)  # a member between snapshots
+    assert await upload_on(idle_r, idle_w, 5)
     assert await closed_by_server(loris_r)
-    with pytest.raises(TimeoutError):  # still open well past frame_idle_s
-        await asyncio.wait_for(idle_r.read(1), 3 * LIMITS.frame_idle_s)
+    with pytest.raises(TimeoutError):  # still open well past frame_idle_s and first_frame_s
+        await asyncio.wait_for(idle_r.read(1), 3 * max(LIMITS.frame_idle_s, LIMITS.first_frame_s))
     assert await upload(port, 1)
     loris_w.close()
     idle_w.close()
@@ -113,3 +128,23 @@ async def test_headers_in_memory_are_bounded_over_all_connections(server: tuple[
     assert await upload(port, 3)
     first_w.close()
     second_w.close()
+
+
+async def test_a_connection_that_sends_no_authorised_frame_is_dropped_and_an_honest_idle_one_is_not() -> None:
+    """Strangers' idle sockets once held every connection slot of a store and locked its members out."""
+    keyed = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), LIMITS, key=KEY)
+    port = await keyed.start("127.0.0.1", 0)
+    try:
+        silent_r, silent_w = await asyncio.open_connection("127.0.0.1", port)  # sends nothing
+        forger_r, forger_w = await asyncio.open_connection("127.0.0.1", port)
+        assert not await upload_on(forger_r, forger_w, 1, b"x" * TOKEN_BYTES), "a wrong token is refused"
+        member_r, member_w = await asyncio.open_connection("127.0.0.1", port)
+        assert await upload_on(member_r, member_w, 2, job_token(KEY, "j"))
+        assert await closed_by_server(silent_r) and await closed_by_server(forger_r)
+        with pytest.raises(TimeoutError):  # the member's connection idles between snapshots
+            await asyncio.wait_for(member_r.read(1), 3 * LIMITS.first_frame_s)
+        assert keyed.connections == 1
+        for writer in (silent_w, forger_w, member_w):
+            writer.close()
+    finally:
+        await keyed.stop()

@@ -9,8 +9,10 @@ the connection (framing is lost); a refused upload is answered at its Seal with 
 Nothing a peer sends can hold the store: at most `connections_max` connections, `per_peer_max` of
 them from one address; frame headers in memory at once are bounded by `header_budget_bytes` over all
 connections (one peer announcing 16 MiB headers on many connections, and sending nothing, held that
-much each); and a connection that stops in the middle of a frame for `frame_idle_s` is dropped.
-Between frames a connection may idle: members keep theirs open from one snapshot to the next.
+much each); a connection that stops in the middle of a frame for `frame_idle_s` is dropped, and so is
+one that has sent no authorised frame `first_frame_s` after it connected (a member sends its first at
+once; 256 idle sockets from strangers once held every slot and locked every member out). Between
+frames an authorised connection may idle: members keep theirs open from one snapshot to the next.
 Refusals are logged at a bounded rate (`RefusalLog`): a flood of bad connections once wrote 9,000
 lines in 30 s.
 """
@@ -65,6 +67,9 @@ class ConnectionLimits:
     """Frame headers being received, over all connections (a Seal of a 10^5-tensor model is ~5 MB)."""
     frame_idle_s: float = 30.0
     """How long a connection may send nothing in the middle of a frame."""
+    first_frame_s: float = 10.0
+    """How long a new connection may go without an authorised frame (one whose job token the store
+    accepts; any frame, on a store without a key)."""
     sweep_s: float = 1.0
     """How often stalled connections are looked for."""
 
@@ -152,12 +157,12 @@ class DataPlaneServer:
         return len(self._connections)
 
     async def _sweep(self) -> None:
-        """Drop connections stalled in the middle of a frame (slow loris)."""
+        """Drop connections stalled in the middle of a frame (slow loris), or never authorised."""
         while True:
             await asyncio.sleep(self.limits.sweep_s)
             now = time.monotonic()
             for conn in list(self._connections):
-                conn.drop_if_stalled(now, self.limits.frame_idle_s)
+                conn.drop_if_stalled(now, self.limits)
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -175,7 +180,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer_host = ""
         self._header_held = 0
         """Bytes of header buffer this connection holds against the server's budget."""
-        self._last_rx = time.monotonic()
+        self._last_rx = self._connected_t = time.monotonic()
+        self.authorised = False
+        """Whether a frame of this connection carried a token the store accepts (an honest peer's)."""
         self._length = bytearray(FRAME_LENGTH.size)
         self._discard = bytearray(0)
         self._target = memoryview(self._length)
@@ -208,12 +215,23 @@ class _Connection(asyncio.BufferedProtocol):
         """Whether a frame has begun and not ended (between frames a connection may idle)."""
         return self._filled > 0 or self._on_full != self._length_read
 
-    def drop_if_stalled(self, now: float, idle_s: float) -> None:
-        if self.transport is not None and self.mid_frame() and now - self._last_rx > idle_s:
-            self.server.refusals.warning(
-                "data plane connection dropped", peer=self.peer, reason=f"no bytes for {idle_s} s mid-frame"
-            )
-            self.transport.abort()
+    def drop_if_stalled(self, now: float, limits: ConnectionLimits) -> None:
+        if self.transport is None:
+            return
+        if self.mid_frame() and now - self._last_rx > limits.frame_idle_s:
+            reason = f"no bytes for {limits.frame_idle_s} s mid-frame"
+        elif not self.authorised and now - self._connected_t > limits.first_frame_s:
+            reason = f"no authorised frame {limits.first_frame_s} s after connecting"
+        else:
+            return
+        self.server.refusals.warning("data plane connection dropped", peer=self.peer, reason=reason)
+        self.transport.abort()
+
+    def _refusal(self, job: str, token: bytes) -> str:
+        """The server's `refusal`; a frame it allows authorises this connection."""
+        refused = self.server.refusal(job, token)
+        self.authorised = self.authorised or not refused
+        return refused
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_rx = time.monotonic()
@@ -277,7 +295,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _chunk_started(self, chunk: PutChunk) -> None:
         self._chunk = chunk
         try:
-            refused = self.server.refusal(chunk.job, chunk.token)
+            refused = self._refusal(chunk.job, chunk.token)
             if refused:
                 raise StoreError(refused)
             target = self.server.memory.chunk_target(chunk)
@@ -358,7 +376,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     async def _seal(self, seal: Seal) -> None:
         key = (seal.job, seal.rank, seal.step)
-        error = self._refused.pop(key, "") or self.server.refusal(seal.job, seal.token)
+        error = self._refused.pop(key, "") or self._refusal(seal.job, seal.token)
         snap: StoredSnapshot | None = None
         if not error:
             try:
@@ -375,7 +393,7 @@ class _Connection(asyncio.BufferedProtocol):
     async def _fetch(self, fetch: Fetch) -> None:
         started = time.time()
         try:
-            refused = self.server.refusal(fetch.job, fetch.token)
+            refused = self._refusal(fetch.job, fetch.token)
             if refused:
                 self.server.refusals.warning(
                     "fetch refused", peer=self.peer, job=fetch.job, rank=fetch.rank, reason=refused
