@@ -301,11 +301,15 @@ class SnapshotWorker:
         self.log.warning("snapshot stream still busy: abandoning its uploads", wait_s=self.wait_s)
         self.drop_stores(keep=set())
 
+    def _streaming_slot(self) -> SnapshotSlot | None:
+        """The slot a stream is reading now (None when the stream is idle): never captured into nor remade."""
+        return self._streaming if not self._stream_idle.is_set() else None
+
     def _slot_to_capture_into(self) -> SnapshotSlot:
         """The oldest of the slots not being streamed (of two with one step, the older generation's).
         With a crash copy there are three (`_fit_slots`), so a capture beside a busy stream never
         overwrites this member's newest whole step."""
-        streaming = self._streaming if not self._stream_idle.is_set() else None
+        streaming = self._streaming_slot()
         return min((slot for slot in self.slots if slot is not streaming), key=lambda s: (s.step, s.generation))
 
     def wait_captured(self, timeout_s: float | None = None) -> bool:
@@ -362,7 +366,7 @@ class SnapshotWorker:
         captured into, it made steps 1-3 of a 1 GiB rank take 3.7-5.7 s instead of 1.1, and those steps
         held the interval's first judgement back by ten steps (`StepStats.recent_step_s` is a median
         over them). Made here, it is one step's cost, or the formation's."""
-        streaming = self._streaming if not self._stream_idle.is_set() else None
+        streaming = self._streaming_slot()
         refit = [s for s in self.slots if s is not streaming and (s.buffer is None or s.buffer.layout != layout)]
         refit.sort(key=lambda s: s is not into)
         for slot in refit:
