@@ -1,6 +1,6 @@
 """Credentials on by default: the shipped NATS authorization refuses strangers and keeps each role to its
-own subjects; stores serve a job's snapshots only to holders of that job's token, which the swapper
-hands to the job's accepted members."""
+own subjects, and each job's key (its launchers' and members') to its own job; stores serve a job's
+snapshots only to holders of that job's token, which the swapper hands to the job's accepted members."""
 
 from __future__ import annotations
 
@@ -19,13 +19,17 @@ from nats.aio.msg import Msg
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
 from deadpool_cli.health import answers_from_host
-from deadpool_cli.nats_auth import authorization_config, create_credentials, create_job_credentials
+from deadpool_cli.nats_auth import PERMISSIONS, authorization_config, create_credentials, create_job_credentials
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
+    ChildExit,
     FailureReason,
     FenceRequest,
     HelloReply,
+    MemberDone,
+    MemberError,
+    MemberErrorCause,
     MemberHello,
     Rebuild,
     RunStart,
@@ -44,13 +48,19 @@ from .runs import RUN, start_run
 
 JOB = "secured"
 S = Subjects.for_job(JOB)
+OTHER = Subjects.for_job("another-job")
+"""A job the key of `JOB` must not act for."""
 FORGED_REBUILD = Rebuild(
     JOB, 1 << 40, 1, ["attacker-0"], [], "attacker-0", "127.0.0.1", 1, 0, [], [[]], "", time.time()
 )
 FORGED_FENCE = FenceRequest(JOB, 1, "victim-0", "forged")
 FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, FailureReason.HEARTBEAT, {}, time.time(), time.time())
-SQUATTED_RUN = RunStart(JOB, 0, "squatter", 1, "squatter", time.time())
-"""A member's key starting a run of a job of one rank, to hold the name before the real job comes."""
+SQUATTED_RUN = RunStart("another-job", 0, "squatter", 1, "squatter", time.time())
+"""A job's key starting a run of another job's name, to hold the name before the real job comes."""
+FORGED_ERROR = MemberError("another-job", 1, "victim-0", 0, "forged", time.time(), MemberErrorCause.USER_CODE)
+"""One of these once ended any job: the detector copied the cause into its verdict."""
+FORGED_DONE = MemberDone("another-job", 1, "victim-0", 0, 5)
+FORGED_EXIT = ChildExit("another-job", 1, "launcher-b", "victim-0", 1234, -9, time.time())
 
 
 def heartbeat(member: str) -> Heartbeat:
@@ -61,6 +71,7 @@ def heartbeat(member: str) -> Heartbeat:
 def secured_nats(tmp_path: Path) -> Iterator[tuple[NatsServer, Path]]:
     credentials = tmp_path / "credentials"
     create_credentials(credentials)
+    create_job_credentials(credentials, JOB)
     server = NatsServer(tmp_path / "nats", authorization=authorization_config(credentials))
     server.start()
     yield server, credentials
@@ -68,10 +79,29 @@ def secured_nats(tmp_path: Path) -> Iterator[tuple[NatsServer, Path]]:
 
 
 async def connect_as(url: str, credentials: Path, role: str, violations: asyncio.Queue[str]) -> Client:
+    """Connect with `role`'s key, or with `JOB`'s own key for role "job" (its launchers' and members')."""
+
     async def on_error(exc: Exception) -> None:
         violations.put_nowait(str(exc))
 
-    return await nats.connect(url, nkeys_seed=nkey_file(credentials, role), error_cb=on_error)
+    if role == "job":
+        seed, inbox = str(job_nkey_path(credentials, JOB)), S.inbox
+    else:
+        seed, inbox = nkey_file(credentials, role), "_INBOX"
+    return await nats.connect(url, nkeys_seed=seed, error_cb=on_error, inbox_prefix=inbox)
+
+
+def test_no_key_is_shared_by_every_job() -> None:
+    """Every user the servers admit either serves the deployment (a service, admin) or speaks for one job:
+    no key that every training host holds may publish a job's member or launcher subjects for every job."""
+    assert set(PERMISSIONS) == {"admin", "swapper", "detector", "store"}
+    for role, permissions in PERMISSIONS.items():
+        if role != "admin":
+            for subject in permissions["publish"]:
+                assert (".member." not in subject and ".launcher." not in subject) or subject.endswith(".fence"), (
+                    role,
+                    subject,
+                )
 
 
 async def test_a_client_without_credentials_is_refused(secured_nats: tuple[NatsServer, Path]) -> None:
@@ -81,13 +111,17 @@ async def test_a_client_without_credentials_is_refused(secured_nats: tuple[NatsS
 
 
 FORBIDDEN: list[tuple[str, str, bytes]] = [
-    ("member", S.rebuild, encode(FORGED_REBUILD)),
-    ("member", S.fence("launcher-a"), encode(FORGED_FENCE)),
-    ("member", S.failure, encode(FORGED_FAILURE)),
-    ("member", STORE_STATUS, b"forged"),
-    ("member", S.run_start, encode(SQUATTED_RUN)),
-    ("launcher", S.rebuild, encode(FORGED_REBUILD)),
-    ("launcher", S.fence("launcher-b"), encode(FORGED_FENCE)),
+    ("job", S.rebuild, encode(FORGED_REBUILD)),
+    ("job", S.fence("launcher-a"), encode(FORGED_FENCE)),
+    ("job", S.failure, encode(FORGED_FAILURE)),
+    ("job", STORE_STATUS, b"forged"),
+    ("job", OTHER.run_start, encode(SQUATTED_RUN)),
+    ("job", OTHER.member_error, encode(FORGED_ERROR)),
+    ("job", OTHER.member_done, encode(FORGED_DONE)),
+    ("job", OTHER.hello, b"forged"),
+    ("job", OTHER.child_exit, encode(FORGED_EXIT)),
+    ("job", OTHER.heartbeat_batch, b"forged"),
+    ("job", OTHER.rebuild_ack, b"forged"),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
     ("detector", S.rebuild, encode(FORGED_REBUILD)),
     ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
@@ -109,14 +143,14 @@ async def test_each_role_is_refused_what_is_not_its_to_say(secured_nats: tuple[N
 
     await admin.subscribe("deadpool.>", cb=on_msg)
     await admin.flush()
-    for role in ("member", "launcher", "store", "detector"):
+    for role in ("job", "store", "detector"):
         violations: asyncio.Queue[str] = asyncio.Queue()
         client = await connect_as(server.url, credentials, role, violations)
         forbidden = [(subject, data) for r, subject, data in FORBIDDEN if r == role]
         for subject, data in forbidden:
             await client.publish(subject, data)
         await client.flush()
-        if role == "member":  # the member's own subject still works, after the refused ones
+        if role == "job":  # the job's own subject still works, after the refused ones
             await client.publish(S.heartbeat, encode(heartbeat("m-0")))
             await client.flush()
             await asyncio.wait_for(control.wait(), 10)
@@ -131,7 +165,7 @@ async def test_each_role_is_refused_what_is_not_its_to_say(secured_nats: tuple[N
 
 async def test_only_the_swapper_may_command(secured_nats: tuple[NatsServer, Path]) -> None:
     server, credentials = secured_nats
-    member = await connect_as(server.url, credentials, "member", asyncio.Queue())
+    member = await connect_as(server.url, credentials, "job", asyncio.Queue())
     rebuilds: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on_rebuild(msg: Msg) -> None:
@@ -149,13 +183,15 @@ async def test_only_the_swapper_may_command(secured_nats: tuple[NatsServer, Path
 
 
 async def test_a_job_of_its_own_speaks_and_hears_for_that_job_alone(secured_nats: tuple[NatsServer, Path]) -> None:
-    """A job's own member key, admitted by reloading the running server: the server refuses it another
-    job's commands and replies (and every reply subject but its job's), and any subject it may not
-    publish; what another job is sent never reaches it, what its job is sent does."""
+    """A job's own key, admitted by reloading the running server: the server refuses it another job's
+    commands and replies (and every reply subject but its job's: a shared member key once read every
+    job's hello replies, and their data-plane tokens), and any subject it may not publish; what another
+    job is sent never reaches it, what its job is sent does."""
     server, credentials = secured_nats
-    create_job_credentials(credentials, JOB)
+    job = "third-job"
+    create_job_credentials(credentials, job)
     await asyncio.to_thread(server.reload, authorization_config(credentials))
-    other = Subjects.for_job("another-job")
+    other, mine = Subjects.for_job("another-job"), Subjects.for_job(job)
     violations: asyncio.Queue[str] = asyncio.Queue()
     received: asyncio.Queue[str] = asyncio.Queue()
 
@@ -166,12 +202,12 @@ async def test_a_job_of_its_own_speaks_and_hears_for_that_job_alone(secured_nats
         received.put_nowait(msg.subject)
 
     member = await nats.connect(
-        server.url, nkeys_seed=str(job_nkey_path(credentials, JOB)), error_cb=on_error, inbox_prefix=S.inbox
+        server.url, nkeys_seed=str(job_nkey_path(credentials, job)), error_cb=on_error, inbox_prefix=mine.inbox
     )
-    refused_reads = [other.rebuild, f"{other.inbox}.>", "_INBOX.>", "deadpool.>"]
-    for subject in [*refused_reads, S.rebuild, f"{S.inbox}.>"]:
+    refused_reads = [other.rebuild, f"{other.inbox}.>", "_INBOX.>", "deadpool.>", other.fence("launcher-a")]
+    for subject in [*refused_reads, mine.rebuild, f"{mine.inbox}.>"]:
         await member.subscribe(subject, cb=on_msg)
-    refused_writes = [other.heartbeat, other.hello, other.launcher_heartbeat("host-a"), S.rebuild]
+    refused_writes = [other.heartbeat, other.hello, other.launcher_heartbeat("host-a"), mine.rebuild]
     for subject in refused_writes:
         await member.publish(subject, b"forged")
     await member.flush()
@@ -182,11 +218,11 @@ async def test_a_job_of_its_own_speaks_and_hears_for_that_job_alone(secured_nats
         assert f'permissions violation for publish to "{subject.lower()}"' in str(reports), subject
 
     admin = await connect_as(server.url, credentials, "admin", asyncio.Queue())
-    for subject in (other.rebuild, f"{other.inbox}.x", S.rebuild, f"{S.inbox}.x"):  # in this order
+    for subject in (other.rebuild, f"{other.inbox}.x", mine.rebuild, f"{mine.inbox}.x"):  # in this order
         await admin.publish(subject, b"")
     await admin.flush()
-    assert await asyncio.wait_for(received.get(), 10) == S.rebuild
-    assert await asyncio.wait_for(received.get(), 10) == f"{S.inbox}.x"
+    assert await asyncio.wait_for(received.get(), 10) == mine.rebuild
+    assert await asyncio.wait_for(received.get(), 10) == f"{mine.inbox}.x"
     assert received.empty()  # what went to the other job, published first, never came
     await admin.close()
     await member.close()
@@ -294,3 +330,40 @@ async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> 
             views += line.startswith(b"\x1b[H\x1b[2Jjob " + JOB.encode())
         watch.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(watch.wait(), 30) == 0
+
+
+async def test_a_jobs_key_cannot_speak_for_another_job_by_naming_it_in_the_payload(tmp_path: Path) -> None:
+    """The server lets job A's key publish on A's subjects alone; a payload that names job B there is
+    refused by the services. A hello for B sent on A's subject once came back accepted, with B's
+    data-plane token (and now it would carry B's seal key); an error report for B on A's subject once
+    reached the detector as B's. Both are refused; A's own report, published after, is taken."""
+    config = StackConfig(workdir=tmp_path, stores=1, replication=1, jobs=("job-a",))
+    async with Stack(config) as stack:
+        assert stack.credentials is not None
+        a = Subjects.for_job("job-a")
+        admin = await stack.connect()
+        assert (await start_run(admin, "job-b", 2)).accepted  # B is a real job, waiting for its ranks
+        failures: asyncio.Queue[Failure] = asyncio.Queue()
+
+        async def on_failure(msg: Msg) -> None:
+            failures.put_nowait(decode(msg.data, Failure))
+
+        await admin.subscribe("deadpool.*.failure", cb=on_failure)
+        await admin.flush()
+        seed = str(job_nkey_path(stack.credentials, "job-a"))
+        key_a = await nats.connect(stack.url, nkeys_seed=seed, inbox_prefix=a.inbox)
+        hello = MemberHello(
+            "job-b", 0, "m-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29500, time.time(), run=RUN
+        )
+        answer = await key_a.request(a.hello, encode(hello), timeout=30)
+        assert answer.headers is not None and "another job's subject" in answer.headers["Nats-Service-Error"]
+        js = key_a.jetstream(timeout=10)
+        forged = MemberError("job-b", 1, "m-0", 0, "forged", time.time(), MemberErrorCause.USER_CODE)
+        await js.publish(a.member_error, encode(forged))  # stored: A's key may publish on A's subject
+        own = MemberError("job-a", 1, "a-0", 0, "A's own error", time.time())
+        await js.publish(a.member_error, encode(own))
+        first = await asyncio.wait_for(failures.get(), 30)  # events are read in order: B's would be first
+        assert (first.job, first.member) == ("job-a", "a-0"), first
+        assert failures.empty()
+        await key_a.close()
+        await admin.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from deadpool_cli.nats_auth import write_server_authorization
+from deadpool_cli.nats_auth import create_job_credentials, write_server_authorization
 from deadpool_cli.nats_server import NatsServer, free_port
 from deadpool_runtime.credentials import nkey_file
 
@@ -60,6 +60,7 @@ def test_every_systemd_unit_verifies_in_an_install_root(tmp_path: Path) -> None:
     venv_bin.mkdir(parents=True)
     for tool in ("deadpool", "nats-server"):
         shutil.copy(Path(sys.executable).parent / tool, venv_bin / tool)
+    create_job_credentials(root / "etc/deadpool/credentials", "example")  # the job's key, for its launcher
     write_server_authorization(root / "etc/deadpool/credentials")
     (root / "etc/deadpool/jobs/example.env").write_text("DEADPOOL_LAUNCH_ARGS=--nproc 1 train.py\n")
     shutil.copytree("/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)  # the base system's
@@ -89,6 +90,7 @@ def compose_command() -> list[str]:
 def test_the_compose_file_is_valid_and_needs_an_advertised_address(tmp_path: Path) -> None:
     deploy = tmp_path / "deploy"
     shutil.copytree(DEPLOY, deploy)
+    create_job_credentials(deploy / "credentials", "example")  # as the header says: --job example
     write_server_authorization(deploy / "credentials")
 
     def config(advertise_host: str) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ from deadpool_protocol import (
     JobFinished,
     MemberDone,
     MemberError,
+    MemberErrorCause,
     StoreAddress,
 )
 from deadpool_protocol import Rebuild as RebuildMessage
@@ -638,3 +639,46 @@ def test_a_finished_job_name_that_runs_again_is_watched_afresh_and_an_old_end_is
     assert failure.member == "b1" and failure.reason == "heartbeat"
     core.on_finished(JobFinished("j", 1, 50), 210.0)  # the old run's end, again: ignored
     assert not core.jobs["j"].finished
+
+
+def test_an_exit_is_taken_only_from_the_launcher_that_runs_the_member() -> None:
+    """The launcher that forwards a member's beats runs it; another launcher of the job reporting its exit
+    (a forged exit once swapped a live rank without a fence) is refused, and so are its beats of it."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0)
+    assert core.on_heartbeat(beat("m1", 1.0, rank=1), 1.0, launcher="l0") == ""
+    assert "run by launcher l0" in core.on_heartbeat(beat("m1", 1.1, rank=1), 1.1, launcher="l1")
+    forged = ChildExit("j", 1, "l1", "m1", 4242, -9, 2.0)
+    assert "run by launcher l0" in core.exit_refusal(forged)
+    assert core.on_exit(forged, 2.0) == []
+    assert core.check(3.0) == []  # still watched, still beating within the timeout
+    [failure] = core.on_exit(ChildExit("j", 1, "l0", "m1", 4242, -9, 4.0), 4.0)
+    assert (failure.member, failure.rank, failure.evidence["launcher"]) == ("m1", 1, "l0")
+
+
+def test_a_report_that_would_end_the_job_counts_only_for_the_reporters_own_rank_in_its_generation() -> None:
+    """A `user_code` report ends the job only for the reporter's own place: from the member the current
+    generation named to that rank, or from a spare as a spare. From a spare claiming a rank, for another
+    rank, of an older generation, or from a member nobody named, it is the reporter's own failure,
+    declared in the rank the detector knows it by (a forged one once ended any job)."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0, generation=2)
+    cases = [
+        ("m2", 0, 2, MemberErrorCause.STEP, -1),  # a spare claiming rank 0
+        ("m1", 0, 2, MemberErrorCause.STEP, 1),  # rank 1 claiming rank 0
+        ("m0", 0, 1, MemberErrorCause.STEP, 0),  # an older generation
+        ("stranger", -1, 2, MemberErrorCause.STEP, -1),  # a member the job never named
+    ]
+    for member, rank, generation, cause, declared_rank in cases:
+        error = MemberError("j", generation, member, rank, "forged", 1.0, MemberErrorCause.USER_CODE)
+        assert core.error_cause(error) == cause
+        [failure] = core.on_error(error, 1.0)
+        assert (failure.member, failure.rank, failure.cause) == (member, declared_rank, cause)
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0, generation=2)
+    own = MemberError("j", 2, "m1", 1, "the optimizer factory raised", 1.0, MemberErrorCause.USER_CODE)
+    [failure] = core.on_error(own, 1.0)
+    assert (failure.rank, failure.cause) == (1, MemberErrorCause.USER_CODE)
+    spare = MemberError("j", 0, "m2", -1, "the factory raised while a spare warmed up", 1.0, MemberErrorCause.USER_CODE)
+    [failure] = core.on_error(spare, 1.0)
+    assert (failure.rank, failure.cause) == (-1, MemberErrorCause.USER_CODE)

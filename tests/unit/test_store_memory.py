@@ -191,3 +191,21 @@ def _has(memory: SnapshotMemory, step: int, job: str = "j") -> bool:
     except StoreError:
         return False
     return True
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_a_sealed_copy_is_never_replaced_within_its_timeline(committed: bool) -> None:
+    """An upload of a sealed step in the same generation (a job's token was enough), or a replay of the
+    honest upload's first chunk, once dropped the copy, committed or not: now both are refused and the
+    copy stays byte for byte. A newer generation still replaces it (the timeline after a rollback)."""
+    memory = SnapshotMemory(capacity_bytes=1000)
+    upload(memory, 5, b"honest-bytes")
+    if committed:
+        memory.commit("j", 5, generation=1)
+    replay = PutChunk("j", 1, 0, "m0", 5, 0, CHUNK, 12)
+    for chunk in (replay, PutChunk("j", 1, 0, "forger", 5, 0, CHUNK, 12), PutChunk("j", 1, 0, "m0", 5, 0, CHUNK, 8)):
+        with pytest.raises(StoreError, match="sealed copy is never replaced"):
+            memory.chunk_target(chunk)
+    assert bytes(memory.get("j", 0, 5).data) == b"honest-bytes"
+    upload(memory, 5, b"rolled-back!", generation=2)
+    assert bytes(memory.get("j", 0, 5).data) == b"rolled-back!" and memory.get("j", 0, 5).generation == 2

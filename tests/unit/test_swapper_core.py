@@ -428,6 +428,26 @@ def test_the_job_finishes_when_every_rank_of_the_generation_is_done() -> None:
     assert again.step == 10 and not again.failed
 
 
+def test_a_done_counts_only_from_the_ranks_own_member_at_the_jobs_last_step() -> None:
+    """Forged dones once ended a job at step 5 of 40, its final save run and every exit code 0: a done
+    for a rank its sender does not hold, or below the committed step, is refused; ranks done at different
+    steps finish nothing, until each says the step the others did (a member's later done replaces its
+    earlier one)."""
+    core, formation = formed_core()
+    for rank in range(W):
+        for store in ("store0", "store1"):
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+    assert core.jobs["j"].committed_step == 6
+    assert "does not hold" in core.on_done(MemberDone("j", 1, "r0", 1, 40), 3.0).reason
+    assert "below the committed step" in core.on_done(MemberDone("j", 1, "r1", 1, 5), 3.0).reason
+    assert core.jobs["j"].done == {}
+    assert published(core.on_done(MemberDone("j", 1, "r0", 0, 7), 3.0), JobFinished) == []  # forged, for r0
+    assert "different steps" in core.on_done(MemberDone("j", 1, "r1", 1, 40), 3.1).reason
+    assert not core.jobs["j"].finished
+    (finished,) = published(core.on_done(MemberDone("j", 1, "r0", 0, 40), 3.2), JobFinished)  # r0's own
+    assert finished.step == 40 and core.jobs["j"].finished
+
+
 def test_a_silent_store_is_left_out_of_new_placements() -> None:
     core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=5.0))
     core.on_store_status(StoreStatus("old", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)

@@ -140,6 +140,12 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("--spares", type=int, default=1, help="warm spares on this host")
     launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
     launch.add_argument(
+        "--nkey",
+        default="",
+        help="the job's own nkey seed file, which this launcher and its members hold (default: jobs/JOB.nk in "
+        "--credentials; with systemd or compose, the credential or secret it was given as)",
+    )
+    launch.add_argument(
         "--world-size", type=int, default=LaunchConfig.world_size, help="ranks in the whole job (default: --nproc)"
     )
     launch.add_argument(
@@ -341,8 +347,8 @@ def _parser() -> argparse.ArgumentParser:
         "--job",
         action="append",
         default=[],
-        help="also member credentials of this job's own, which read and write its subjects only (repeatable); "
-        "reload the NATS servers after adding one",
+        help="also the key of this job (repeatable), which its launchers and members hold: it reads and writes "
+        "the job's subjects only; reload the NATS servers after adding one (`deadpool up` admits it itself)",
     )
 
     status = sub.add_parser("status", help="show a job: ranks, spares, committed step, incidents")
@@ -378,9 +384,14 @@ def main(argv: list[str] | None = None) -> None:
             DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas, nkey_file=nkey)
         )
     elif command == "swapper":
+        from deadpool_runtime.credentials import read_dataplane_key, signing_key_file
         from deadpool_swapper import main as swapper_main
 
         nkey, dataplane_key = _role_files(args, "swapper", dataplane=True)
+        try:
+            signing_key = read_dataplane_key(signing_key_file(args.credentials))
+        except (OSError, ValueError) as exc:
+            sys.exit(f"deadpool swapper: {exc}")
         try:
             swapper_config = SwapperServiceConfig(
                 args.nats,
@@ -390,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
                 last_call_s=args.last_call_s,
                 nkey_file=nkey,
                 dataplane_key=dataplane_key,
+                signing_key=signing_key,
             )
             SwapperConfig(replication=args.replication, last_call_s=args.last_call_s)  # checks the values
         except ValueError as exc:
@@ -440,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for job in args.job:
-                print(f"job {job}'s members: {create_job_credentials(Path(args.directory), job)}")
+                print(f"job {job}'s key: {create_job_credentials(Path(args.directory), job)}")
         except ValueError as exc:
             sys.exit(f"deadpool credentials: {exc}")
         conf = write_server_authorization(Path(args.directory))
@@ -485,7 +497,7 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool_cli.stack import Stack
     from deadpool_protocol.names import require_name
     from deadpool_protocol.timeouts import TimeoutHierarchy
-    from deadpool_runtime.credentials import member_nkey_file, nkey_file
+    from deadpool_runtime.credentials import job_nkey_file
     from deadpool_runtime.lifecycle import run_service
     from deadpool_runtime.logs import configure_logging, get_logger
 
@@ -549,16 +561,19 @@ def _launch(args: argparse.Namespace) -> int:
             print(f"deadpool launch: {exc}", file=sys.stderr)
             return 2
 
-    launcher_nkey = member_nkey = ""
+    nkey = ""
     if args.nats:
-        launcher_nkey, _ = _role_files(args, "launcher")
         try:
-            member_nkey = member_nkey_file(args.credentials, job)
+            nkey = _job_key(args.credentials, job) if not args.nkey else args.nkey
+            if nkey and not Path(nkey).is_file():
+                raise FileNotFoundError(f"--nkey {nkey}: no such file")
         except (OSError, ValueError) as exc:
             sys.exit(f"deadpool launch: {exc}")
 
     async def run(stop: asyncio.Event) -> None:
-        async def with_url(url: str, launcher_nkey: str, member_nkey: str) -> None:
+        async def with_url(url: str, nkey: str) -> None:
+            if nkey:
+                await _admitted(url, nkey, job)
             config = LaunchConfig(
                 nats_url=url,
                 job=job,
@@ -572,8 +587,7 @@ def _launch(args: argparse.Namespace) -> int:
                 collective_timeout_s=args.collective_timeout_s,
                 extra_env=member_env,
                 devices=devices,
-                nkey_file=launcher_nkey,
-                member_nkey_file=member_nkey,
+                nkey_file=nkey,
                 run=args.run_id,
                 hold_without_stores_s=args.hold_without_stores_s,
                 host_copy_root="" if args.no_host_copy else LaunchConfig.host_copy_root,
@@ -581,7 +595,7 @@ def _launch(args: argparse.Namespace) -> int:
             result["code"] = await Launcher(config, get_logger(job=job)).run(stop)
 
         if args.nats:
-            await with_url(args.nats, launcher_nkey, member_nkey)
+            await with_url(args.nats, nkey)
         else:
             async with Stack(stack_config) as stack:
                 print(
@@ -590,10 +604,66 @@ def _launch(args: argparse.Namespace) -> int:
                 )
                 credentials = stack.credentials or ""
                 member_env.update(stack.trace_env)  # the members' spans go where the services' do
-                await with_url(stack.url, nkey_file(credentials, "launcher"), member_nkey_file(credentials, job))
+                await with_url(stack.url, job_nkey_file(credentials, job))
 
     run_service(run)
     return result["code"]
+
+
+JOB_KEY_ADMIT_S = 15.0
+"""How long `launch` waits for the NATS servers to admit its job's key (`deadpool up` reloads them
+within a second of a new key; a deployment's operator reloads them by hand)."""
+
+
+def _job_key(credentials: str, job: str) -> str:
+    """The job's key in `credentials` ('' without credentials). In the control plane's own directory
+    (it holds `admin.nk`, as `deadpool up` writes it) a missing key is created, for `up` to admit; on a
+    training host, given only the keys of its jobs, a missing one is an error that says what to do."""
+    from deadpool_cli.nats_auth import create_job_credentials
+    from deadpool_runtime.credentials import job_nkey_file, job_nkey_path
+
+    if credentials and (Path(credentials) / "admin.nk").is_file() and not job_nkey_path(credentials, job).is_file():
+        path = create_job_credentials(Path(credentials), job)
+        print(f"deadpool launch: created job {job}'s key, {path}", flush=True)
+    return job_nkey_file(credentials, job)
+
+
+async def _admitted(url: str, nkey: str, job: str) -> None:
+    """Wait until the servers admit `nkey` (a key just created is admitted at their next reload), at
+    most `JOB_KEY_ADMIT_S`; then the launcher connects as usual. Other failures are the launcher's."""
+    import time
+
+    import nats
+
+    from deadpool_protocol.subjects import Subjects
+    from deadpool_runtime import server_urls
+
+    async def quiet(_exc: Exception) -> None:
+        pass  # a refusal is expected until the reload: it is not worth a traceback
+
+    deadline = time.monotonic() + JOB_KEY_ADMIT_S
+    while True:
+        try:
+            nc = await nats.connect(
+                servers=server_urls(url),
+                nkeys_seed=nkey,
+                allow_reconnect=False,
+                connect_timeout=2,
+                inbox_prefix=Subjects.for_job(job).inbox,
+                error_cb=quiet,
+            )
+        except Exception as exc:
+            if "authorization" not in str(exc).lower():
+                return
+            if time.monotonic() > deadline:
+                sys.exit(
+                    f"deadpool launch: the NATS servers refuse job {job}'s key ({nkey}) after {JOB_KEY_ADMIT_S} s: "
+                    "reload them after `deadpool credentials DIR --job JOB` (nats-server --signal reload)"
+                )
+            await asyncio.sleep(0.2)
+        else:
+            await nc.close()
+            return
 
 
 def _up(args: argparse.Namespace) -> None:
@@ -621,7 +691,8 @@ def _up(args: argparse.Namespace) -> None:
             )
             if stack.credentials:
                 print(
-                    f"  credentials in {stack.credentials}: give a training host launcher.nk and member.nk, "
+                    f"  credentials in {stack.credentials}: give a training host the key of each job it runs, "
+                    "jobs/<job>.nk (`deadpool launch --credentials` here creates one, and this command admits it), "
                     "and keep the rest to the control plane"
                 )
             else:

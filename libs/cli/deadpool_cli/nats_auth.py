@@ -6,18 +6,19 @@ The permissions are the protocol's trust boundaries:
   replication requests;
 - only detectors publish verdicts (failure, straggler, group broken);
 - only stores publish store status and snapshot completions;
-- launchers start runs (only they may: a member cannot squat a job name), publish their host's heartbeat
-  batches and child exits, and answer fences;
-- members publish heartbeats, reports and acks, and receive commands;
+- a training job's processes hold the job's own key (`create_job_credentials`): its launchers start
+  its runs, publish its hosts' heartbeat batches and child exits and answer its fences; its members
+  publish heartbeats, reports and acks, and receive its commands. That key may publish and read the
+  job's subjects only, and only replies to its own requests (the job's inbox, `Subjects.inbox`): one
+  job's processes can neither act for, nor listen to, nor start another job. There is no key shared
+  by every job's members or launchers (one such key, on every training host, could end, truncate or
+  join any job). On the data plane, job tokens do the same;
 - `admin` (operators, `deadpool status`, tests) may do anything.
 Everything that answers a request (a hello, a fence, a micro-service ping) does so with
 `allow_responses`, which lets it publish to the requester's reply subject only.
 
-Subjects have `*` in the job's place: a role is trusted for every job of the deployment. A job can
-also have member credentials of its own (`create_job_credentials`): that user may publish only the
-job's member subjects and heartbeats to its launchers, and read only the job's commands and the replies
-to its own requests (the job's inbox, `Subjects.inbox`); so one job's processes can neither act for nor
-listen to another's. On the data plane, job tokens do the same.
+The services' subjects have `*` in the job's place: a service role is trusted for every job of the
+deployment.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __all__ = [
     "authorization_config",
     "create_credentials",
     "create_job_credentials",
-    "job_member_permissions",
+    "job_permissions",
     "public_key",
     "write_server_authorization",
 ]
@@ -48,7 +49,6 @@ _SERVICE = "$SRV.>"
 _PING = "$SRV.PING.>"
 """A service's own health check (`deadpool ping`) pings it with the service's credentials."""
 _FENCE = f"{PREFIX}.*.launcher.*.fence"
-_TO_LAUNCHER = f"{PREFIX}.*.launcher.*.heartbeat"
 _REPLICATE = f"{PREFIX}.store.*.replicate"
 _STORE_OWN = f"{PREFIX}.store.*.>"
 """A store's own subjects: replicate requests and its micro-service endpoints."""
@@ -79,44 +79,42 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
         "publish": [STORE_STATUS, _ANY.snapshot_complete, _PING],
         "subscribe": [_ANY.commit, _ANY.finished, _STORE_OWN, _SERVICE, _REPLIES],
     },
-    "launcher": {
-        "publish": [_ANY.heartbeat_batch, _ANY.run_start, *event_subjects("*", ("child_exit",))],
-        "subscribe": [
-            _TO_LAUNCHER,
-            _FENCE,
-            _ANY.rebuild,
-            _ANY.finished,
-            _REPLIES,
-        ],
-    },
-    "member": {
-        "publish": [f"{PREFIX}.*.member.>", _TO_LAUNCHER],
-        "subscribe": [
-            _ANY.rebuild,
-            _ANY.void,
-            _ANY.placement,
-            _ANY.finished,
-            _ANY.snapshot_interval,
-            f"{_ANY.inbox}.>",
-        ],
-    },
 }
-_ANSWERS_REQUESTS = {"swapper", "detector", "store", "launcher"}
-"""Roles that answer requests (hellos, status, fences, micro-service pings): `allow_responses`."""
+_ANSWERS_REQUESTS = {"swapper", "detector", "store"}
+"""Roles that answer requests (hellos, status, micro-service pings): `allow_responses`. A job's key
+does too: its launchers answer fences."""
 
 
-def job_member_permissions(job: str) -> dict[str, list[str]]:
-    """What job `job`'s own member credentials may do: the member role's, for that job only."""
+def job_permissions(job: str) -> dict[str, list[str]]:
+    """What job `job`'s own key may do: what its members and its launchers say and hear, for that job
+    only. (Fence requests, which a launcher answers, are the swapper's to send: the job may read them,
+    not send them.)"""
     s = Subjects.for_job(job)
     return {
-        "publish": [f"{PREFIX}.{job}.member.>", f"{PREFIX}.{job}.launcher.*.heartbeat"],
-        "subscribe": [s.rebuild, s.void, s.placement, s.finished, s.snapshot_interval, f"{s.inbox}.>"],
+        "publish": [
+            f"{PREFIX}.{job}.member.>",
+            f"{PREFIX}.{job}.launcher.*.heartbeat",
+            s.heartbeat_batch,
+            s.run_start,
+            *event_subjects(job, ("child_exit",)),
+        ],
+        "subscribe": [
+            s.rebuild,
+            s.void,
+            s.placement,
+            s.finished,
+            s.snapshot_interval,
+            f"{PREFIX}.{job}.launcher.*.heartbeat",
+            f"{PREFIX}.{job}.launcher.*.fence",
+            f"{s.inbox}.>",
+        ],
     }
 
 
 def create_job_credentials(directory: Path, job: str) -> Path:
-    """Write job `job`'s member nkey into `directory` (kept if there) and return its path. The servers
-    admit it once their `authorization` block lists it (`write_server_authorization`, then a reload)."""
+    """Write job `job`'s nkey into `directory` (kept if there) and return its path. The servers admit it
+    once their `authorization` block lists it (`write_server_authorization`, then a reload). Two
+    launchers of a job may create it at once: one file wins, whole, and both use it."""
     path = job_nkey_path(directory, job)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
@@ -126,17 +124,17 @@ def create_job_credentials(directory: Path, job: str) -> Path:
 
 
 def create_credentials(directory: Path) -> None:
-    """Write one nkey seed per role and a data-plane key into `directory` (mode 0600), keeping those
-    already there: restarting `deadpool up` on the same work directory keeps every credential."""
+    """Write one nkey seed per role, the data-plane key and the seal-signing key into `directory` (mode
+    0600), keeping those already there: restarting `deadpool up` on the same work directory keeps every credential."""
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     for role in ROLES:
         path = directory / f"{role}.nk"
         if not path.exists():
             _write_private(path, _new_seed() + "\n")
-    key = directory / "dataplane.key"
-    if not key.exists():
-        _write_private(key, secrets.token_hex(32) + "\n")
+    for name in ("dataplane.key", "seal.key"):
+        if not (directory / name).exists():
+            _write_private(directory / name, secrets.token_hex(32) + "\n")
 
 
 def _new_seed() -> str:
@@ -160,7 +158,7 @@ def authorization_config(directory: Path) -> str:
     one of these keys are refused."""
     users = [_user(directory / f"{role}.nk", PERMISSIONS[role], role in _ANSWERS_REQUESTS, role) for role in ROLES]
     for path in sorted((directory / "jobs").glob("*.nk")):
-        users.append(_user(path, job_member_permissions(path.stem), False, f"job {path.stem}'s members"))
+        users.append(_user(path, job_permissions(path.stem), True, f"job {path.stem}"))
     return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"
 
 
@@ -183,6 +181,15 @@ def write_server_authorization(directory: Path) -> Path:
 
 
 def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    """Write `path` whole (mode 0600) unless it exists: a reader never sees half of it, and of two
+    writers at once the first wins and the other keeps its file."""
+    partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.link(partial, path)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink()

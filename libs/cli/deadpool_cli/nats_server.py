@@ -186,6 +186,15 @@ class NatsCluster:
     def url(self) -> str:
         return ",".join(s.url for s in self.servers)
 
+    def reload(self, authorization: str) -> None:
+        """Give every server a new `authorization` block: the running ones reload it now, a dead one
+        starts with it."""
+        for server in self.servers:
+            if server.running():
+                server.reload(authorization)
+            else:
+                server.authorization = authorization
+
     def start(self) -> str:
         """Start every server (in parallel: a clustered server waits for its routes to be ready)."""
         errors: list[BaseException] = []

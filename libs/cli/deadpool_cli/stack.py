@@ -42,6 +42,8 @@ __all__ = ["Stack", "StackConfig", "answers_ping"]
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
 SUPERVISE_PERIOD_S = 0.1
+ADMIT_POLL_S = 0.2
+"""How often a stack with embedded NATS looks for new job keys to admit."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Stack:
         self.logdir = config.workdir / "logs"
         self.credentials: Path | None = Path(config.credentials) if config.credentials else None
         """The credentials directory every component of this stack reads (None: no auth)."""
+        self._admitter: asyncio.Task[None] | None = None
 
     @property
     def nats(self) -> NatsServer | None:
@@ -159,15 +162,18 @@ class Stack:
             raise
         if self.config.restart_after_s > 0:
             self._supervisor = asyncio.create_task(self._supervise())
+        if self.cluster is not None and self.credentials is not None:
+            self._admitter = asyncio.create_task(self._admit_job_keys(self.credentials, self.cluster))
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        for task in (self._supervisor, self._admitter):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.stop()
 
     @property
@@ -247,6 +253,22 @@ class Stack:
                             del died[key]
                             self.restarts[key] = self.restarts.get(key, 0) + 1
             await asyncio.sleep(SUPERVISE_PERIOD_S)
+
+    @staticmethod
+    async def _admit_job_keys(credentials: Path, cluster: NatsCluster) -> None:
+        """Admit every job key that appears in `credentials/jobs` (`deadpool launch` creates one there
+        for a job that has none): the servers reload their authorization within `ADMIT_POLL_S`."""
+        known = sorted((credentials / "jobs").glob("*.nk"))
+        while True:
+            await asyncio.sleep(ADMIT_POLL_S)
+            keys = sorted((credentials / "jobs").glob("*.nk"))
+            if keys != known:
+                try:
+                    await asyncio.to_thread(cluster.reload, authorization_config(credentials))
+                except (OSError, ValueError, RuntimeError) as exc:  # tried again at the next poll
+                    print(f"deadpool stack: job keys not admitted yet: {exc}", flush=True)
+                    continue
+                known = keys
 
     def _check_alive(self) -> None:
         for name, process in self.processes.items():

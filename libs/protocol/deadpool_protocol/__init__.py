@@ -3,7 +3,7 @@
 The ground floor of the project: it imports nothing of ours and performs no I/O.
 """
 
-from deadpool_protocol.codec import PROTOCOL_VERSION, decode, decode_any, encode
+from deadpool_protocol.codec import PROTOCOL_VERSION, decode, decode_any, decode_on, encode, subject_refusal
 from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.messages import (
     FIRST_STEP_SECTION,
@@ -97,5 +97,7 @@ __all__ = [
     "Subjects",
     "decode",
     "decode_any",
+    "decode_on",
     "encode",
+    "subject_refusal",
 ]

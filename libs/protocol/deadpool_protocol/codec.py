@@ -52,15 +52,18 @@ from deadpool_protocol.messages import (
     StoreStatus,
     Straggler,
 )
+from deadpool_protocol.subjects import PREFIX
 
 __all__ = [
     "MESSAGE_BYTES_MAX",
     "PROTOCOL_VERSION",
     "decode",
     "decode_any",
+    "decode_on",
     "encode",
     "from_fields",
     "shown",
+    "subject_refusal",
     "to_fields",
 ]
 
@@ -127,6 +130,29 @@ def decode(data: bytes, expected: type[M]) -> M:
     message = decode_any(data)
     if not isinstance(message, expected):
         raise ProtocolError(f"expected a {expected.KIND} message, got {message.KIND}")
+    return message
+
+
+def subject_refusal(subject: str, message: Message) -> str:
+    """Why `message` may not arrive on `subject` ('' if it may). A job's message is taken only on that
+    job's own subjects, `deadpool.<job>.…`: the server lets a job's key publish there alone, and the
+    payload names its job too. Without this check job J's key spoke for any job by naming it in the
+    payload, on J's subjects: a hello for another job, answered with that job's token and seal key."""
+    job = getattr(message, "job", None)
+    if not isinstance(job, str) or not subject.startswith(PREFIX + "."):
+        return ""
+    if subject.split(".", 2)[1] != job:
+        return f"a message of job {job} on {subject}: another job's subject"
+    return ""
+
+
+def decode_on(subject: str, data: bytes, expected: type[M]) -> M:
+    """Decode one message of type `expected` that arrived on `subject`, and check that it may arrive
+    there (`subject_refusal`)."""
+    message = decode(data, expected)
+    refused = subject_refusal(subject, message)
+    if refused:
+        raise ProtocolError(refused)
     return message
 
 

@@ -17,6 +17,15 @@ the swapper hold. The swapper hands a job's token to the job's members in its an
 over the authenticated bus; so a member can read and write its own job's snapshots and no other's, and
 a stranger none. The token is compared in constant time and never logged.
 
+**Who wrote a snapshot.** A token lets its holder write, and every store holds every job's: so a
+restoring member trusts a copy only if its seal is signed. The uploading member signs the Seal's
+fields (job, generation, rank, member, step, sizes, checksums, layout) with the job's seal key,
+`seal_key(signing_key, job)`, which the swapper derives from a key that stores never see and hands to
+the job's members with their token; stores keep the signature with the copy, pass it on when they
+replicate, and return it with a fetch, and the member checks it before it takes a byte. (The chunk
+checksums it covers are XXH3, chosen for speed: a store that could craft an XXH3 second preimage of a
+4 MiB chunk could still change bytes under a valid signature.)
+
 This module only encodes and decodes; the I/O lives with the hooks and the store.
 """
 
@@ -43,6 +52,7 @@ __all__ = [
     "DATAPLANE_VERSION",
     "FRAME_LENGTH",
     "HEADER_BYTES_MAX",
+    "SIGNATURE_BYTES",
     "SNAPSHOT_BYTES_MAX",
     "Fetch",
     "FetchReply",
@@ -56,6 +66,8 @@ __all__ = [
     "decode_frame_header",
     "encode_frame",
     "job_token",
+    "seal_key",
+    "seal_signature",
     "token_matches",
 ]
 
@@ -74,8 +86,10 @@ Checksums = Annotated[list[int], Bound(CHECKSUMS_MAX, "CHECKSUMS_MAX", "items")]
 Layout = Annotated[bytes, Bound(HEADER_BYTES_MAX, "HEADER_BYTES_MAX", "bytes")]
 """A snapshot's layout (`meta`), carried in a frame header."""
 DATAPLANE_KEY_BYTES_MIN = 32
-DATAPLANE_VERSION = 2
-"""1: CRC-32 checksums; 2: XXH3-64. A peer speaking another version is refused at its first frame."""
+DATAPLANE_VERSION = 3
+"""1: CRC-32 checksums; 2: XXH3-64; 3: signed seals. A peer speaking another version is refused at its
+first frame."""
+SIGNATURE_BYTES = 32
 
 
 def job_token(key: bytes, job: str) -> bytes:
@@ -88,6 +102,37 @@ def job_token(key: bytes, job: str) -> bytes:
 def token_matches(key: bytes, job: str, token: bytes) -> bool:
     """Whether `token` is job `job`'s under `key` (constant time)."""
     return hmac.compare_digest(job_token(key, job), token)
+
+
+def seal_key(signing_key: bytes, job: str) -> bytes:
+    """The key job `job`'s members sign and check their snapshots' seals with."""
+    if len(signing_key) < DATAPLANE_KEY_BYTES_MIN:
+        raise ValueError(f"a signing key of {len(signing_key)} bytes (at least {DATAPLANE_KEY_BYTES_MIN})")
+    return hmac.new(signing_key, b"deadpool-seal-key\0" + job.encode(), hashlib.sha256).digest()
+
+
+def seal_signature(
+    key: bytes,
+    job: str,
+    generation: int,
+    rank: int,
+    member: str,
+    step: int,
+    total_bytes: int,
+    chunk_bytes: int,
+    checksums: list[int],
+    meta: bytes,
+) -> bytes:
+    """The signature of a snapshot's seal under its job's seal key (b'' without a key: unsigned)."""
+    if not key:
+        return b""
+    fields = [job, generation, rank, member, step, total_bytes, chunk_bytes, checksums, meta]
+    return hmac.new(key, msgpack.packb(fields, use_bin_type=True), hashlib.sha256).digest()
+
+
+def _check_signature(signature: bytes) -> None:
+    if len(signature) not in (0, SIGNATURE_BYTES):
+        raise ProtocolError(f"a signature of {len(signature)} bytes (a seal's has {SIGNATURE_BYTES})")
 
 
 def _check_token(token: bytes) -> None:
@@ -199,11 +244,14 @@ class Seal(Frame):
     checksums: Checksums
     meta: Layout
     token: Token = b""
+    signature: Token = b""
+    """`seal_signature` of the fields above under the job's seal key (b'': unsigned)."""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_upload(self.generation, self.member)
         _check_token(self.token)
+        _check_signature(self.signature)
         _check_manifest(self.total_bytes, self.chunk_bytes, self.checksums)
 
 
@@ -242,10 +290,13 @@ class FetchReply(Frame):
     chunk_bytes: int
     checksums: Checksums
     meta: Layout
+    signature: Token = b""
+    """The uploader's seal signature, as the store received it."""
 
     def check(self) -> None:
         if self.ok:  # the member allocates total_bytes and reads chunk by chunk: bound both first
             _check_upload(self.generation, self.member)
+            _check_signature(self.signature)
             _check_manifest(self.total_bytes, self.chunk_bytes, self.checksums)
 
 

@@ -258,10 +258,14 @@ class HelloReply(JobMessage):
     store_token: Token = b""
     """The job's data-plane token (`dataplane.job_token`), for an accepted member of a job whose stores
     check tokens; empty where they do not."""
+    seal_key: Token = b""
+    """The job's seal key (`dataplane.seal_key`), which its members sign and check their snapshots'
+    seals with; empty where the swapper has no signing key. It comes only to the job's own inbox."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(len(self.store_token) in (0, TOKEN_BYTES), f"a store token of {len(self.store_token)} bytes")
+        _need(len(self.seal_key) in (0, TOKEN_BYTES), f"a seal key of {len(self.seal_key)} bytes")
 
 
 class MemberPhase(enum.StrEnum):

@@ -14,7 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from deadpool_protocol import Message, ProtocolError, decode, encode
+from deadpool_protocol import Message, ProtocolError, decode_on, encode
 from deadpool_runtime.log_limit import RefusalLog
 
 __all__ = ["RECONNECT_WAIT_S", "connect", "publish", "server_urls", "subscribe_validated"]
@@ -81,7 +81,7 @@ async def subscribe_validated(
 
     async def on_msg(msg: Msg) -> None:
         try:
-            message = decode(msg.data, expected)
+            message = decode_on(msg.subject, msg.data, expected)
         except ProtocolError as exc:
             refusals.warning("rejected message", subject=msg.subject, reason=str(exc))
             return

@@ -1,14 +1,18 @@
 """Where a deployment's credentials live, and reading them.
 
 A credentials directory holds one NATS nkey seed file per role, `<role>.nk` (the file `nats --nkey`
-and every NATS client library read), and `dataplane.key`, the key that job tokens for the data plane
-are derived from (`deadpool_protocol.dataplane.job_token`); only stores and swappers read it. The
-NATS server holds the public half of each nkey, with the role's permissions (`deadpool_cli.nats_auth`).
-A host is given only the files of the roles it runs: a training host `launcher.nk` and `member.nk`.
+and every NATS client library read), `dataplane.key`, the key that job tokens for the data plane
+are derived from (`deadpool_protocol.dataplane.job_token`), which only stores and swappers read; and
+`seal.key`, which the seal keys that members sign their snapshots with are derived from
+(`deadpool_protocol.dataplane.seal_key`), which only swappers read: a store, which holds every job's
+token, cannot sign. The NATS server holds the public half of each nkey, with the role's permissions
+(`deadpool_cli.nats_auth`). A host is given only the files of the roles it runs.
 
-`member.nk` is trusted for every job of the deployment. A job can have member credentials of its own,
-`jobs/<job>.nk` (`deadpool credentials DIR --job JOB`), which the server lets publish and read that
-job's subjects only; a launcher hands its members their job's file where there is one.
+A training job's processes, its launchers and its members, hold the job's own key, `jobs/<job>.nk`
+(`deadpool credentials DIR --job JOB`), which the server lets publish and read that job's subjects
+only. There is no key shared by every job's members or launchers: a training script is user code, and
+on a shared cluster another team's script runs beside it. A training host is given the files of the
+jobs it runs, nothing else.
 """
 
 from __future__ import annotations
@@ -23,17 +27,19 @@ __all__ = [
     "NKEY_ENV",
     "ROLES",
     "dataplane_key_file",
+    "job_nkey_file",
     "job_nkey_path",
-    "member_nkey_file",
     "nkey_file",
     "read_dataplane_key",
+    "signing_key_file",
 ]
 
 CREDENTIALS_ENV = "DEADPOOL_CREDENTIALS"
 """The default of every command's `--credentials DIR`."""
 NKEY_ENV = "DEADPOOL_NATS_NKEY"
 """A member's own nkey seed file (its launcher sets it)."""
-ROLES = ("admin", "swapper", "detector", "store", "launcher", "member")
+ROLES = ("admin", "swapper", "detector", "store")
+"""The roles with a key of their own; a job's launchers and members hold the job's (`job_nkey_path`)."""
 
 
 def nkey_file(directory: str | Path, role: str) -> str:
@@ -49,16 +55,33 @@ def nkey_file(directory: str | Path, role: str) -> str:
 
 
 def job_nkey_path(directory: str | Path, job: str) -> Path:
-    """Where job `job`'s own member nkey lives in a credentials directory."""
+    """Where job `job`'s own nkey (its launchers' and members') lives in a credentials directory."""
     return Path(directory) / "jobs" / f"{require_name(job, 'job')}.nk"
 
 
-def member_nkey_file(directory: str | Path, job: str) -> str:
-    """The nkey a launcher hands to job `job`'s members: the job's own where it has one, else the member
-    role's ('' without a directory: no auth)."""
-    if directory and job_nkey_path(directory, job).is_file():
-        return str(job_nkey_path(directory, job))
-    return nkey_file(directory, "member")
+def job_nkey_file(directory: str | Path, job: str) -> str:
+    """Job `job`'s nkey seed file in a credentials directory ('' without a directory: no auth)."""
+    if not directory:
+        return ""
+    path = job_nkey_path(directory, job)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"job {job} has no credentials: {path} does not exist (create them where the control plane's "
+            f"credentials are, `deadpool credentials DIR --job {job}`, reload the NATS servers, and give "
+            "this host the file)"
+        )
+    return str(path)
+
+
+def signing_key_file(directory: str | Path) -> str:
+    """`seal.key`, which seal keys are derived from (`dataplane.seal_key`): the swapper's alone, never a
+    store's ('' without a directory: snapshots unsigned)."""
+    if not directory:
+        return ""
+    path = Path(directory) / "seal.key"
+    if not path.is_file():
+        raise FileNotFoundError(f"no snapshot signing key: {path} does not exist (`deadpool credentials` makes it)")
+    return str(path)
 
 
 def dataplane_key_file(directory: str | Path) -> str:

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import ConsumerConfig, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from deadpool_protocol import Message, ProtocolError, decode_any, encode
+from deadpool_protocol import Message, ProtocolError, decode_any, encode, subject_refusal
 from deadpool_protocol.codec import MESSAGE_BYTES_MAX
 from deadpool_protocol.events import EVENTS_STREAM, event_subjects
 from deadpool_runtime.lifecycle import stopped_within
@@ -306,6 +306,8 @@ class EventReader:
             message = decode_any(msg.data)
             if self.expected and not isinstance(message, self.expected):
                 raise ProtocolError(f"{message.KIND} is not an event this reader expects")
+            if refused := subject_refusal(msg.subject, message):
+                raise ProtocolError(refused)
         except ProtocolError as exc:
             self._refusals.warning("rejected event", subject=msg.subject, seq=seq, reason=str(exc))
             return

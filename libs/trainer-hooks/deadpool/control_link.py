@@ -125,6 +125,8 @@ class ControlLink:
         self._refused = ""
         self._registered = False
         self.store_token = b""
+        self.seal_key = b""
+        """The job's seal key, from the swapper's answer to the hello (`StoreConnection.seal_key`)."""
         """The job's data-plane token, from the swapper's answer to our hello (b'' where stores take none)."""
         self._loop = asyncio.new_event_loop()
         self._nc: Client | None = None
@@ -266,6 +268,7 @@ class ControlLink:
                 if reply.accepted:
                     self._registered = True
                     self.store_token = reply.store_token
+                    self.seal_key = reply.seal_key
                 elif reply.finished:  # too late: not an error, the member just has nothing to do
                     self._registered = True
                     failed = bool(reply.failed_reason)

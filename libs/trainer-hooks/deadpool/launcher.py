@@ -54,6 +54,7 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_protocol.codec import decode_on
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime import EventPublisher, connect, stopped_within, subscribe_validated
 from deadpool_runtime.credentials import CREDENTIALS_ENV
@@ -104,9 +105,8 @@ class LaunchConfig:
     devices: DevicePlan | None = None
     """Each slot's GPU (`cuda_devices`); None for a CPU job."""
     nkey_file: str = ""
-    """The launcher role's NATS nkey seed file ('' where the server has no auth)."""
-    member_nkey_file: str = ""
-    """The member role's, handed to this launcher's members (`DEADPOOL_NATS_NKEY`)."""
+    """The job's own NATS nkey seed file ('' where the server has no auth): this launcher's, and handed
+    to its members (`DEADPOOL_NATS_NKEY`). It speaks for this job alone."""
     run: str = ""
     """The run this launcher starts (or joins, with the job's other launchers); '' makes a new one.
     A job name holds one run at a time (`RunStart`)."""
@@ -199,7 +199,11 @@ class Launcher:
 
     async def _run(self, stop: asyncio.Event) -> int:
         self._nc = await connect(
-            self.config.nats_url, f"deadpool-launcher-{self.launcher_id}", self.log, self.config.nkey_file
+            self.config.nats_url,
+            f"deadpool-launcher-{self.launcher_id}",
+            self.log,
+            self.config.nkey_file,
+            inbox_prefix=self.subjects.inbox,  # the job's key reads the job's replies only
         )
         self._events = EventPublisher(self._nc, self.log)
         await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
@@ -310,10 +314,10 @@ class Launcher:
         member = f"{self.launcher_id}-{self._serial}"
         slot = self._free_slots.pop(0)  # the lowest free: a respawn takes the slot its dead member left
         env = dict(os.environ)
-        env.pop(CREDENTIALS_ENV, None)  # a member gets its own role's credentials, no others
+        env.pop(CREDENTIALS_ENV, None)  # a member gets its job's key, no other credentials
         env.pop(ENV.NATS_NKEY, None)
-        if self.config.member_nkey_file:
-            env[ENV.NATS_NKEY] = self.config.member_nkey_file
+        if self.config.nkey_file:
+            env[ENV.NATS_NKEY] = self.config.nkey_file
         env.setdefault("OMP_NUM_THREADS", "1")
         if self.config.rendezvous_host.startswith("127."):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback
@@ -425,7 +429,7 @@ class Launcher:
 
     async def _on_fence(self, msg: Msg) -> None:
         try:
-            request = decode(msg.data, FenceRequest)
+            request = decode_on(msg.subject, msg.data, FenceRequest)
         except ProtocolError as exc:
             self._refusals.warning("rejected fence request", reason=str(exc))
             return

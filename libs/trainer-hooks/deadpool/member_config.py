@@ -32,7 +32,7 @@ class ENV(enum.StrEnum):
     JOB = "DEADPOOL_JOB"
     NATS_URL = "DEADPOOL_NATS_URL"
     NATS_NKEY = NKEY_ENV
-    """The member role's NATS nkey seed file (where the server has auth)."""
+    """The job's own NATS nkey seed file (where the server has auth)."""
     MEMBER = "DEADPOOL_MEMBER"
     LAUNCHER = "DEADPOOL_LAUNCHER"
     RUN = "DEADPOOL_RUN"
@@ -133,7 +133,7 @@ class MemberConfig:
     stats_dir: str = ""
     """If set, each member writes its per-step timings there as `<member>.json` when it closes."""
     nats_nkey: str = ""
-    """The member role's NATS nkey seed file ('' where the server has no auth)."""
+    """The job's own NATS nkey seed file ('' where the server has no auth)."""
     host_copy_dir: str = ""
     """Where the member's snapshot buffers live as files in the host's shared memory, so that they
     outlive it (`deadpool.host_copy`; set by `deadpool launch`); '' keeps them in the process."""

@@ -198,6 +198,7 @@ class Member:
             )
         )
         self._worker.store_token = self.link.store_token
+        self._worker.seal_key = self.link.seal_key
 
     # ------------------------------------------------------------------ phases
 

@@ -524,6 +524,7 @@ class MemberRebuild:
                 module,
                 self.log,
                 token=parts.link.store_token,
+                seal_key=parts.link.seal_key,
                 pin=torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()),
                 sharded=is_fully_sharded(module),
                 breakable=lambda abort: parts.waits.breakable(self.generation, abort),

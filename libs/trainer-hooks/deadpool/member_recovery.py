@@ -156,7 +156,7 @@ class Recovery:
                 )
             except MemberCannotContinueError as exc:
                 parts.leave_group()
-                self.report_fatal(exc, exc.cause)
+                self.report_fatal(exc, exc.cause, during=command)
                 raise
             self._enter(MemberPhase.RECOVERING)
             newer = link.wait_command(newer_than=command.generation, timeout_s=parts.config.rebuild_wait_s)
@@ -221,19 +221,19 @@ class Recovery:
         self.log.error("exiting: stuck in a collective the abort could not release", generation=generation)
         os._exit(3)
 
-    def report_fatal(self, exc: BaseException, cause: MemberErrorCause = MemberErrorCause.STEP) -> None:
-        """Tell the detector we cannot go on, and why, before we stop (bounded wait for it to be stored)."""
+    def report_fatal(
+        self, exc: BaseException, cause: MemberErrorCause = MemberErrorCause.STEP, during: Rebuild | None = None
+    ) -> None:
+        """Tell the detector we cannot go on, and why, before we stop (bounded wait for it to be stored).
+        `during`: the rebuild being carried out, whose generation and rank the report is made in (the
+        detector takes a report that ends the job only from the rank's member, in its generation)."""
         config, link, here = self.parts.config, self.parts.link, self._position()
+        generation, rank = here.generation, here.rank if here.rank is not None else NO_RANK
+        if during is not None:
+            named = config.member in during.ranks
+            generation, rank = during.generation, during.ranks.index(config.member) if named else NO_RANK
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        error = MemberError(
-            config.job,
-            here.generation,
-            config.member,
-            here.rank if here.rank is not None else NO_RANK,
-            text[:2000],
-            time.time(),
-            cause,
-        )
+        error = MemberError(config.job, generation, config.member, rank, text[:2000], time.time(), cause)
         try:
             link.publish_event(link.subjects.member_error, error).result(ERROR_REPORT_WAIT_S)
         except Exception as report_exc:

@@ -202,6 +202,8 @@ class SnapshotWorker:
         self._cancel_below_generation = 0
         self._connections: dict[str, StoreConnection] = {}
         self.store_token = b""
+        self.seal_key = b""
+        """The job's seal key: every upload's seal is signed with it."""
         """The job's data-plane token (set once the swapper accepted this member, before any capture)."""
         self._requests: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
         self._uploads: queue.Queue[CaptureRequest | None] = queue.Queue(maxsize=1)
@@ -664,7 +666,9 @@ class SnapshotWorker:
                 if conn is None or conn.address != address:
                     if conn is not None:
                         conn.close()
-                    conn = self._connections[address.store] = StoreConnection(address, token=self.store_token)
+                    conn = self._connections[address.store] = StoreConnection(
+                        address, token=self.store_token, seal_key=self.seal_key
+                    )
             try:
                 conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
                 request.sealed_on.append(address.store)

@@ -9,6 +9,7 @@ total deadline (`FetchDeadline`).
 from __future__ import annotations
 
 import contextlib
+import hmac
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from deadpool_protocol.dataplane import (
     chunk_spans,
     decode_frame_header,
     encode_frame,
+    seal_signature,
 )
 from deadpool_protocol.errors import DeadPoolError
 
@@ -135,10 +137,15 @@ class FetchedSnapshot:
 class StoreConnection:
     """One persistent connection to one store; reconnects on the next call after an error."""
 
-    def __init__(self, address: StoreAddress, timeout_s: float = 30.0, token: bytes = b"") -> None:
+    def __init__(
+        self, address: StoreAddress, timeout_s: float = 30.0, token: bytes = b"", seal_key: bytes = b""
+    ) -> None:
         self.address = address
         self.token = token
         """The job's data-plane token, from the swapper's answer to this member's hello."""
+        self.seal_key = seal_key
+        """The job's seal key, from the same answer: uploads are signed with it, and a fetched copy whose
+        seal it did not sign is refused before a byte is taken (b'': neither)."""
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._aborted = False
@@ -186,18 +193,8 @@ class StoreConnection:
                 )
                 _send_all(sock, [memoryview(encode_frame(header)), chunk])
                 checksums.append(chunk_checksum(chunk))  # while the store drains the socket
-            seal = Seal(
-                key.job,
-                key.generation,
-                key.rank,
-                key.member,
-                key.step,
-                len(data),
-                chunk_bytes,
-                checksums,
-                meta,
-                self.token,
-            )
+            fields = (key.job, key.generation, key.rank, key.member, key.step, len(data), chunk_bytes, checksums, meta)
+            seal = Seal(*fields, self.token, seal_signature(self.seal_key, *fields))
             sock.sendall(encode_frame(seal))
             reply = self._read_frame(sock, Reply)
         except (OSError, ProtocolError, SnapshotCancelledError) as exc:
@@ -242,6 +239,7 @@ class StoreConnection:
                     f"store {self.address.store} holds generation {reply.generation}'s copy of step {step}, "
                     f"not the committed one of generation {generation} (an abandoned timeline)"
                 )
+            self._check_signature(job, rank, step, reply)
             target = destination(reply.meta, reply.total_bytes)
             if len(target) != reply.total_bytes:
                 raise StoreClientError("destination buffer does not match the snapshot's size")
@@ -265,6 +263,27 @@ class StoreConnection:
             self.close()
             raise
         return FetchedSnapshot(reply.generation, reply.member, reply.meta, reply.total_bytes)
+
+    def _check_signature(self, job: str, rank: int, step: int, reply: FetchReply) -> None:
+        """With a seal key, the copy must be sealed by a holder of it, for exactly this job, rank and step:
+        a store (or anyone with the job's token) that replaced it cannot sign."""
+        if not self.seal_key:
+            return
+        want = seal_signature(
+            self.seal_key,
+            job,
+            reply.generation,
+            rank,
+            reply.member,
+            step,
+            reply.total_bytes,
+            reply.chunk_bytes,
+            reply.checksums,
+            reply.meta,
+        )
+        if not hmac.compare_digest(want, reply.signature):
+            why = "unsigned" if not reply.signature else "signed with another key, or changed since it was signed"
+            raise StoreClientError(f"store {self.address.store}: the copy of step {step} is {why}: refused")
 
     @staticmethod
     def _read_frame(sock: socket.socket, expected: type[Frame], due: _Due | None = None) -> Frame:

@@ -59,6 +59,7 @@ def fetch_from_stores(
     log: Any,
     *,
     token: bytes = b"",
+    seal_key: bytes = b"",
     pin: bool = False,
     sharded: bool = False,
     breakable: Breakable = lambda _abort: contextlib.nullcontext(),
@@ -70,7 +71,7 @@ def fetch_from_stores(
     errors: list[str] = []
     for address in stores:
         landing = _Landing(wanted.step, module, pin, sharded)
-        connection = StoreConnection(address, token=token)
+        connection = StoreConnection(address, token=token, seal_key=seal_key)
         try:
             with breakable(connection.abort):
                 connection.fetch(

@@ -232,6 +232,11 @@ class Watched:
     """The job's snapshot interval as it knows it, for `deadpool status`."""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
+    named_rank: int = NO_RANK
+    """The rank the newest rebuild (or the job record) named it to; NO_RANK: a spare, or not named."""
+    launcher: str = ""
+    """The launcher that forwarded its first batched heartbeat: the one that runs it, and the only one
+    whose report of its exit is taken ('' until then)."""
 
 
 @dataclass
@@ -290,8 +295,9 @@ class DetectorCore:
             view = self.jobs[job] = JobView(job)
         return view
 
-    def on_heartbeat(self, hb: Heartbeat, now: float) -> str:
-        """Take a heartbeat in; returns why it was refused ('' when taken)."""
+    def on_heartbeat(self, hb: Heartbeat, now: float, launcher: str = "") -> str:
+        """Take a heartbeat in (forwarded by `launcher` in its batch, or '' if sent directly); returns why
+        it was refused ('' when taken)."""
         view = self.jobs.get(hb.job)
         if view is None:
             if len(self.jobs) >= self.config.jobs_max:
@@ -304,8 +310,11 @@ class DetectorCore:
             return ""  # a declared member is being fenced; its last words change nothing
         self._generation(view, hb.generation, now)
         watched = view.members.get(hb.member)
+        if watched is not None and launcher and watched.launcher and launcher != watched.launcher:
+            return f"launcher {launcher} forwards a beat of {hb.member}, run by launcher {watched.launcher}"
         if watched is None:
             watched = view.members[hb.member] = Watched(hb.member, hb.rank, now, progress_t=now)
+        watched.launcher = watched.launcher or launcher
         watched.last_seen = now
         if hb.step != watched.last_step:
             if hb.rank >= 0 and watched.last_step >= 0 and hb.step > watched.last_step:
@@ -363,7 +372,7 @@ class DetectorCore:
                 view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
         rank_of = {member: rank for rank, member in enumerate(rebuild.ranks)}  # O(n): thousands of members
         for member, watched in view.members.items():
-            watched.rank = rank_of.get(member, NO_RANK)
+            watched.rank = watched.named_rank = rank_of.get(member, NO_RANK)
             if newer:  # a new generation: rendezvous and restore take time; step clocks start again
                 watched.progress_t = now
                 watched.awaiting_since = 0.0  # awaiting counts again only in the new generation
@@ -411,8 +420,9 @@ class DetectorCore:
         rank_of = {member: rank for rank, member in enumerate(summary.ranks)}
         for member in [*summary.ranks, *summary.spares]:
             if member not in view.members and member not in view.declared:
+                rank = rank_of.get(member, NO_RANK)
                 view.members[member] = Watched(
-                    member, rank_of.get(member, NO_RANK), now, progress_t=now, host=summary.hosts.get(member, "")
+                    member, rank, now, progress_t=now, host=summary.hosts.get(member, ""), named_rank=rank
                 )
 
     def on_done(self, done: MemberDone) -> None:
@@ -443,7 +453,34 @@ class DetectorCore:
             del self.jobs[job]
         return gone
 
+    def exit_refusal(self, exit_: ChildExit) -> str:
+        """Why a launcher's report of a process's exit is not taken ('' if it is): a member's exit is its
+        own launcher's to report. (Forged exits once swapped live ranks, without a fence, and used up
+        their spares.)"""
+        view = self.jobs.get(exit_.job)
+        watched = view.members.get(exit_.member) if view is not None else None
+        if watched is not None and watched.launcher and exit_.launcher != watched.launcher:
+            return f"launcher {exit_.launcher} reports an exit of {exit_.member}, run by launcher {watched.launcher}"
+        return ""
+
+    def error_cause(self, error: MemberError) -> MemberErrorCause:
+        """The cause a member's error report is taken with. One that would end the job is taken as such
+        only for the reporter's own place: the rank the job's current generation named it to, in that
+        generation, or a spare's report as a spare. Anything else is that member's own failure (a forged
+        `user_code` report once ended any job)."""
+        if not error.cause.ends_job:
+            return error.cause
+        view = self.jobs.get(error.job)
+        watched = view.members.get(error.member) if view is not None else None
+        if view is None or watched is None or error.rank != watched.named_rank:
+            return MemberErrorCause.STEP
+        if error.rank != NO_RANK and error.generation != view.generation:
+            return MemberErrorCause.STEP
+        return error.cause
+
     def on_exit(self, exit_: ChildExit, now: float) -> list[Failure]:
+        if self.exit_refusal(exit_):
+            return []
         view = self._view(exit_.job)
         watched = view.members.pop(exit_.member, None)
         normal = exit_.returncode == 0 and (view.finished or (watched is not None and watched.done))
@@ -456,16 +493,16 @@ class DetectorCore:
         return [self._declare(view, exit_.member, rank, FailureReason.EXIT, evidence, exit_.t_exit, now)]
 
     def on_error(self, error: MemberError, now: float) -> list[Failure]:
+        """A member's report of its own error: it is declared failed, in the rank the detector knows it
+        by (a report cannot name another member's rank), with the cause `error_cause` allows."""
+        cause = self.error_cause(error)
         view = self._view(error.job)
         if error.member in view.declared:
             return []
-        view.members.pop(error.member, None)
+        watched = view.members.pop(error.member, None)
+        rank = watched.rank if watched is not None else NO_RANK
         evidence = {"error": error.error[:2000]}
-        return [
-            self._declare(
-                view, error.member, error.rank, FailureReason.ERROR, evidence, error.t, now, cause=error.cause
-            )
-        ]
+        return [self._declare(view, error.member, rank, FailureReason.ERROR, evidence, error.t, now, cause=cause)]
 
     def grace(self, now: float) -> None:
         """Restart every member's clocks: the detector itself missed a stretch of time."""

@@ -211,7 +211,7 @@ class DetectorService:
     async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
         now = time.monotonic()
         for hb in batch.beats:
-            self._refused(hb, self.core.on_heartbeat(hb, now))
+            self._refused(hb, self.core.on_heartbeat(hb, now, batch.launcher))
 
     def _refused(self, hb: Heartbeat, reason: str) -> None:
         """Log a refused heartbeat, once per (job, member, reason) so a flood cannot fill the log."""
@@ -227,8 +227,18 @@ class DetectorService:
     async def _on_event(self, event: Message, _seq: int) -> None:
         now = time.monotonic()
         if isinstance(event, ChildExit):
+            if refused := self.core.exit_refusal(event):
+                self._refusals.warning("child exit refused", job=event.job, member=event.member, reason=refused)
             self._emit(self.core.on_exit(event, now))
         elif isinstance(event, MemberError):
+            if (cause := self.core.error_cause(event)) != event.cause:
+                self._refusals.warning(
+                    "member error taken as the member's own",
+                    job=event.job,
+                    member=event.member,
+                    reason=f"cause {event.cause} claimed for rank {event.rank} in generation {event.generation}",
+                    taken_as=str(cause),
+                )
             self._emit(self.core.on_error(event, now))
         elif isinstance(event, MemberDone):
             self.core.on_done(event)

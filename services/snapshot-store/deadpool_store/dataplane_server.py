@@ -404,7 +404,15 @@ class _Connection(asyncio.BufferedProtocol):
             await self._write(encode_frame(FetchReply(False, str(exc), 0, "", 0, 0, [], b"")))
             return
         reply = FetchReply(
-            True, "", snap.generation, snap.member, snap.total_bytes, snap.chunk_bytes, snap.checksums, snap.meta
+            True,
+            "",
+            snap.generation,
+            snap.member,
+            snap.total_bytes,
+            snap.chunk_bytes,
+            snap.checksums,
+            snap.meta,
+            snap.signature,
         )
         snap.readers += 1  # a commit freeing the snapshot meanwhile neither cuts this short nor reuses it
         try:

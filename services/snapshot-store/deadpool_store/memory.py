@@ -5,7 +5,10 @@ the snapshot's memory (`chunk_target`, then `chunk_received` verifies them in pl
 one kernel copy and one checksum pass per byte; the seal then compares the checksums with the
 sender's manifest. Rules:
 - a newer generation's upload of the same (job, rank, step) replaces the old one (the timeline after a
-  rollback is the valid one); an older generation's upload is refused;
+  rollback is the valid one); an older generation's upload is refused, and so is one of the same
+  generation once a copy is sealed: a sealed copy, committed or not, is never replaced within its
+  timeline (an upload with the job's token, or a byte-identical replay of an old upload's first frame,
+  once dropped a committed copy without the swapper ever hearing of it);
 - a snapshot is served only once sealed: every chunk present and every checksum verified;
 - per job, the last `keep_committed` committed steps are kept, plus anything newer than the latest
   commit (bounded by `uncommitted_max` per rank: past it the oldest are freed, but never the oldest of
@@ -60,6 +63,8 @@ class StoredSnapshot:
     chunk_bytes: int = 0
     checksums: list[int] = field(default_factory=list)
     meta: bytes = b""
+    signature: bytes = b""
+    """The uploader's seal signature, kept for whoever fetches or replicates the copy."""
     readers: int = 0
     """Fetches sending from `data` right now; while any are, the buffer is not reused."""
     started_t: float = 0.0
@@ -154,6 +159,7 @@ class SnapshotMemory:
         snap.chunk_bytes = seal.chunk_bytes
         snap.checksums = list(seal.checksums)
         snap.meta = seal.meta
+        snap.signature = seal.signature
         self._bound_uncommitted(seal.job, seal.rank)
         return snap
 
@@ -217,6 +223,10 @@ class SnapshotMemory:
                 raise StoreError(
                     f"snapshot {key} from generation {chunk.generation} is stale: "
                     f"generation {snap.generation} already wrote it"
+                )
+            if snap.sealed and chunk.generation == snap.generation:
+                raise StoreError(
+                    f"snapshot {key} of generation {snap.generation} is sealed: a sealed copy is never replaced"
                 )
             same_upload = chunk.generation == snap.generation and chunk.member == snap.member and not snap.sealed
             if same_upload and chunk.total_bytes == snap.total_bytes:

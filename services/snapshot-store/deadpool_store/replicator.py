@@ -59,6 +59,7 @@ async def push_snapshot(snap: StoredSnapshot, target: StoreAddress, token: bytes
             list(snap.checksums),
             snap.meta,
             token,
+            snap.signature,  # the uploader's: the copy is theirs, passed on
         )
         writer.write(encode_frame(seal))
         await writer.drain()

@@ -287,7 +287,8 @@ class JobState:
     pending: PendingRebuild | None = None
     open_incidents: list[OpenIncident] = field(default_factory=list)
     incidents: list[Incident] = field(default_factory=list)
-    done: set[str] = field(default_factory=set)
+    done: dict[str, int] = field(default_factory=dict)
+    """Member -> the last step it says it finished, for the ranks of this generation that are done."""
     finished: bool = False
     finished_t: float = 0.0
     failed_reason: str = ""
@@ -1284,9 +1285,15 @@ class SwapperCore:
             return Decision([Publish(finished)], f"done from {done.member}: the job has finished")
         if state is None or done.generation != state.generation or done.member not in state.ranks:
             return Decision([], f"done from {done.member} in generation {done.generation}: stale")
-        state.done.add(done.member)
+        if done.rank >= len(state.ranks) or state.ranks[done.rank] != done.member:
+            return Decision([], f"done from {done.member} for rank {done.rank}, which it does not hold: refused")
+        if done.step < state.committed_step:
+            return Decision([], f"done from {done.member} at step {done.step}, below the committed step: refused")
+        state.done[done.member] = done.step  # a member's later report replaces its earlier one
         if len(state.done) < state.world_size or state.pending is not None:
             return Decision([], f"{len(state.done)} of {state.world_size} ranks done")
+        if len(set(state.done.values())) > 1:  # every rank ends at the job's last step, or none has ended
+            return Decision([], f"ranks done at different steps {sorted(set(state.done.values()))}: not finished")
         state.finished, state.finished_t = True, now
         finished = JobFinished(state.job, state.generation, done.step)
         return Decision([Persist(state.job), Publish(finished)], f"job finished at step {done.step}")

@@ -114,7 +114,7 @@ def state_to_record(state: JobState, now: float) -> bytes:
         },
         "open_incidents": [to_fields(i) for i in state.open_incidents],
         "incidents": [to_fields(i) for i in state.incidents],
-        "done": sorted(state.done),
+        "done": dict(sorted(state.done.items())),
         "finished_age_s": _age(now, state.finished_t),
         "incident_seq": state.incident_seq,
         "hold_left_s": max(0.0, state.hold_until - now) if state.hold_until else None,
@@ -179,7 +179,7 @@ def state_from_record(data: bytes, now: float) -> JobState:
         incident_seq=p.get("incident_seq", 0),
         incidents=[from_fields(Incident, i, "incident") for i in p.get("incidents", [])],
         open_incidents=[OpenIncident(**i) for i in p.get("open_incidents", [])],
-        done=set(p.get("done", [])),
+        done=_done(p.get("done", {})),
         finished_t=now - p.get("finished_age_s", 0.0),
         hold_until=now + hold_left_s if hold_left_s is not None else 0.0,
         last_hello_t=now - p.get("last_hello_age_s", 0.0),
@@ -382,3 +382,11 @@ class JobRecords:
     def forget(self, job: str) -> None:
         self.revisions.pop(job, None)
         self._parts.pop(job, None)
+
+
+def _done(recorded: object) -> dict[str, int]:
+    """The done ranks' members and steps of a record (a record written before steps were kept lists the
+    members only: their steps are unknown, -1, and their next report says them)."""
+    if isinstance(recorded, dict):
+        return {str(member): int(step) for member, step in recorded.items()}
+    return dict.fromkeys((str(member) for member in recorded or []), -1)  # type: ignore[attr-defined]

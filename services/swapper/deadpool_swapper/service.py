@@ -45,8 +45,8 @@ from deadpool_protocol import (
     decode,
     encode,
 )
-from deadpool_protocol.codec import to_fields
-from deadpool_protocol.dataplane import job_token
+from deadpool_protocol.codec import decode_on, to_fields
+from deadpool_protocol.dataplane import job_token, seal_key
 from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
@@ -91,6 +91,9 @@ class SwapperServiceConfig:
     dataplane_key: bytes = b""
     """The stores' data-plane key: each accepted member is given its job's token ('' where stores take
     no tokens)."""
+    signing_key: bytes = b""
+    """The key seal keys are derived from (`seal.key`, which stores never hold): each accepted member is
+    given its job's, to sign its snapshots and check those it restores ('': unsigned snapshots)."""
 
 
 class SwapperService:
@@ -388,7 +391,7 @@ class SwapperService:
         if not self.leading():
             return  # a standby never answers: the leader does
         try:
-            hello = decode(msg.data, MemberHello)
+            hello = decode_on(msg.subject, msg.data, MemberHello)
         except ProtocolError as exc:
             self._refusals.warning("rejected hello", reason=str(exc))
             await _respond_error(self.nc, msg, "400", str(exc))
@@ -412,7 +415,7 @@ class SwapperService:
         if not self.leading():
             return
         try:
-            start = decode(msg.data, RunStart)
+            start = decode_on(msg.subject, msg.data, RunStart)
         except ProtocolError as exc:
             self.log.warning("rejected run start", reason=str(exc))
             await _respond_error(self.nc, msg, "400", str(exc))
@@ -438,6 +441,8 @@ class SwapperService:
             return  # the member asks again
         if reply.accepted and self.config.dataplane_key:
             reply = replace(reply, store_token=job_token(self.config.dataplane_key, reply.job))
+        if reply.accepted and self.config.signing_key:
+            reply = replace(reply, seal_key=seal_key(self.config.signing_key, reply.job))
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(msg.reply, encode(reply))
 
