@@ -19,7 +19,13 @@ from nats.aio.msg import Msg
 
 from deadpool.store_client import StoreClientError, StoreConnection, UploadKey
 from deadpool_cli.health import answers_from_host
-from deadpool_cli.nats_auth import PERMISSIONS, authorization_config, create_credentials, create_job_credentials
+from deadpool_cli.nats_auth import (
+    PERMISSIONS,
+    authorization_config,
+    create_credentials,
+    create_job_credentials,
+    create_store_credentials,
+)
 from deadpool_cli.nats_server import NatsServer
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -41,8 +47,14 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.messages import Failure, Heartbeat
-from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime.credentials import dataplane_key_file, job_nkey_path, nkey_file, read_dataplane_key
+from deadpool_protocol.subjects import PING_INBOX, STORE_STATUS, service_inbox, store_announce
+from deadpool_runtime.credentials import (
+    dataplane_key_file,
+    job_nkey_path,
+    nkey_file,
+    read_dataplane_key,
+    store_nkey_path,
+)
 
 from .runs import RUN, start_run
 
@@ -72,6 +84,7 @@ def secured_nats(tmp_path: Path) -> Iterator[tuple[NatsServer, Path]]:
     credentials = tmp_path / "credentials"
     create_credentials(credentials)
     create_job_credentials(credentials, JOB)
+    create_store_credentials(credentials, "store-0")
     server = NatsServer(tmp_path / "nats", authorization=authorization_config(credentials))
     server.start()
     yield server, credentials
@@ -86,6 +99,8 @@ async def connect_as(url: str, credentials: Path, role: str, violations: asyncio
 
     if role == "job":
         seed, inbox = str(job_nkey_path(credentials, JOB)), S.inbox
+    elif role == "store":
+        seed, inbox = str(store_nkey_path(credentials, "store-0")), service_inbox("store", "store-0")
     else:
         seed, inbox = nkey_file(credentials, role), "_INBOX"
     return await nats.connect(url, nkeys_seed=seed, error_cb=on_error, inbox_prefix=inbox)
@@ -94,7 +109,7 @@ async def connect_as(url: str, credentials: Path, role: str, violations: asyncio
 def test_no_key_is_shared_by_every_job() -> None:
     """Every user the servers admit either serves the deployment (a service, admin) or speaks for one job:
     no key that every training host holds may publish a job's member or launcher subjects for every job."""
-    assert set(PERMISSIONS) == {"admin", "swapper", "detector", "store"}
+    assert set(PERMISSIONS) == {"admin", "swapper", "detector"}
     for role, permissions in PERMISSIONS.items():
         if role != "admin":
             for subject in permissions["publish"]:
@@ -114,7 +129,8 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", S.rebuild, encode(FORGED_REBUILD)),
     ("job", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("job", S.failure, encode(FORGED_FAILURE)),
-    ("job", STORE_STATUS, b"forged"),
+    ("job", store_announce("store-0"), b"forged"),
+    ("job", S.snapshot_complete_by("store-0"), b"forged"),
     ("job", OTHER.run_start, encode(SQUATTED_RUN)),
     ("job", OTHER.member_error, encode(FORGED_ERROR)),
     ("job", OTHER.member_done, encode(FORGED_DONE)),
@@ -123,6 +139,9 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", OTHER.heartbeat_batch, b"forged"),
     ("job", OTHER.rebuild_ack, b"forged"),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
+    ("store", store_announce("store-1"), b"forged"),  # another store's name
+    ("store", S.snapshot_complete_by("store-1"), b"forged"),  # another store's copies
+    ("store", S.hello, b"forged"),
     ("detector", S.rebuild, encode(FORGED_REBUILD)),
     ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
 ]
@@ -306,7 +325,8 @@ async def test_a_job_reads_and_writes_only_its_own_snapshots(tmp_path: Path) -> 
         assert await asyncio.to_thread(fetch, JOB, reply.store_token) == data  # untouched by the refused uploads
 
         # The services' health check: this host's instance answers its ping, with the service's own role.
-        store_role = await nats.connect(stack.url, nkeys_seed=nkey_file(stack.credentials, "store"))
+        seed = str(store_nkey_path(stack.credentials, "store-0"))
+        store_role = await nats.connect(stack.url, nkeys_seed=seed, inbox_prefix=PING_INBOX)
         assert await answers_from_host(store_role, "deadpool-store")
         assert not await answers_from_host(store_role, "deadpool-store", host="another-host", wait_s=0.5)
         await store_role.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from deadpool_cli.nats_auth import create_job_credentials, write_server_authorization
+from deadpool_cli.nats_auth import create_job_credentials, create_store_credentials, write_server_authorization
 from deadpool_cli.nats_server import NatsServer, free_port
 from deadpool_runtime.credentials import nkey_file
 
@@ -90,7 +90,9 @@ def compose_command() -> list[str]:
 def test_the_compose_file_is_valid_and_needs_an_advertised_address(tmp_path: Path) -> None:
     deploy = tmp_path / "deploy"
     shutil.copytree(DEPLOY, deploy)
-    create_job_credentials(deploy / "credentials", "example")  # as the header says: --job example
+    for store in ("store-a", "store-b"):  # as the header says: --store store-a --store store-b --job example
+        create_store_credentials(deploy / "credentials", store)
+    create_job_credentials(deploy / "credentials", "example")
     write_server_authorization(deploy / "credentials")
 
     def config(advertise_host: str) -> subprocess.CompletedProcess[str]:

@@ -29,7 +29,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.job_record import JOBS_BUCKET, PART_SEPARATOR
-from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_protocol.subjects import store_announce
 
 from .conftest import SpawnService, wait_for_micro_service
 from .runs import RUN, start_run
@@ -84,7 +84,7 @@ async def announce_store(nc: Client, period_s: float) -> None:
     """A store `st0` that announces itself every `period_s` until cancelled: the swapper rebuilds only
     with a live store in its view."""
     while True:
-        await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+        await nc.publish(store_announce("st0"), encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
         await asyncio.sleep(period_s)
 
 
@@ -110,7 +110,7 @@ async def test_formation_swap_and_restart(nc: Client, spawn_service: SpawnServic
     rebuilds = await queue_of(nc, S.rebuild, Rebuild)
     incidents = await queue_of(nc, S.incident, Incident)
 
-    await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+    await nc.publish(store_announce("st0"), encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
     assert (await start_run(nc, "job1", 2)).accepted
     assert (await hello(nc, "r0", 0, "h0")).accepted
     assert (await hello(nc, "r1", 1, "h0")).accepted
@@ -211,7 +211,7 @@ async def test_a_running_job_the_leader_did_not_list_on_taking_the_lead_is_adopt
     await wait_for_micro_service(nc, "deadpool-swapper")
     await wait_for_leader(nc)
     rebuilds = await queue_of(nc, S.rebuild, Rebuild)
-    await nc.publish(STORE_STATUS, encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
+    await nc.publish(store_announce("st0"), encode(StoreStatus("st0", "127.0.0.1", 6000, 0, 100, 0, time.time())))
     assert (await start_run(nc, "job1", 2)).accepted
     for member, hint in (("sp", -1), ("r0", 0), ("r1", 1)):
         assert (await hello(nc, member, hint, f"h-{member}")).accepted

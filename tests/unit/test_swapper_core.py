@@ -560,3 +560,16 @@ def test_a_rank_lost_during_formation_starts_the_next_generation_fresh_again() -
     core.on_hello(hello("s2", -1, host="h1"), 4.0)  # on another host: no crash copy of rank 1 there
     (later,) = published(fail(core, Failure("j", 2, "s", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     assert later.restore_step == 0  # formed now: a committed step (at least step 0) is restored
+
+
+def test_a_snapshot_report_from_a_store_the_rank_is_not_placed_on_counts_for_nothing() -> None:
+    """Forged completions once committed step 5,000 while the job was at step 48: a report counts only
+    from a store the rank's placement names."""
+    core, formation = formed_core()
+    for rank in range(W):
+        for store in ("rogue-0", "rogue-1"):
+            decision = core.on_snapshot_complete(
+                SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 50, 10), 2.0
+            )
+            assert "not placed there" in decision.reason
+    assert core.jobs["j"].committed_step == -1 and core.jobs["j"].completes == {}

@@ -46,14 +46,14 @@ def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
-def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False) -> tuple[str, bytes]:
-    """(`role`'s nkey seed file, the data-plane key if asked for) from `--credentials`; exits saying what
-    is missing."""
+def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False, nkey: bool = True) -> tuple[str, bytes]:
+    """(`role`'s nkey seed file if asked for, the data-plane key if asked for) from `--credentials`;
+    exits saying what is missing."""
     from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key
 
     try:
         key = read_dataplane_key(dataplane_key_file(args.credentials)) if dataplane else b""
-        return nkey_file(args.credentials, role), key
+        return nkey_file(args.credentials, role) if nkey else "", key
     except (OSError, ValueError) as exc:
         sys.exit(f"deadpool {args.command}: {exc}")
 
@@ -344,6 +344,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     credentials.add_argument("directory", help="where to write them (kept if already there)")
     credentials.add_argument(
+        "--store",
+        action="append",
+        default=[],
+        help="also the key of this store (repeatable), which lets it announce its own name and report its own "
+        "copies only; give a store's host its own key alone, as store.nk",
+    )
+    credentials.add_argument(
         "--job",
         action="append",
         default=[],
@@ -408,9 +415,14 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool swapper: {exc}")
         swapper_main(swapper_config)
     elif command == "store":
+        from deadpool_runtime.credentials import store_nkey_file
         from deadpool_store import main as store_main
 
-        nkey, dataplane_key = _role_files(args, "store", dataplane=True)
+        _, dataplane_key = _role_files(args, "admin", dataplane=True, nkey=False)
+        try:
+            nkey = store_nkey_file(args.credentials, args.id)
+        except (OSError, ValueError) as exc:
+            sys.exit(f"deadpool store: {exc}")
         store_main(
             StoreConfig(
                 args.nats,
@@ -448,16 +460,18 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool timeline: {exc}")
         print(f"timeline written to {args.output}")
     elif command == "credentials":
-        from deadpool_cli.nats_auth import create_job_credentials, write_server_authorization
+        from deadpool_cli.nats_auth import create_job_credentials, create_store_credentials, write_server_authorization
 
         try:
+            for store in args.store:
+                print(f"store {store}'s key: {create_store_credentials(Path(args.directory), store)}")
             for job in args.job:
                 print(f"job {job}'s key: {create_job_credentials(Path(args.directory), job)}")
         except ValueError as exc:
             sys.exit(f"deadpool credentials: {exc}")
         conf = write_server_authorization(Path(args.directory))
         print(f"credentials in {args.directory}; the NATS servers include {conf} (see docs/operations.md)")
-        if args.job:
+        if args.job or args.store:
             print("reload the NATS servers to admit the new keys (nats-server --signal reload, or SIGHUP)")
     elif command == "demo":
         from deadpool_cli.demo import run_demo
@@ -708,12 +722,17 @@ async def _ping(args: argparse.Namespace) -> int:
     import nats
 
     from deadpool_cli.health import answers_from_host
+    from deadpool_protocol.subjects import PING_INBOX
     from deadpool_runtime import server_urls
 
     nkey, _ = _role_files(args, args.role)
     try:
         nc = await nats.connect(
-            servers=server_urls(args.nats), nkeys_seed=nkey or None, allow_reconnect=False, connect_timeout=2
+            servers=server_urls(args.nats),
+            nkeys_seed=nkey or None,
+            allow_reconnect=False,
+            connect_timeout=2,
+            inbox_prefix=PING_INBOX,
         )
     except Exception as exc:  # no server, refused credentials: unhealthy, and why
         print(f"deadpool ping: cannot connect to {args.nats}: {exc}", file=sys.stderr)

@@ -5,7 +5,10 @@ The permissions are the protocol's trust boundaries:
 - only the swapper publishes commands (rebuild, void, placement, commit, finished), fences and
   replication requests;
 - only detectors publish verdicts (failure, straggler, group broken);
-- only stores publish store status and snapshot completions;
+- only stores publish store status and snapshot completions, each store with a key of its own that
+  may announce its own name and report its own copies only (`create_store_credentials`): one shared
+  store key could announce any store, and forged completions committed a step 5,000 while the job was
+  at step 48;
 - a training job's processes hold the job's own key (`create_job_credentials`): its launchers start
   its runs, publish its hosts' heartbeat batches and child exits and answer its fences; its members
   publish heartbeats, reports and acks, and receive its commands. That key may publish and read the
@@ -29,29 +32,28 @@ import secrets
 from pathlib import Path
 
 from deadpool_protocol.events import event_subjects
-from deadpool_protocol.subjects import PREFIX, STORE_STATUS, Subjects
-from deadpool_runtime.credentials import ROLES, job_nkey_path
+from deadpool_protocol.subjects import PING_INBOX, PREFIX, Subjects, service_inbox, store_announce
+from deadpool_runtime.credentials import ROLES, job_nkey_path, store_nkey_path
 
 __all__ = [
     "PERMISSIONS",
     "authorization_config",
     "create_credentials",
     "create_job_credentials",
+    "create_store_credentials",
     "job_permissions",
     "public_key",
+    "store_permissions",
     "write_server_authorization",
 ]
 
 _ANY = Subjects.any_job()
-_REPLIES = "_INBOX.>"
 _JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
 _SERVICE = "$SRV.>"
 _PING = "$SRV.PING.>"
 """A service's own health check (`deadpool ping`) pings it with the service's credentials."""
 _FENCE = f"{PREFIX}.*.launcher.*.fence"
 _REPLICATE = f"{PREFIX}.store.*.replicate"
-_STORE_OWN = f"{PREFIX}.store.*.>"
-"""A store's own subjects: replicate requests and its micro-service endpoints."""
 
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "admin": {"publish": [">"], "subscribe": [">"]},
@@ -73,16 +75,29 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     },
     "detector": {
         "publish": [_ANY.failure, _ANY.straggler, _ANY.group_broken, *_JETSTREAM, _PING],
-        "subscribe": [">"],
-    },
-    "store": {
-        "publish": [STORE_STATUS, _ANY.snapshot_complete, _PING],
-        "subscribe": [_ANY.commit, _ANY.finished, _STORE_OWN, _SERVICE, _REPLIES],
+        # DeadPool's subjects and its own replies: never a job's replies (their tokens and seal keys).
+        "subscribe": [f"{PREFIX}.>", _SERVICE, f"{service_inbox('detector')}.>", f"{PING_INBOX}.>"],
     },
 }
-_ANSWERS_REQUESTS = {"swapper", "detector", "store"}
+_ANSWERS_REQUESTS = {"swapper", "detector"}
 """Roles that answer requests (hellos, status, micro-service pings): `allow_responses`. A job's key
 does too: its launchers answer fences."""
+
+
+def store_permissions(store: str) -> dict[str, list[str]]:
+    """What store `store`'s own key may do: announce itself, report the copies it sealed, answer its own
+    requests (replication, status, pings), hear commits and ends, and read its own replies only."""
+    return {
+        "publish": [store_announce(store), f"{PREFIX}.*.snapshot.complete.{store}", _PING],
+        "subscribe": [
+            _ANY.commit,
+            _ANY.finished,
+            f"{PREFIX}.store.{store}.>",
+            _SERVICE,
+            f"{service_inbox('store', store)}.>",
+            f"{PING_INBOX}.>",
+        ],
+    }
 
 
 def job_permissions(job: str) -> dict[str, list[str]]:
@@ -116,6 +131,17 @@ def create_job_credentials(directory: Path, job: str) -> Path:
     once their `authorization` block lists it (`write_server_authorization`, then a reload). Two
     launchers of a job may create it at once: one file wins, whole, and both use it."""
     path = job_nkey_path(directory, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    if not path.exists():
+        _write_private(path, _new_seed() + "\n")
+    return path
+
+
+def create_store_credentials(directory: Path, store: str) -> Path:
+    """Write store `store`'s nkey into `directory` (kept if there) and return its path; the servers admit
+    it at their next reload, as a job's."""
+    path = store_nkey_path(directory, store)
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     if not path.exists():
@@ -157,6 +183,8 @@ def authorization_config(directory: Path) -> str:
     its permissions, and every job's own member key (`jobs/<job>.nk`) with that job's. Clients without
     one of these keys are refused."""
     users = [_user(directory / f"{role}.nk", PERMISSIONS[role], role in _ANSWERS_REQUESTS, role) for role in ROLES]
+    for path in sorted((directory / "stores").glob("*.nk")):
+        users.append(_user(path, store_permissions(path.stem), True, f"store {path.stem}"))
     for path in sorted((directory / "jobs").glob("*.nk")):
         users.append(_user(path, job_permissions(path.stem), True, f"job {path.stem}"))
     return "authorization {\n  users: [\n" + "\n".join(users) + "\n  ]\n}\n"

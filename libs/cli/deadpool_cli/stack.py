@@ -26,7 +26,12 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from deadpool_cli.nats_auth import authorization_config, create_credentials, create_job_credentials
+from deadpool_cli.nats_auth import (
+    authorization_config,
+    create_credentials,
+    create_job_credentials,
+    create_store_credentials,
+)
 from deadpool_cli.nats_server import NatsCluster, NatsServer
 from deadpool_detector.core import DetectorConfig
 from deadpool_protocol import StoreStatus, decode
@@ -97,9 +102,13 @@ class StackConfig:
         args = ["--replication", str(self.replication), "--js-replicas", str(self.js_replicas)]
         return args + (["--trace-file", self.trace_file] if self.trace_file else [])
 
+    @staticmethod
+    def store_id(index: int) -> str:
+        return f"store-{index}"
+
     def store_args(self, index: int) -> list[str]:
         """The `deadpool store` options of this stack's store `index` (NATS's aside)."""
-        return ["--id", f"store-{index}", "--capacity-bytes", str(self.store_capacity_bytes)]
+        return ["--id", self.store_id(index), "--capacity-bytes", str(self.store_capacity_bytes)]
 
 
 async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool:
@@ -142,6 +151,8 @@ class Stack:
                 if self.config.auth:
                     self.credentials = self.config.workdir / "credentials"
                     create_credentials(self.credentials)
+                    for i in range(self.config.stores):
+                        create_store_credentials(self.credentials, self.config.store_id(i))
                     for job in self.config.jobs:
                         create_job_credentials(self.credentials, job)
                     authorization = authorization_config(self.credentials)
@@ -256,12 +267,17 @@ class Stack:
 
     @staticmethod
     async def _admit_job_keys(credentials: Path, cluster: NatsCluster) -> None:
-        """Admit every job key that appears in `credentials/jobs` (`deadpool launch` creates one there
-        for a job that has none): the servers reload their authorization within `ADMIT_POLL_S`."""
-        known = sorted((credentials / "jobs").glob("*.nk"))
+        """Admit every job or store key that appears in `credentials/jobs` or `credentials/stores`
+        (`deadpool launch` creates one there for a job that has none): the servers reload their
+        authorization within `ADMIT_POLL_S`."""
+
+        def listed() -> list[Path]:
+            return sorted([*(credentials / "jobs").glob("*.nk"), *(credentials / "stores").glob("*.nk")])
+
+        known = listed()
         while True:
             await asyncio.sleep(ADMIT_POLL_S)
-            keys = sorted((credentials / "jobs").glob("*.nk"))
+            keys = listed()
             if keys != known:
                 try:
                     await asyncio.to_thread(cluster.reload, authorization_config(credentials))

@@ -52,7 +52,7 @@ from deadpool_protocol.messages import (
     StoreStatus,
     Straggler,
 )
-from deadpool_protocol.subjects import PREFIX
+from deadpool_protocol.subjects import PREFIX, SERVICE_TOPICS, store_announce
 
 __all__ = [
     "MESSAGE_BYTES_MAX",
@@ -137,11 +137,17 @@ def subject_refusal(subject: str, message: Message) -> str:
     """Why `message` may not arrive on `subject` ('' if it may). A job's message is taken only on that
     job's own subjects, `deadpool.<job>.…`: the server lets a job's key publish there alone, and the
     payload names its job too. Without this check job J's key spoke for any job by naming it in the
-    payload, on J's subjects: a hello for another job, answered with that job's token and seal key."""
+    payload, on J's subjects: a hello for another job, answered with that job's token and seal key.
+    Likewise a store's announcements and reports come on its own subjects only."""
+    if isinstance(message, StoreStatus) and subject != store_announce(message.store):
+        return f"store {message.store}'s announcement on {subject}: another store's subject"
+    if isinstance(message, SnapshotComplete) and not subject.endswith(f".{message.store}"):
+        return f"store {message.store}'s report on {subject}: another store's subject"
     job = getattr(message, "job", None)
     if not isinstance(job, str) or not subject.startswith(PREFIX + "."):
         return ""
-    if subject.split(".", 2)[1] != job:
+    owner = subject.split(".", 2)[1]
+    if owner not in SERVICE_TOPICS and owner != job:
         return f"a message of job {job} on {subject}: another job's subject"
     return ""
 

@@ -2,7 +2,9 @@
 
 Job-scoped subjects are `deadpool.<job>.<topic>`; services that serve every job subscribe with `*` in
 the job position (see `Subjects.any_job`). Stores are shared by jobs and announce themselves on a
-job-less subject.
+job-less subject of their own. A subject names who may publish on it (a job, a store): the server lets
+each key publish on its own only, and the services check that the message names the same
+(`codec.subject_refusal`).
 """
 
 from __future__ import annotations
@@ -11,11 +13,42 @@ from dataclasses import dataclass
 
 from deadpool_protocol.names import require_name
 
-__all__ = ["PREFIX", "STORE_STATUS", "SWAPPER_STATUS", "Subjects", "store_replicate"]
+__all__ = [
+    "PING_INBOX",
+    "PREFIX",
+    "STORE_STATUS",
+    "SWAPPER_STATUS",
+    "Subjects",
+    "service_inbox",
+    "store_announce",
+    "store_replicate",
+]
 
 PREFIX = "deadpool"
-STORE_STATUS = f"{PREFIX}.store.status"
+SERVICE_TOPICS = frozenset({"store", "swapper"})
+"""The subjects `deadpool.store.…` and `deadpool.swapper.…` are the services' own, not a job's: no job
+may take these names."""
+STORE_STATUS = f"{PREFIX}.store.*.announce"
+"""Every store's announcements (`store_announce`): what the swapper and operators subscribe to."""
 SWAPPER_STATUS = f"{PREFIX}.swapper.status"
+
+
+PING_INBOX = f"_INBOX.{PREFIX}-ping"
+"""The replies to a health check (`deadpool ping`): every service's key may read them (they say which
+instances answered, nothing secret), so each can check its own with its own key."""
+
+
+def store_announce(store: str) -> str:
+    """Where store `store` announces itself (`StoreStatus`): its key may publish there and nowhere else
+    of the kind, so a store cannot announce another's name."""
+    return f"{PREFIX}.store.{require_name(store, 'store')}.announce"
+
+
+def service_inbox(role: str, instance: str = "") -> str:
+    """The reply subjects of a service's own requests (its NATS `inbox_prefix`): a service reads its own
+    replies only, never a job's (which carry the job's token and seal key)."""
+    name = f"{role}.{require_name(instance, 'instance')}" if instance else role
+    return f"_INBOX.{PREFIX}-{name}"
 
 
 def store_replicate(store: str) -> str:
@@ -31,6 +64,8 @@ class Subjects:
 
     @classmethod
     def for_job(cls, job: str) -> Subjects:
+        if job in SERVICE_TOPICS:
+            raise ValueError(f"job {job!r}: a name kept for the services' own subjects")
         return cls(require_name(job, "job"))
 
     @classmethod
@@ -141,6 +176,11 @@ class Subjects:
         """The detector's verdict that a generation's group broke with every member alive."""
         return self._s("group.broken")
 
+    def snapshot_complete_by(self, store: str) -> str:
+        """Where store `store` reports the job's snapshots it sealed (`SnapshotComplete`)."""
+        return self._s(f"snapshot.complete.{require_name(store, 'store')}")
+
     @property
     def snapshot_complete(self) -> str:
-        return self._s("snapshot.complete")
+        """Every store's reports of the job's sealed snapshots (`snapshot_complete_by`)."""
+        return self._s("snapshot.complete.*")

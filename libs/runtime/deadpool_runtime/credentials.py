@@ -8,6 +8,10 @@ are derived from (`deadpool_protocol.dataplane.job_token`), which only stores an
 token, cannot sign. The NATS server holds the public half of each nkey, with the role's permissions
 (`deadpool_cli.nats_auth`). A host is given only the files of the roles it runs.
 
+Each store has a key of its own, `stores/<store>.nk` (`deadpool credentials DIR --store STORE`): the
+server lets it announce that store's name and report that store's copies only. A store's host is given
+its own key alone, as `store.nk`.
+
 A training job's processes, its launchers and its members, hold the job's own key, `jobs/<job>.nk`
 (`deadpool credentials DIR --job JOB`), which the server lets publish and read that job's subjects
 only. There is no key shared by every job's members or launchers: a training script is user code, and
@@ -32,26 +36,52 @@ __all__ = [
     "nkey_file",
     "read_dataplane_key",
     "signing_key_file",
+    "store_nkey_file",
+    "store_nkey_path",
 ]
 
 CREDENTIALS_ENV = "DEADPOOL_CREDENTIALS"
 """The default of every command's `--credentials DIR`."""
 NKEY_ENV = "DEADPOOL_NATS_NKEY"
 """A member's own nkey seed file (its launcher sets it)."""
-ROLES = ("admin", "swapper", "detector", "store")
-"""The roles with a key of their own; a job's launchers and members hold the job's (`job_nkey_path`)."""
+ROLES = ("admin", "swapper", "detector")
+"""The roles with one key, `<role>.nk`. Each store has its own (`store_nkey_file`), and a job's
+launchers and members hold the job's (`job_nkey_path`)."""
 
 
 def nkey_file(directory: str | Path, role: str) -> str:
-    """The nkey seed file of `role` in a credentials directory ('' without a directory: no auth)."""
-    if role not in ROLES:
-        raise ValueError(f"no role {role!r} (roles: {', '.join(ROLES)})")
+    """The nkey seed file of `role` in a credentials directory ('' without a directory: no auth); role
+    "store" is a store host's own key, `store.nk`."""
+    if role not in (*ROLES, "store"):
+        raise ValueError(f"no role {role!r} (roles: {', '.join(ROLES)}, store)")
     if not directory:
         return ""
     path = Path(directory) / f"{role}.nk"
     if not path.is_file():
         raise FileNotFoundError(f"no {role} credentials: {path} does not exist")
     return str(path)
+
+
+def store_nkey_path(directory: str | Path, store: str) -> Path:
+    """Where store `store`'s own nkey lives in the control plane's credentials directory."""
+    return Path(directory) / "stores" / f"{require_name(store, 'store')}.nk"
+
+
+def store_nkey_file(directory: str | Path, store: str) -> str:
+    """Store `store`'s nkey seed file: `stores/<store>.nk` in the control plane's directory, or `store.nk`
+    in a store host's, which holds its own key alone ('' without a directory: no auth)."""
+    if not directory:
+        return ""
+    path = store_nkey_path(directory, store)
+    if path.is_file():
+        return str(path)
+    own = Path(directory) / "store.nk"
+    if own.is_file():
+        return str(own)
+    raise FileNotFoundError(
+        f"store {store} has no credentials: neither {path} nor {own} exists (create them with "
+        f"`deadpool credentials DIR --store {store}` and reload the NATS servers)"
+    )
 
 
 def job_nkey_path(directory: str | Path, job: str) -> Path:

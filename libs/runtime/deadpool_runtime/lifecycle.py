@@ -172,17 +172,23 @@ def _succeeded(step: asyncio.Future[None]) -> bool:
 
 
 def run_nats_service(
-    component: str, nats_url: str, client_name: str, body: ServiceBody, nkey_file: str = "", **log_keys: Any
+    component: str,
+    nats_url: str,
+    client_name: str,
+    body: ServiceBody,
+    nkey_file: str = "",
+    inbox_prefix: str = "_INBOX",
+    **log_keys: Any,
 ) -> None:
     """The whole life of a DeadPool service process: JSON logs, a NATS connection (as the nkey of
-    `nkey_file`, if given), `body(nc, log, stop)` until a signal, then a bounded stop: the body has
-    until `SHUTDOWN_BUDGET_S` less `CONNECTION_CLOSE_S` to return (it is cancelled after that), then
-    the connection is drained or closed (`close_connection`)."""
+    `nkey_file`, if given, its replies under `inbox_prefix`), `body(nc, log, stop)` until a signal,
+    then a bounded stop: the body has until `SHUTDOWN_BUDGET_S` less `CONNECTION_CLOSE_S` to return
+    (it is cancelled after that), then the connection is drained or closed (`close_connection`)."""
     configure_logging(component)
     log = get_logger(**log_keys)
 
     async def main(stop: asyncio.Event) -> None:
-        nc = await _connected(nats_url, client_name, log, nkey_file, stop)
+        nc = await _connected(nats_url, client_name, log, nkey_file, inbox_prefix, stop)
         if nc is None:
             return
         running = asyncio.ensure_future(body(nc, log, stop))
@@ -208,10 +214,12 @@ def run_nats_service(
     run_service(main, log, hard_stop_s=HARD_STOP_S)
 
 
-async def _connected(url: str, name: str, log: Any, nkey_file: str, stop: asyncio.Event) -> Client | None:
+async def _connected(
+    url: str, name: str, log: Any, nkey_file: str, inbox_prefix: str, stop: asyncio.Event
+) -> Client | None:
     """A connection to NATS, or None if `stop` came first (a server that cannot be reached does not
     hold a stop)."""
-    connecting = asyncio.ensure_future(connect(url, name, log, nkey_file))
+    connecting = asyncio.ensure_future(connect(url, name, log, nkey_file, inbox_prefix))
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

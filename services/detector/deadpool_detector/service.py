@@ -52,6 +52,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.events import DETECTOR_EVENTS, event_subjects
 from deadpool_protocol.job_record import JOBS_BUCKET, is_record_key, unpack_record
+from deadpool_protocol.subjects import service_inbox
 from deadpool_runtime import (
     EventPublisher,
     EventReader,
@@ -365,4 +366,5 @@ def main(config: DetectorServiceConfig) -> None:
         "deadpool-detector",
         lambda nc, log, stop: DetectorService(config, nc, log).run(stop),
         config.nkey_file,
+        service_inbox("detector"),
     )

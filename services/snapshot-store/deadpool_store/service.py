@@ -28,7 +28,7 @@ from nats.micro.request import Request
 
 from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.subjects import STORE_STATUS, store_replicate
+from deadpool_protocol.subjects import service_inbox, store_announce, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.host import host_name
 from deadpool_runtime.log_limit import RefusalLog
@@ -122,7 +122,7 @@ class StoreService:
 
     async def _on_sealed(self, snap: StoredSnapshot) -> None:
         self.events.publish_soon(
-            Subjects.for_job(snap.job).snapshot_complete,
+            Subjects.for_job(snap.job).snapshot_complete_by(self.config.store_id),
             SnapshotComplete(
                 job=snap.job,
                 generation=snap.generation,
@@ -216,7 +216,7 @@ class StoreService:
                     "unsealed upload freed", job=job, rank=rank, step=step, after_s=self.config.unsealed_max_s
                 )
             try:
-                await publish(self.nc, STORE_STATUS, self.status())
+                await publish(self.nc, store_announce(self.config.store_id), self.status())
             except nats.errors.Error as exc:  # NATS away for long: its client's outbound buffer is full
                 self._refusals.warning("store status not sent", error=repr(exc))
             if await stopped_within(stop, self.config.status_period_s):
@@ -239,5 +239,6 @@ def main(config: StoreConfig) -> None:
         f"deadpool-store-{config.store_id}",
         lambda nc, log, stop: StoreService(config, nc, log).run(stop),
         config.nkey_file,
+        service_inbox("store", config.store_id),  # its own replies only: never a job's
         store=config.store_id,
     )

@@ -1086,6 +1086,8 @@ class SwapperCore:
         if sc.rank >= state.world_size:
             return Decision([], f"snapshot step {sc.step} rank {sc.rank}: no such rank")
         pending = state.pending
+        if not self._placed(state, sc.rank, sc.store):
+            return Decision([], f"snapshot step {sc.step} rank {sc.rank} on {sc.store}: the rank is not placed there")
         if pending is not None and pending.command.durable and sc.generation == pending.command.generation:
             state.durable_completes.setdefault(sc.rank, set()).add(sc.store)  # the resumed step, sealed
             return Decision([Persist(state.job)], f"resumed step {sc.step} rank {sc.rank} on {sc.store}")
@@ -1103,6 +1105,15 @@ class SwapperCore:
         state.rank_bytes[sc.rank] = sc.nbytes
         state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
         return self._commit_newest(state, now) or Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
+
+    @staticmethod
+    def _placed(state: JobState, rank: int, store: str) -> bool:
+        """Whether the job's placement (or the pending rebuild's) puts `rank`'s copies on `store`: a
+        report from any other store counts for nothing (forged reports once committed a step far ahead)."""
+        placements = [state.placement]
+        if state.pending is not None:
+            placements.append(state.pending.command.placement)
+        return any(rank < len(placement) and store in placement[rank] for placement in placements)
 
     def _commit_newest(self, state: JobState, now: float) -> Decision | None:
         """Commit the newest step every rank has complete on its live stores, if any is newer than the

@@ -47,7 +47,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode_on, to_fields
 from deadpool_protocol.dataplane import job_token, seal_key
-from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_protocol.subjects import STORE_STATUS, service_inbox
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
 from deadpool_runtime.log_limit import RefusalLog
@@ -566,4 +566,5 @@ def main(config: SwapperServiceConfig) -> None:
         "deadpool-swapper",
         lambda nc, log, stop: SwapperService(config, nc, log).run(stop),
         config.nkey_file,
+        service_inbox("swapper"),
     )
