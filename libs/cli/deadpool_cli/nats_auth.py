@@ -31,7 +31,7 @@ import os
 import secrets
 from pathlib import Path
 
-from deadpool_protocol.events import event_subjects
+from deadpool_protocol.events import EVENTS_STREAM, event_subjects
 from deadpool_protocol.subjects import PING_INBOX, PREFIX, Subjects, service_inbox, store_announce
 from deadpool_runtime.credentials import ROLES, job_nkey_path, store_nkey_path
 
@@ -48,7 +48,26 @@ __all__ = [
 ]
 
 _ANY = Subjects.any_job()
-_JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
+_JS_READ = [
+    "$JS.API.INFO",
+    "$JS.API.STREAM.INFO.*",
+    "$JS.API.CONSUMER.CREATE.*",
+    "$JS.API.CONSUMER.CREATE.*.>",
+    "$JS.API.CONSUMER.INFO.*.*",
+    "$JS.API.CONSUMER.DELETE.*.*",
+    "$JS.API.DIRECT.GET.*",
+    "$JS.API.DIRECT.GET.*.>",
+    "$JS.API.STREAM.MSG.GET.*",
+    "$JS.FC.>",
+]
+"""The JetStream API a service that reads streams and buckets uses: stream info, its own ephemeral
+(ordered) consumers, direct and message gets, flow control. Never purge, delete or a stream's
+removal: with `$JS.API.>` a detector key once purged a running job's record, and the swapper forgot
+the job."""
+_JS_EVENTS = [f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}", f"$JS.API.STREAM.UPDATE.{EVENTS_STREAM}"]
+"""Creating the events stream, or updating its subjects (`ensure_events_stream`): any service may."""
+_JS_OWNER = ["$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*", "$JS.ACK.>", "$KV.>"]
+"""The swapper's own: it creates the job records' and the lease's buckets and writes them."""
 _SERVICE = "$SRV.>"
 _PING = "$SRV.PING.>"
 """A service's own health check (`deadpool ping`) pings it with the service's credentials."""
@@ -67,14 +86,14 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             _ANY.incident,
             _FENCE,
             _REPLICATE,
-            *_JETSTREAM,
-            "$KV.>",
+            *_JS_READ,
+            *_JS_OWNER,
             _PING,
         ],
         "subscribe": [">"],
     },
     "detector": {
-        "publish": [_ANY.failure, _ANY.straggler, _ANY.group_broken, *_JETSTREAM, _PING],
+        "publish": [_ANY.failure, _ANY.straggler, _ANY.group_broken, *_JS_READ, *_JS_EVENTS, _PING],
         # DeadPool's subjects and its own replies: never a job's replies (their tokens and seal keys).
         "subscribe": [f"{PREFIX}.>", _SERVICE, f"{service_inbox('detector')}.>", f"{PING_INBOX}.>"],
     },
