@@ -6,10 +6,13 @@ connections, and honest uploads go on meanwhile."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import pytest
 
+from deadpool.store_client import StoreConnection, UploadKey
+from deadpool_protocol import StoreAddress
 from deadpool_protocol.bounds import TOKEN_BYTES
 from deadpool_protocol.dataplane import (
     FRAME_LENGTH,
@@ -148,3 +151,56 @@ async def test_a_connection_that_sends_no_authorised_frame_is_dropped_and_an_hon
             writer.close()
     finally:
         await keyed.stop()
+
+
+async def test_an_upload_left_unsealed_holds_what_it_sent_and_only_while_its_connection_sends() -> None:
+    """One 14-byte frame once reserved a store's whole capacity for 60 s, repeatably, with any job's
+    token: every other job's upload was refused. Now it holds the byte it sent; the store frees it at
+    once when its connection closes, or sends nothing for `unsealed_idle_s`."""
+    limits = replace(LIMITS, unsealed_idle_s=0.5)
+    keyed = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), limits, key=KEY)
+    port = await keyed.start("127.0.0.1", 0)
+    try:
+        hogs = []
+        for step in (1, 2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            hog = PutChunk("other", 1, 0, "hog", step, 0, 1, 1 << 20, job_token(KEY, "other"))
+            writer.write(encode_frame(hog) + b"x")  # announces the whole capacity, sends one byte
+            await writer.drain()
+            hogs.append((reader, writer))
+        await until(lambda: keyed.memory.unsealed == 2)
+        assert keyed.memory.used_bytes == 2
+        member_r, member_w = await asyncio.open_connection("127.0.0.1", port)
+        assert await upload_on(member_r, member_w, 7, job_token(KEY, "j")), "another job's upload fits"
+        hogs[0][1].close()  # closed: its upload is freed at once
+        await until(lambda: keyed.memory.unsealed == 1)
+        assert await closed_by_server(hogs[1][0])  # silent with an upload unsealed: dropped, upload freed
+        assert keyed.memory.unsealed == 0 and keyed.memory.used_bytes == 8
+        member_w.close()
+        hogs[1][1].close()
+    finally:
+        await keyed.stop()
+
+
+async def test_a_connection_idle_past_its_bound_is_closed_and_the_member_reconnects_by_itself() -> None:
+    limits = replace(LIMITS, idle_s=0.3)
+    running = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), limits)
+    port = await running.start("127.0.0.1", 0)
+    conn = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+    try:
+        data = memoryview(bytes(range(200)))
+        await asyncio.to_thread(conn.upload, UploadKey("j", 1, 0, "m", 1), data, 64, b"", lambda: False)
+        await until(lambda: running.connections == 0)  # dropped while it idled
+        await asyncio.to_thread(conn.upload, UploadKey("j", 1, 0, "m", 2), data, 64, b"", lambda: False)
+        assert [s.step for s in running.memory.sealed_of("j", 0)] == [1, 2]
+    finally:
+        conn.close()
+        await running.stop()
+
+
+async def until(condition: Callable[[], bool], wait_s: float = CLOSED_WAIT_S) -> None:
+    """Wait for `condition`, which the server's own loop makes true (checked every 20 ms)."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the wait"
+        await asyncio.sleep(0.02)

@@ -133,7 +133,7 @@ def test_uncommitted_snapshots_per_rank_are_bounded_and_the_next_commit_candidat
 def test_an_upload_never_sealed_is_freed_after_its_bound() -> None:
     memory = SnapshotMemory(capacity_bytes=100)
     put_chunk(memory, PutChunk("j", 1, 0, "m0", 5, 0, 4, 40), b"abcd")  # 40 bytes announced, 4 sent
-    assert memory.unsealed == 1 and memory.used_bytes == 40
+    assert memory.unsealed == 1 and memory.used_bytes == 4
     started = memory._snapshots[("j", 0, 5)].started_t
     assert memory.expire_unsealed(started + 1.0, max_age_s=5.0) == []
     assert memory.expire_unsealed(started + 6.0, max_age_s=5.0) == [("j", 0, 5)]
@@ -209,3 +209,32 @@ def test_a_sealed_copy_is_never_replaced_within_its_timeline(committed: bool) ->
     assert bytes(memory.get("j", 0, 5).data) == b"honest-bytes"
     upload(memory, 5, b"rolled-back!", generation=2)
     assert bytes(memory.get("j", 0, 5).data) == b"rolled-back!" and memory.get("j", 0, 5).generation == 2
+
+
+def test_an_upload_holds_the_bytes_it_received_not_those_it_announces() -> None:
+    """One 14-byte frame announcing a store's whole capacity once reserved all of it for 60 s, and every
+    other job's upload was refused: now it holds the byte it sent. Bytes past the capacity are still
+    refused, at the chunk that would cross it, and a chunk sent again is counted once."""
+    memory = SnapshotMemory(capacity_bytes=100)
+    hog = PutChunk("other", 1, 0, "m9", 1, 0, 1, 100)
+    put_chunk(memory, hog, b"x")
+    put_chunk(memory, hog, b"x")  # the same chunk again
+    assert memory.used_bytes == 1
+    upload(memory, 5, b"a" * 60)  # another job's honest upload fits
+    assert memory.used_bytes == 61 and bytes(memory.get("j", 0, 5).data) == b"a" * 60
+    put_chunk(memory, PutChunk("other", 1, 0, "m9", 1, 1, 39, 100), b"y" * 39)  # up to the capacity
+    with pytest.raises(StoreError, match="store full"):
+        memory.chunk_target(PutChunk("other", 1, 0, "m9", 1, 40, 1, 100))
+    with pytest.raises(StoreError, match="can never fit"):
+        memory.chunk_target(PutChunk("other", 1, 0, "m9", 2, 0, 1, 101))
+
+
+def test_an_abandoned_upload_is_freed_at_once_by_its_own_connection_only() -> None:
+    memory = SnapshotMemory(capacity_bytes=100)
+    mine, other = object(), object()
+    memory.chunk_target(PutChunk("j", 1, 0, "m0", 5, 0, 4, 40), writer=mine)
+    assert not memory.abandon(("j", 0, 5), other) and memory.unsealed == 1
+    assert memory.abandon(("j", 0, 5), mine) and memory.unsealed == 0 and memory.used_bytes == 0
+    upload(memory, 6, b"z" * 8)
+    assert not memory.abandon(("j", 0, 6), None), "a sealed copy is no upload to abandon"
+    assert memory.used_bytes == 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -169,6 +170,8 @@ class StoreConnection:
     def _connected(self, due: _Due | None = None) -> socket.socket:
         if self._aborted:
             raise ConnectionAbortedError("the connection was aborted")
+        if self._sock is not None and self._closed_by_store(self._sock):
+            self.close()  # the store dropped it while it idled (`ConnectionLimits.idle_s`): a new one
         if self._sock is None:
             timeout_s = CONNECT_TIMEOUT_S if due is None else min(CONNECT_TIMEOUT_S, max(due.left(), 0.001))
             sock = socket.create_connection((self.address.host, self.address.port), timeout=timeout_s)
@@ -176,6 +179,18 @@ class StoreConnection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
         return self._sock
+
+    @staticmethod
+    def _closed_by_store(sock: socket.socket) -> bool:
+        """Whether the store closed this idle connection: between requests it sends nothing, so a
+        readable socket is at its end (or broken)."""
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def upload(
         self, key: UploadKey, data: memoryview, chunk_bytes: int, meta: bytes, cancelled: Callable[[], bool]

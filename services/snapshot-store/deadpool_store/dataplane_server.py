@@ -11,8 +11,11 @@ them from one address; frame headers in memory at once are bounded by `header_bu
 connections (one peer announcing 16 MiB headers on many connections, and sending nothing, held that
 much each); a connection that stops in the middle of a frame for `frame_idle_s` is dropped, and so is
 one that has sent no authorised frame `first_frame_s` after it connected (a member sends its first at
-once; 256 idle sockets from strangers once held every slot and locked every member out). Between
-frames an authorised connection may idle: members keep theirs open from one snapshot to the next.
+once; 256 idle sockets from strangers once held every slot and locked every member out). A connection
+sends one upload at a time: one it leaves unsealed (closing, going on to another, or idle for
+`unsealed_idle_s`) is freed at once, not after the store's `unsealed_max_s` (one 14-byte frame once
+reserved a store's whole capacity for 60 s, repeatably). Between frames an authorised connection may
+idle up to `idle_s`: members keep theirs open from one snapshot to the next.
 Refusals are logged at a bounded rate (`RefusalLog`): a flood of bad connections once wrote 9,000
 lines in 30 s.
 """
@@ -67,9 +70,15 @@ class ConnectionLimits:
     """Frame headers being received, over all connections (a Seal of a 10^5-tensor model is ~5 MB)."""
     frame_idle_s: float = 30.0
     """How long a connection may send nothing in the middle of a frame."""
-    first_frame_s: float = 10.0
+    first_frame_s: float = 2.0
     """How long a new connection may go without an authorised frame (one whose job token the store
-    accepts; any frame, on a store without a key)."""
+    accepts; any frame, on a store without a key): a member sends its first at once."""
+    unsealed_idle_s: float = 10.0
+    """How long a connection may send nothing while an upload it began is unsealed: then it is dropped
+    and the upload freed (a member streams its chunks back to back)."""
+    idle_s: float = 600.0
+    """How long an authorised connection may idle between frames with nothing unsealed (members keep
+    theirs open from one snapshot to the next, and reconnect after this)."""
     sweep_s: float = 1.0
     """How often stalled connections are looked for."""
 
@@ -189,6 +198,9 @@ class _Connection(asyncio.BufferedProtocol):
         self._filled = 0
         self._on_full: Callable[[], None] = self._length_read
         self._refused: dict[SnapshotKey, str] = {}
+        self._upload: SnapshotKey | None = None
+        """The upload this connection is sending and has not sealed: one at a time, freed if the
+        connection closes or goes on to another."""
         self._chunk: PutChunk | None = None
         self._chunk_left = 0
         self._replies: asyncio.Task[None] | None = None
@@ -218,10 +230,15 @@ class _Connection(asyncio.BufferedProtocol):
     def drop_if_stalled(self, now: float, limits: ConnectionLimits) -> None:
         if self.transport is None:
             return
-        if self.mid_frame() and now - self._last_rx > limits.frame_idle_s:
+        idle_s = now - self._last_rx
+        if self.mid_frame() and idle_s > limits.frame_idle_s:
             reason = f"no bytes for {limits.frame_idle_s} s mid-frame"
         elif not self.authorised and now - self._connected_t > limits.first_frame_s:
             reason = f"no authorised frame {limits.first_frame_s} s after connecting"
+        elif self._upload is not None and idle_s > limits.unsealed_idle_s:
+            reason = f"no bytes for {limits.unsealed_idle_s} s with an upload unsealed"
+        elif idle_s > limits.idle_s:
+            reason = f"idle for {limits.idle_s} s"
         else:
             return
         self.server.refusals.warning("data plane connection dropped", peer=self.peer, reason=reason)
@@ -251,6 +268,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is not None:
             self.server.refusals.info("data plane peer went away", peer=self.peer, reason=str(exc))
+        self._abandon_upload()
         self._release_header()
         self.server.forget(self)
         self._can_write.set()  # a fetch waiting to write sees the closed transport and stops
@@ -287,6 +305,8 @@ class _Connection(asyncio.BufferedProtocol):
         if isinstance(frame, PutChunk):
             self._chunk_started(frame)
         elif isinstance(frame, Seal | Fetch):
+            if isinstance(frame, Seal) and self._upload == (frame.job, frame.rank, frame.step):
+                self._upload = None  # its seal is answered next: no longer this connection's to free
             self._reply(frame)
             self._expect(memoryview(self._length), self._length_read)
         else:
@@ -298,7 +318,11 @@ class _Connection(asyncio.BufferedProtocol):
             refused = self._refusal(chunk.job, chunk.token)
             if refused:
                 raise StoreError(refused)
-            target = self.server.memory.chunk_target(chunk)
+            key = (chunk.job, chunk.rank, chunk.step)
+            if self._upload != key:
+                self._abandon_upload()
+            target = self.server.memory.chunk_target(chunk, writer=self)
+            self._upload = key
         except StoreError as exc:
             key = (chunk.job, chunk.rank, chunk.step)
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
@@ -325,12 +349,19 @@ class _Connection(asyncio.BufferedProtocol):
         now = time.monotonic()
         free_at = max(now, self.server.ingest_free_at) + nbytes / rate
         self.server.ingest_free_at = free_at
+        self._last_rx = free_at  # the store holds the bytes back: no idle clock runs until it reads again
         self.transport.pause_reading()
         asyncio.get_running_loop().call_later(free_at - now, self._resume_reading)
 
     def _resume_reading(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def _abandon_upload(self) -> None:
+        if self._upload is not None and self.server.memory.abandon(self._upload, self):
+            job, rank, step = self._upload
+            self.server.refusals.info("unsealed upload freed", peer=self.peer, job=job, rank=rank, step=step)
+        self._upload = None
 
     def _discard_next(self) -> None:
         """Read (and drop) the rest of a refused chunk, a scratch buffer at a time."""

@@ -14,8 +14,10 @@ sender's manifest. Rules:
   commit (bounded by `uncommitted_max` per rank: past it the oldest are freed, but never the oldest of
   all, which is the next step to commit); everything else is freed;
 - an upload that is not sealed within `unsealed_max_s` (its sender died or gave up) is freed;
-- a new snapshot that would exceed `capacity_bytes` is refused with a clear error; nothing committed is
-  ever evicted to make room;
+- a chunk that would take the bytes held past `capacity_bytes` is refused with a clear error (and so
+  its upload); nothing committed is ever evicted to make room. An upload holds the bytes it has
+  received, not the size it announces: one 14-byte frame announcing a store's whole capacity once
+  reserved it all for 60 s, starving every other job;
 - once a job has finished (`finished`), everything of it up to its last generation is freed: a new run
   of its name never restores from an ended run's copies (it starts afresh or from the durable tier, in
   a newer generation), and at GBs per rank they would leave the next job's snapshots no room.
@@ -69,6 +71,13 @@ class StoredSnapshot:
     """Fetches sending from `data` right now; while any are, the buffer is not reused."""
     started_t: float = 0.0
     """When the upload began (monotonic clock), for freeing uploads that are never sealed."""
+    charged: int = 0
+    """Bytes of it counted in the store's `used_bytes`: those received so far, all of it once sealed."""
+    charged_offsets: set[int] = field(default_factory=set)
+    """The chunks (by offset) counted in `charged` while it is unsealed: a chunk sent again is not."""
+    writer: object = None
+    """The connection whose chunks are being received into it (unsealed only): when that connection
+    closes, or starts another upload, this one is freed at once (`abandon`)."""
 
     @property
     def key(self) -> SnapshotKey:
@@ -111,14 +120,35 @@ class SnapshotMemory:
             self._drop(key)
         return stale
 
-    def chunk_target(self, chunk: PutChunk) -> memoryview:
-        """Where chunk `chunk`'s bytes go: its slice of the snapshot's memory.
+    def chunk_target(self, chunk: PutChunk, writer: object = None) -> memoryview:
+        """Where chunk `chunk`'s bytes go: its slice of the snapshot's memory. `writer` is the connection
+        sending it (`StoredSnapshot.writer`).
 
         Raises StoreError if the upload is refused (stale generation, store full); the caller then
         discards the bytes and reports the reason at the seal.
         """
         snap = self._entry_for(chunk)
+        if chunk.offset not in snap.charged_offsets:
+            if self.used_bytes + chunk.nbytes > self.capacity_bytes:
+                raise StoreError(
+                    f"store full: {chunk.nbytes} more bytes would exceed the capacity of {self.capacity_bytes} "
+                    f"({self.used_bytes} in use); start the store with a larger --capacity-bytes or add stores"
+                )
+            snap.charged_offsets.add(chunk.offset)
+            snap.charged += chunk.nbytes
+            self.used_bytes += chunk.nbytes
+        snap.writer = writer
         return memoryview(snap.data)[chunk.offset : chunk.offset + chunk.nbytes]
+
+    def abandon(self, key: SnapshotKey, writer: object) -> bool:
+        """Free upload `key` if it is unsealed and `writer` is still the connection sending it (its
+        connection closed, or went on to another upload): its reservation is not held for
+        `unsealed_max_s` (one 14-byte frame once reserved a store's whole capacity for 60 s)."""
+        snap = self._snapshots.get(key)
+        if snap is None or snap.sealed or snap.writer is not writer:
+            return False
+        self._drop(key)
+        return True
 
     def chunk_received(self, chunk: PutChunk) -> None:
         """The chunk's bytes are in place: checksum them (the seal compares with the sender's list)."""
@@ -156,6 +186,9 @@ class SnapshotMemory:
                     f"snapshot {key}: chunk at {offset} has checksum {got:#018x}, the manifest {want:#018x}"
                 )
         snap.sealed = True
+        snap.writer = None
+        self.used_bytes += snap.total_bytes - snap.charged  # every chunk is in: exactly 0
+        snap.charged, snap.charged_offsets = snap.total_bytes, set()
         snap.chunk_bytes = seal.chunk_bytes
         snap.checksums = list(seal.checksums)
         snap.meta = seal.meta
@@ -234,11 +267,10 @@ class SnapshotMemory:
             if chunk.generation == snap.generation and chunk.member != snap.member:
                 raise StoreError(f"snapshot {key} in generation {chunk.generation} already belongs to {snap.member}")
             self._drop(key)  # a newer generation, or a fresh upload of the same one, replaces it
-        if self.used_bytes + chunk.total_bytes > self.capacity_bytes:
+        if chunk.total_bytes > self.capacity_bytes:
             raise StoreError(
-                f"store full: {chunk.total_bytes} more bytes would exceed the capacity of "
-                f"{self.capacity_bytes} ({self.used_bytes} in use); start the store with a larger "
-                "--capacity-bytes or add stores"
+                f"a snapshot of {chunk.total_bytes} bytes can never fit the capacity of {self.capacity_bytes}; "
+                "start the store with a larger --capacity-bytes"
             )
         snap = StoredSnapshot(
             job=chunk.job,
@@ -251,7 +283,6 @@ class SnapshotMemory:
             started_t=time.monotonic(),
         )
         self._snapshots[key] = snap
-        self.used_bytes += chunk.total_bytes
         return snap
 
     def _bound_uncommitted(self, job: str, rank: int) -> None:
@@ -277,7 +308,7 @@ class SnapshotMemory:
         snap = self._snapshots.pop(key, None)
         if snap is None:
             return
-        self.used_bytes -= snap.total_bytes
+        self.used_bytes -= snap.charged
         fits = self.used_bytes + self.pooled_bytes + snap.total_bytes <= self.capacity_bytes
         if snap.readers == 0 and fits and snap.total_bytes > 0:
             self._pool[snap.total_bytes].append(snap.data)
