@@ -464,7 +464,10 @@ class StoreProtocol(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self) -> None:
-        held = sum(s.total_bytes for s in self.memory._snapshots.values())
+        snapshots = self.memory._snapshots.values()
+        held = sum(s.total_bytes if s.sealed else s.charged for s in snapshots)  # an upload: what it sent
+        if any(s.charged > s.total_bytes for s in snapshots):
+            raise AssertionError("an upload counts more bytes than it announced")
         if self.memory.used_bytes != held or held > self.CAPACITY:
             raise AssertionError(f"used_bytes {self.memory.used_bytes}, held {held}, capacity {self.CAPACITY}")
         if self.memory.used_bytes + self.memory.pooled_bytes > self.CAPACITY:
