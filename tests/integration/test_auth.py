@@ -140,6 +140,11 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", OTHER.child_exit, encode(FORGED_EXIT)),
     ("job", OTHER.heartbeat_batch, b"forged"),
     ("job", OTHER.rebuild_ack, b"forged"),
+    ("swapper", S.failure, encode(FORGED_FAILURE)),
+    ("swapper", store_announce("store-0"), b"forged"),
+    ("swapper", S.snapshot_complete_by("store-0"), b"forged"),
+    ("swapper", S.hello, b"forged"),
+    ("swapper", S.member_error, encode(FORGED_ERROR)),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
     ("store", store_announce("store-1"), b"forged"),  # another store's name
     ("store", S.snapshot_complete_by("store-1"), b"forged"),  # another store's copies
@@ -169,7 +174,7 @@ async def test_each_role_is_refused_what_is_not_its_to_say(secured_nats: tuple[N
 
     await admin.subscribe("deadpool.>", cb=on_msg)
     await admin.flush()
-    for role in ("job", "store", "detector"):
+    for role in ("job", "store", "detector", "swapper"):
         violations: asyncio.Queue[str] = asyncio.Queue()
         client = await connect_as(server.url, credentials, role, violations)
         forbidden = [(subject, data) for r, subject, data in FORBIDDEN if r == role]
