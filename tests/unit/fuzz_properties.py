@@ -48,10 +48,14 @@ __all__ = [
     "Forgery",
     "StoreProtocol",
     "bounds_broken",
+    "check_forged_publication",
+    "check_forged_read",
     "check_frame_bytes",
     "check_message_bytes",
     "check_oversized_message",
     "check_token_frame",
+    "forged_publications",
+    "forged_reads",
     "frame_bodies",
     "message_bodies",
     "oversized",
@@ -477,3 +481,117 @@ class StoreProtocol(RuleBasedStateMachine):
     @rule()
     def forget_sent(self) -> None:
         self.sent.clear()
+
+
+# ---------------------------------------------------------------- forgeries: each key, well-formed lies
+
+FORGER_JOB, VICTIM_JOB = "job-a", "job-b"
+FORGER_STORE, VICTIM_STORE = "store-0", "store-1"
+JOB_KINDS = frozenset(
+    {"member_hello", "heartbeat", "heartbeat_batch", "member_error", "member_done", "rebuild_ack"}
+    | {"step_resumed", "snapshot_interval", "run_start", "child_exit"}
+)
+"""What a job's launchers and members say, each about their own job."""
+STORE_KINDS = frozenset({"store_status", "snapshot_complete"})
+"""What a store says, each about itself."""
+
+
+def key_permissions(key: str) -> dict[str, list[str]]:
+    """The permissions the NATS servers give the forger's key: job A's own, or store 0's own."""
+    from deadpool_cli.nats_auth import job_permissions, store_permissions
+
+    return job_permissions(FORGER_JOB) if key == "job" else store_permissions(FORGER_STORE)
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, `>` one or more to the end."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or token not in ("*", have[i]):
+            return False
+    return len(want) == len(have)
+
+
+@functools.cache
+def _listened_subjects() -> tuple[str, ...]:
+    """Every subject a DeadPool service or member takes messages on, for both jobs and both stores."""
+    from deadpool_protocol.subjects import Subjects, store_announce, store_replicate
+
+    subjects: list[str] = []
+    for job in (FORGER_JOB, VICTIM_JOB):
+        s = Subjects.for_job(job)
+        subjects += [s.hello, s.heartbeat, s.member_error, s.member_done, s.rebuild_ack, s.step_resumed]
+        subjects += [s.snapshot_interval, s.run_start, s.child_exit, s.heartbeat_batch, s.failure, s.straggler]
+        subjects += [s.group_broken, s.rebuild, s.void, s.placement, s.commit, s.finished, s.incident]
+        subjects += [s.launcher_heartbeat("l0"), s.fence("l0")]
+        subjects += [s.snapshot_complete_by(store) for store in (FORGER_STORE, VICTIM_STORE)]
+    for store in (FORGER_STORE, VICTIM_STORE):
+        subjects += [store_announce(store), store_replicate(store)]
+    return tuple(subjects)
+
+
+@st.composite
+def forged_publications(draw: st.DrawFn) -> tuple[str, str, bytes]:
+    """(the forger's key, a subject, a well-formed message): any kind, plausible fields, naming the
+    forger's own job or store or its victim's, sent on any subject a part of DeadPool listens on."""
+    key = draw(st.sampled_from(["job", "store"]))
+    kind = draw(st.sampled_from(sorted(_KINDS)))
+    cls = typing.cast(type, _KINDS[kind])
+    fields = draw(_plausible_fields(cls))
+    if "job" in fields:
+        fields["job"] = draw(st.sampled_from([FORGER_JOB, VICTIM_JOB]))
+    if "store" in fields:
+        fields["store"] = draw(st.sampled_from([FORGER_STORE, VICTIM_STORE]))
+    if kind == "heartbeat_batch":
+        fields["beats"] = [{**beat, "job": fields["job"]} for beat in fields["beats"]]
+    body = {**fields, "v": PROTOCOL_VERSION, "kind": kind}
+    return key, draw(st.sampled_from(_listened_subjects())), bytes(msgpack.packb(body, use_bin_type=True))
+
+
+def check_forged_publication(case: tuple[str, str, bytes]) -> bool:
+    """Whether the message reaches a part of DeadPool that takes it (the server lets the key publish
+    there, it decodes, and the subject may carry it: `subject_refusal`). Taken, it must be the key's own
+    to say: a job's key speaking for its own job, a store's for itself; anything else is a forgery."""
+    from deadpool_protocol import subject_refusal
+
+    key, subject, data = case
+    if not any(subject_matches(p, subject) for p in key_permissions(key)["publish"]):
+        return False  # the server refuses it: it reaches nobody
+    try:
+        message = decode_any(data)
+    except ProtocolError:
+        return False
+    if subject_refusal(subject, message):
+        return False
+    own = (
+        message.KIND in JOB_KINDS and getattr(message, "job", None) == FORGER_JOB
+        if key == "job"
+        else message.KIND in STORE_KINDS and getattr(message, "store", None) == FORGER_STORE
+    )
+    if not own:
+        raise Forgery(f"{key} key: a {message.KIND} on {subject} was taken: {shown(message)}")
+    return True
+
+
+def check_forged_read(case: tuple[str, str]) -> bool:
+    """Whether the key may read `subject`. Reading any reply inbox but its own (a job's replies carry its
+    token and seal key), another job's subjects, or another store's requests is a forgery."""
+    key, subject = case
+    readable = any(subject_matches(p, subject) for p in key_permissions(key)["subscribe"])
+    own_inbox = f"_INBOX.deadpool.{FORGER_JOB}." if key == "job" else f"_INBOX.deadpool-store.{FORGER_STORE}."
+    others = f".{VICTIM_JOB}." if key == "job" else f"deadpool.store.{VICTIM_STORE}."
+    secret = subject.startswith("_INBOX.") and not subject.startswith(own_inbox)
+    if readable and (secret or others in subject):
+        raise Forgery(f"{key} key may read {subject}")
+    return readable
+
+
+def forged_reads() -> st.SearchStrategy[tuple[str, str]]:
+    from deadpool_protocol.subjects import service_inbox
+
+    inboxes = [f"_INBOX.deadpool.{job}.x" for job in (FORGER_JOB, VICTIM_JOB)]
+    inboxes += [f"{service_inbox(role)}.x" for role in ("swapper", "detector")]
+    inboxes += [f"{service_inbox('store', store)}.x" for store in (FORGER_STORE, VICTIM_STORE)]
+    return st.tuples(st.sampled_from(["job", "store"]), st.sampled_from([*inboxes, *_listened_subjects()]))

@@ -10,10 +10,14 @@ from hypothesis import strategies as st
 
 from tests.unit.fuzz_properties import (
     StoreProtocol,
+    check_forged_publication,
+    check_forged_read,
     check_frame_bytes,
     check_message_bytes,
     check_oversized_message,
     check_token_frame,
+    forged_publications,
+    forged_reads,
     frame_bodies,
     message_bodies,
     oversized_messages,
@@ -65,3 +69,18 @@ TestStoreProtocol = StoreProtocol.TestCase
 TestStoreProtocol.settings = settings(
     max_examples=100, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+@CI
+@given(forged_publications())
+def test_no_key_gets_a_well_formed_forgery_taken(case: tuple[str, str, bytes]) -> None:
+    """A job's key and a store's key, sending any kind of message, naming their own job or store or a
+    victim's, on any subject DeadPool listens on: the server or the services refuse every one that is
+    not the key's own to say."""
+    check_forged_publication(case)
+
+
+@CI
+@given(forged_reads())
+def test_no_key_reads_another_jobs_replies_or_another_stores_requests(case: tuple[str, str]) -> None:
+    check_forged_read(case)

@@ -143,6 +143,9 @@ def subject_refusal(subject: str, message: Message) -> str:
         return f"store {message.store}'s announcement on {subject}: another store's subject"
     if isinstance(message, SnapshotComplete) and not subject.endswith(f".{message.store}"):
         return f"store {message.store}'s report on {subject}: another store's subject"
+    kind = _subject_kind(subject)
+    if kind is not None and not isinstance(message, kind):
+        return f"a {message.KIND} on {subject}, where only {kind.KIND} events go"
     job = getattr(message, "job", None)
     if not isinstance(job, str) or not subject.startswith(PREFIX + "."):
         return ""
@@ -150,6 +153,57 @@ def subject_refusal(subject: str, message: Message) -> str:
     if owner not in SERVICE_TOPICS and owner != job:
         return f"a message of job {job} on {subject}: another job's subject"
     return ""
+
+
+_SUBJECT_KINDS: tuple[tuple[str, str], ...] = (
+    ("member.hello", "member_hello"),
+    ("member.heartbeat", "heartbeat"),
+    ("member.error", "member_error"),
+    ("member.done", "member_done"),
+    ("member.ack", "rebuild_ack"),
+    ("member.resumed", "step_resumed"),
+    ("member.interval", "snapshot_interval"),
+    ("launcher.run", "run_start"),
+    ("launcher.exit", "child_exit"),
+    ("launcher.heartbeats", "heartbeat_batch"),
+    ("launcher.*.heartbeat", "heartbeat"),
+    ("launcher.*.fence", "fence_request"),
+    ("failure", "failure"),
+    ("straggler", "straggler"),
+    ("group.broken", "group_broken"),
+    ("rebuild", "rebuild"),
+    ("void", "generation_void"),
+    ("placement", "placement"),
+    ("commit", "commit"),
+    ("finished", "job_finished"),
+    ("incident", "incident"),
+    ("snapshot.complete.*", "snapshot_complete"),
+)
+"""Each of a job's subjects (after `deadpool.<job>.`; `*` where a launcher's or a store's name goes)
+and the one kind of message taken there (`Subjects`)."""
+_STORE_SUBJECT_KINDS = (("announce", "store_status"), ("replicate", "replicate"))
+"""Each of a store's subjects (after `deadpool.store.<store>.`) and its one kind."""
+
+
+@functools.cache
+def _subject_kinds(of_store: bool) -> tuple[tuple[tuple[str, ...], type[Message]], ...]:
+    table = _STORE_SUBJECT_KINDS if of_store else _SUBJECT_KINDS
+    return tuple((tuple(topic.split(".")), _KINDS[kind]) for topic, kind in table)
+
+
+def _subject_kind(subject: str) -> type[Message] | None:
+    """The one kind of message `subject` carries, if it is one of DeadPool's (see `_SUBJECT_KINDS`): a
+    job's key may publish on its job's report subjects, and a verdict sent there was still a verdict
+    to a reader that took any kind."""
+    tokens = subject.split(".")
+    if len(tokens) < 3 or tokens[0] != PREFIX:
+        return None
+    of_store = tokens[1] == "store"
+    rest = tokens[3:] if of_store else tokens[2:]
+    for topic, kind in _subject_kinds(of_store):
+        if len(rest) == len(topic) and all(t in ("*", r) for t, r in zip(topic, rest, strict=True)):
+            return kind
+    return None
 
 
 def decode_on(subject: str, data: bytes, expected: type[M]) -> M:
