@@ -679,6 +679,10 @@ def test_a_report_that_would_end_the_job_counts_only_for_the_reporters_own_rank_
     own = MemberError("j", 2, "m1", 1, "the optimizer factory raised", 1.0, MemberErrorCause.USER_CODE)
     [failure] = core.on_error(own, 1.0)
     assert (failure.rank, failure.cause) == (1, MemberErrorCause.USER_CODE)
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0, generation=2)  # the rebuild of generation 3, which names m2 to rank 1, not read yet
+    ahead = MemberError("j", 3, "m2", 1, "the optimizer factory raised", 1.0, MemberErrorCause.USER_CODE)
+    assert core.error_cause(ahead) == MemberErrorCause.USER_CODE
     spare = MemberError("j", 0, "m2", -1, "the factory raised while a spare warmed up", 1.0, MemberErrorCause.USER_CODE)
     [failure] = core.on_error(spare, 1.0)
     assert (failure.rank, failure.cause) == (-1, MemberErrorCause.USER_CODE)

@@ -46,14 +46,16 @@ def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
     )
 
 
-def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False, nkey: bool = True) -> tuple[str, bytes]:
-    """(`role`'s nkey seed file if asked for, the data-plane key if asked for) from `--credentials`;
-    exits saying what is missing."""
-    from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key
+def _role_files(args: argparse.Namespace, role: str, dataplane: bool = False) -> tuple[str, bytes]:
+    """(`role`'s nkey seed file, the data-plane key if asked for) from `--credentials`; exits saying what
+    is missing. `deadpool store --id ID` reads that store's own key (`store_nkey_file`)."""
+    from deadpool_runtime.credentials import dataplane_key_file, nkey_file, read_dataplane_key, store_nkey_file
 
     try:
         key = read_dataplane_key(dataplane_key_file(args.credentials)) if dataplane else b""
-        return nkey_file(args.credentials, role) if nkey else "", key
+        if role == "store" and vars(args).get("id"):
+            return store_nkey_file(args.credentials, args.id), key
+        return nkey_file(args.credentials, role), key
     except (OSError, ValueError) as exc:
         sys.exit(f"deadpool {args.command}: {exc}")
 
@@ -415,14 +417,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool swapper: {exc}")
         swapper_main(swapper_config)
     elif command == "store":
-        from deadpool_runtime.credentials import store_nkey_file
         from deadpool_store import main as store_main
 
-        _, dataplane_key = _role_files(args, "admin", dataplane=True, nkey=False)
-        try:
-            nkey = store_nkey_file(args.credentials, args.id)
-        except (OSError, ValueError) as exc:
-            sys.exit(f"deadpool store: {exc}")
+        nkey, dataplane_key = _role_files(args, "store", dataplane=True)
         store_main(
             StoreConfig(
                 args.nats,

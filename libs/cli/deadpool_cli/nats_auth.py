@@ -149,18 +149,17 @@ def create_job_credentials(directory: Path, job: str) -> Path:
     """Write job `job`'s nkey into `directory` (kept if there) and return its path. The servers admit it
     once their `authorization` block lists it (`write_server_authorization`, then a reload). Two
     launchers of a job may create it at once: one file wins, whole, and both use it."""
-    path = job_nkey_path(directory, job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(path.parent, 0o700)
-    if not path.exists():
-        _write_private(path, _new_seed() + "\n")
-    return path
+    return _seed_file(job_nkey_path(directory, job))
 
 
 def create_store_credentials(directory: Path, store: str) -> Path:
     """Write store `store`'s nkey into `directory` (kept if there) and return its path; the servers admit
     it at their next reload, as a job's."""
-    path = store_nkey_path(directory, store)
+    return _seed_file(store_nkey_path(directory, store))
+
+
+def _seed_file(path: Path) -> Path:
+    """An nkey seed at `path` (kept if there), in a directory only its owner reads."""
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     if not path.exists():

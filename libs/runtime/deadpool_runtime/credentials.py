@@ -124,7 +124,7 @@ def dataplane_key_file(directory: str | Path) -> str:
 
 
 def read_dataplane_key(path: str) -> bytes:
-    """The key in a `dataplane.key` file (hex), checked for length; b'' for no file (tokens off)."""
+    """The key in a `dataplane.key` or `seal.key` file (hex), checked for length; b'' for no file (off)."""
     if not path:
         return b""
     try:

@@ -472,9 +472,14 @@ class DetectorCore:
             return error.cause
         view = self.jobs.get(error.job)
         watched = view.members.get(error.member) if view is not None else None
-        if view is None or watched is None or error.rank != watched.named_rank:
+        if view is None or watched is None:
             return MemberErrorCause.STEP
-        if error.rank != NO_RANK and error.generation != view.generation:
+        if (
+            error.rank != NO_RANK
+            and view.generation < error.generation <= view.generation + self.config.generation_lead_max
+        ):
+            return error.cause  # a rebuild this detector has not read yet (its verdicts and reports race)
+        if error.rank != watched.named_rank or (error.rank != NO_RANK and error.generation != view.generation):
             return MemberErrorCause.STEP
         return error.cause
 
