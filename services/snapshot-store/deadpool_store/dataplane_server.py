@@ -314,17 +314,16 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _chunk_started(self, chunk: PutChunk) -> None:
         self._chunk = chunk
+        key = (chunk.job, chunk.rank, chunk.step)
         try:
             refused = self._refusal(chunk.job, chunk.token)
             if refused:
                 raise StoreError(refused)
-            key = (chunk.job, chunk.rank, chunk.step)
             if self._upload != key:
                 self._abandon_upload()
             target = self.server.memory.chunk_target(chunk, writer=self)
             self._upload = key
         except StoreError as exc:
-            key = (chunk.job, chunk.rank, chunk.step)
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
                 raise ProtocolError(f"{REFUSED_KEPT_MAX} refused uploads left unsealed on one connection") from None
             self._refused.setdefault(key, str(exc))
