@@ -1,7 +1,7 @@
 """Snapshot data plane throughput: a hook streaming a 1 GB snapshot into a real store, against a plain
 socket measured in the same run, and a spare's restore (fetch + verify + load into the tensors).
 
-    .venv/bin/python bench/store_throughput.py [--gigabytes 1.0] [--repeats 3]
+    .venv/bin/python bench/store_throughput.py [--gigabytes 1.0] [--repeats 3] [--tls]
 
 The snapshot is the real thing: a model of large linear layers plus its AdamW state (one third
 parameters, two thirds optimizer state), laid out and copied by the hooks' own code
@@ -52,6 +52,8 @@ from deadpool_cli.nats_server import NatsServer
 from deadpool_protocol import Commit, StoreAddress, StoreStatus, Subjects, decode, encode
 from deadpool_protocol.dataplane import CHUNK_BYTES_DEFAULT
 from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_runtime.bus import tls_options
+from deadpool_runtime.tls import TLS_ENV, TlsFiles
 
 GOAL_INGEST_RATIO = 0.7
 GOAL_RESTORE_GBPS = 2.0
@@ -195,6 +197,7 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=1.0, help="snapshot size (default 1 GB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sink", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--tls", action="store_true", help="the data plane and the bus over TLS (make-tls.sh's files)")
     args = parser.parse_args()
     if args.sink:
         sink_main(args.sink)
@@ -212,11 +215,17 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-throughput-"))
     rounds = WARM_UP_ROUNDS + args.repeats
     baseline_all = baseline_seconds(data, rounds, workdir)
-    nats_server = NatsServer(workdir / "nats")
+    tls_files = None
+    if args.tls:  # the setting every process reads, the store's and this one's StoreConnections included
+        make_tls = Path(__file__).resolve().parents[1] / "deploy" / "tls" / "make-tls.sh"
+        subprocess.run(["bash", str(make_tls), str(workdir / "tls"), "127.0.0.1"], check=True, capture_output=True)
+        os.environ[TLS_ENV] = str(workdir / "tls")
+        tls_files = TlsFiles(workdir / "tls")
+    nats_server = NatsServer(workdir / "nats", tls=tls_files)
     url = nats_server.start()
 
     async def against_store() -> tuple[list[float], list[float], list[float], list[float]]:
-        nc = await nats.connect(url)
+        nc = await nats.connect(url, **tls_options())
         store, address = await start_store(nc, url, workdir, capacity=4 * total)
         try:
             ingest, ingest_cpu = await ingest_seconds(nc, address, data, meta, rounds, store.pid)
@@ -248,6 +257,7 @@ def main() -> None:
 
     result = {
         "snapshot_bytes": total,
+        "tls": args.tls,
         "repeats": args.repeats,
         "baseline_gbps": round(gbps(baseline), 3),
         "ingest_gbps": round(gbps(ingest), 3),

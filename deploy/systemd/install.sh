@@ -7,7 +7,9 @@
 #                                  credentials`. Every other host gets from it the files of what it runs,
 #                                  nothing else: a store host its store's key (as store.nk) and
 #                                  dataplane.key; a training host the keys of its jobs (docs/operations.md §2)
-#   /etc/nats/                     the NATS configuration of node N (--nats-node N) and nats-auth.conf
+#   /etc/nats/                     the NATS configuration of node N (--nats-node N) and nats-auth.conf,
+#                                  read by the system user nats that runs the server (created here)
+#   /etc/deadpool/tls/             yours to fill: deploy/tls/make-tls.sh's files, or your PKI's
 #
 #   sudo deploy/systemd/install.sh [--nats-node N] [--credentials] [--root DIR] [--no-venv]
 # --root installs under DIR instead of / (tests); --no-venv leaves the venv to the caller.
@@ -40,7 +42,19 @@ fi
 if [ "$credentials" = 1 ] && [ ! -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
   "$prefix/.venv/bin/deadpool" credentials "$root/etc/deadpool/credentials"
 fi
+# nats-server runs as its own user (nats-server.service): it reads its authorization and its TLS keys
+# through group nats, and nothing else of DeadPool's.
+nats_group=root
+if [ -z "$root" ] && [ -n "$node" ]; then
+  getent passwd nats >/dev/null || useradd --system --no-create-home --shell /usr/sbin/nologin nats
+  nats_group=nats
+fi
 if [ -e "$root/etc/deadpool/credentials/nats-auth.conf" ]; then
-  install -m 0600 "$root/etc/deadpool/credentials/nats-auth.conf" "$root/etc/nats/nats-auth.conf"
+  install -m 0640 -g "$nats_group" "$root/etc/deadpool/credentials/nats-auth.conf" "$root/etc/nats/nats-auth.conf"
+fi
+if [ -n "$node" ]; then
+  for key in "$root/etc/deadpool/tls/key.pem" "$root/etc/deadpool/tls/routes/key.pem"; do
+    if [ -e "$key" ]; then chgrp "$nats_group" "$key" && chmod 0640 "$key"; fi
+  done
 fi
 echo "installed under ${root:-/}: systemctl daemon-reload, then enable the units this host runs"

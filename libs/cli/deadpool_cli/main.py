@@ -24,6 +24,7 @@ from deadpool_cli.stack import StackConfig
 from deadpool_detector import DetectorServiceConfig
 from deadpool_detector.core import DetectorConfig
 from deadpool_runtime.credentials import CREDENTIALS_ENV
+from deadpool_runtime.tls import TLS_ENV
 from deadpool_runtime.tracing import TRACE_FILE_ENV
 from deadpool_store import StoreConfig
 from deadpool_swapper import SwapperConfig, SwapperServiceConfig
@@ -43,6 +44,13 @@ def _add_nats(p: argparse.ArgumentParser, required: bool = True) -> None:
         default=os.environ.get(CREDENTIALS_ENV, ""),
         help="the deployment's credentials directory (what `deadpool up` printed; default: $DEADPOOL_CREDENTIALS); "
         "this command reads only its own role's files there",
+    )
+    p.add_argument(
+        "--tls",
+        default=os.environ.get(TLS_ENV, ""),
+        help="a directory of TLS files (ca.pem; cert.pem and key.pem where this host serves; docs/operations.md "
+        "§2): the bus and the data plane then speak TLS only (default: $DEADPOOL_TLS; the processes this command "
+        "starts inherit it)",
     )
 
 
@@ -372,6 +380,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     command = args.command
+    if vars(args).get("tls"):
+        os.environ[TLS_ENV] = args.tls  # read where each connection is made, here and in every child
     if command == "detector":
         from deadpool_detector import main as detector_main
 
@@ -648,6 +658,7 @@ async def _admitted(url: str, nkey: str, job: str) -> None:
 
     from deadpool_protocol.subjects import Subjects
     from deadpool_runtime import server_urls
+    from deadpool_runtime.bus import tls_options
 
     async def quiet(_exc: Exception) -> None:
         pass  # a refusal is expected until the reload: it is not worth a traceback
@@ -662,6 +673,7 @@ async def _admitted(url: str, nkey: str, job: str) -> None:
                 connect_timeout=2,
                 inbox_prefix=Subjects.for_job(job).inbox,
                 error_cb=quiet,
+                **tls_options(),
             )
         except Exception as exc:
             if "authorization" not in str(exc).lower():
@@ -721,6 +733,7 @@ async def _ping(args: argparse.Namespace) -> int:
     from deadpool_cli.health import answers_from_host
     from deadpool_protocol.subjects import PING_INBOX
     from deadpool_runtime import server_urls
+    from deadpool_runtime.bus import tls_options
 
     nkey, _ = _role_files(args, args.role)
     try:
@@ -730,6 +743,7 @@ async def _ping(args: argparse.Namespace) -> int:
             allow_reconnect=False,
             connect_timeout=2,
             inbox_prefix=PING_INBOX,
+            **tls_options(),
         )
     except Exception as exc:  # no server, refused credentials: unhealthy, and why
         print(f"deadpool ping: cannot connect to {args.nats}: {exc}", file=sys.stderr)
@@ -748,9 +762,10 @@ async def _status(args: argparse.Namespace) -> int:
 
     from deadpool_cli.status_view import show_status
     from deadpool_runtime import server_urls
+    from deadpool_runtime.bus import tls_options
 
     nkey, _ = _role_files(args, "admin")
-    nc = await nats.connect(servers=server_urls(args.nats), nkeys_seed=nkey or None)
+    nc = await nats.connect(servers=server_urls(args.nats), nkeys_seed=nkey or None, **tls_options())
     stop = asyncio.Event()
     if args.watch:  # Ctrl-C ends the watch after the view being drawn, never by cancelling a request in flight
         asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)

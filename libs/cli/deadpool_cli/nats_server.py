@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import IO
 
-__all__ = ["NatsCluster", "NatsServer", "free_port", "nats_server_binary"]
+from deadpool_runtime.tls import TlsFiles
+
+__all__ = ["NatsCluster", "NatsServer", "free_port", "nats_server_binary", "tls_block"]
 
 READY_TIMEOUT_S = 20.0
 
@@ -53,8 +55,12 @@ class NatsServer:
         routes: list[int] | None = None,
         cluster_name: str = "deadpool",
         authorization: str = "",
+        tls: TlsFiles | None = None,
     ) -> None:
         self.workdir = workdir
+        self.tls = tls
+        """With TLS files (`deadpool_runtime.tls`): clients must speak TLS from their first byte, and
+        routes are mutual TLS under the routes' own authority."""
         self.host = host
         self.port = port or free_port(host)
         self.name = name or f"nats-{self.port}"
@@ -77,6 +83,8 @@ class NatsServer:
             f"listen: {self.host}:{self.port}",
             f'jetstream {{ store_dir: "{self.workdir / "jetstream"}" }}',
         ]
+        if self.tls is not None:
+            lines += tls_block(self.tls, route=False)
         if self.cluster_port:
             routes = ", ".join(f"nats://{self.host}:{p}" for p in self.routes)
             lines += [
@@ -84,6 +92,7 @@ class NatsServer:
                 f"  name: {self.cluster_name}",
                 f"  listen: {self.host}:{self.cluster_port}",
                 f"  routes: [{routes}]",
+                *(tls_block(self.tls.routes, route=True) if self.tls is not None else []),
                 "}",
             ]
         if self.authorization:
@@ -161,10 +170,33 @@ class NatsServer:
             self._log = None
 
 
+def tls_block(files: TlsFiles, *, route: bool) -> list[str]:
+    """The `tls { ... }` block of a server's client port (`route` False) or of its cluster's routes, as
+    `deploy/nats/nats-N.conf` writes it: clients do the handshake first (a server cannot talk them down
+    to plain text); routes must present a certificate of the routes' authority (`verify`)."""
+    files.require(serving=True)
+    return [
+        "tls {",
+        f'  cert_file: "{files.cert}"',
+        f'  key_file: "{files.key}"',
+        f'  ca_file: "{files.ca}"',
+        "  verify: true" if route else "  handshake_first: true",
+        "  timeout: 2",
+        "}",
+    ]
+
+
 class NatsCluster:
     """`size` servers on loopback joined into one cluster; `url` lists them all, as clients take it."""
 
-    def __init__(self, workdir: Path, size: int = 3, host: str = "127.0.0.1", authorization: str = "") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        size: int = 3,
+        host: str = "127.0.0.1",
+        authorization: str = "",
+        tls: TlsFiles | None = None,
+    ) -> None:
         if size < 1:
             raise ValueError("a cluster has at least one server")
         ports = [free_port(host) for _ in range(size)]
@@ -178,6 +210,7 @@ class NatsCluster:
                 cluster_port=cluster_ports[i] if size > 1 else 0,
                 routes=[p for j, p in enumerate(cluster_ports) if j != i] if size > 1 else [],
                 authorization=authorization,
+                tls=tls,
             )
             for i in range(size)
         ]

@@ -36,7 +36,8 @@ from deadpool_cli.nats_server import NatsCluster, NatsServer
 from deadpool_detector.core import DetectorConfig
 from deadpool_protocol import StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
-from deadpool_runtime import server_urls
+from deadpool_runtime import server_urls, tls
+from deadpool_runtime.bus import tls_options
 from deadpool_runtime.credentials import nkey_file
 from deadpool_runtime.tracing import TRACE_FILE_ENV
 from deadpool_store import StoreConfig
@@ -157,7 +158,10 @@ class Stack:
                         create_job_credentials(self.credentials, job)
                     authorization = authorization_config(self.credentials)
                 self.cluster = NatsCluster(
-                    self.config.workdir / "nats", self.config.nats_nodes, authorization=authorization
+                    self.config.workdir / "nats",
+                    self.config.nats_nodes,
+                    authorization=authorization,
+                    tls=tls.from_env(),  # every process of the stack inherits the same setting
                 )
                 self.url = self.cluster.start()
             c = self.config
@@ -200,7 +204,7 @@ class Stack:
     async def connect(self, **options: Any) -> Client:
         """A NATS client with the admin role (operators, tests, benches)."""
         seed = nkey_file(self.credentials, "admin") if self.credentials else None
-        return await nats.connect(servers=server_urls(self.url), nkeys_seed=seed, **options)
+        return await nats.connect(servers=server_urls(self.url), nkeys_seed=seed, **tls_options(), **options)
 
     def _spawn(self, command: str, *args: str, name: str = "") -> None:
         name = name or command

@@ -15,9 +15,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from deadpool_protocol import Message, ProtocolError, decode_on, encode
+from deadpool_runtime import tls
 from deadpool_runtime.log_limit import RefusalLog
 
-__all__ = ["RECONNECT_WAIT_S", "connect", "publish", "server_urls", "subscribe_validated"]
+__all__ = ["RECONNECT_WAIT_S", "connect", "publish", "server_urls", "subscribe_validated", "tls_options"]
 
 RECONNECT_WAIT_S = 0.25
 M = TypeVar("M", bound=Message)
@@ -57,7 +58,16 @@ async def connect(url: str, name: str, log: Any, nkey_file: str = "", inbox_pref
         error_cb=on_error,
         nkeys_seed=nkey_file or None,
         inbox_prefix=inbox_prefix,
+        **tls_options(),
     )
+
+
+def tls_options() -> dict[str, Any]:
+    """`nats.connect`'s TLS options under this process's TLS setting (`deadpool_runtime.tls`): the
+    handshake comes first, before the server says a word, so a server without TLS cannot talk a client
+    down to plain text; {} when TLS is off."""
+    context = tls.client_context(tls.from_env())
+    return {} if context is None else {"tls": context, "tls_handshake_first": True}
 
 
 async def publish(nc: Client, subject: str, message: Message) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import select
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from deadpool_protocol.dataplane import (
     seal_signature,
 )
 from deadpool_protocol.errors import DeadPoolError
+from deadpool_runtime import tls
 
 __all__ = [
     "FetchDeadline",
@@ -142,6 +144,9 @@ class StoreConnection:
         self, address: StoreAddress, timeout_s: float = 30.0, token: bytes = b"", seal_key: bytes = b""
     ) -> None:
         self.address = address
+        self.tls = tls.client_context(tls.from_env())
+        """With TLS on (`DEADPOOL_TLS`), the store's certificate is checked against the deployment's
+        authority and its announced address before the first frame."""
         self.token = token
         """The job's data-plane token, from the swapper's answer to this member's hello."""
         self.seal_key = seal_key
@@ -175,17 +180,25 @@ class StoreConnection:
         if self._sock is None:
             timeout_s = CONNECT_TIMEOUT_S if due is None else min(CONNECT_TIMEOUT_S, max(due.left(), 0.001))
             sock = socket.create_connection((self.address.host, self.address.port), timeout=timeout_s)
-            sock.settimeout(self.timeout_s)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                try:  # the handshake runs under the connect timeout
+                    sock = self.tls.wrap_socket(sock, server_hostname=self.address.host)
+                except BaseException:
+                    sock.close()
+                    raise
+            sock.settimeout(self.timeout_s)
             self._sock = sock
         return self._sock
 
     @staticmethod
     def _closed_by_store(sock: socket.socket) -> bool:
         """Whether the store closed this idle connection: between requests it sends nothing, so a
-        readable socket is at its end (or broken)."""
+        readable socket is at its end (or broken; over TLS, readable at all: a close alert)."""
         try:
             readable, _, _ = select.select([sock], [], [], 0)
+            if isinstance(sock, ssl.SSLSocket):
+                return bool(readable) or sock.pending() > 0
             return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):
             return False
@@ -313,7 +326,12 @@ class StoreConnection:
 
 
 def _send_all(sock: socket.socket, pieces: list[memoryview]) -> None:
-    """Send every byte of `pieces`, gathered into as few system calls as the kernel allows."""
+    """Send every byte of `pieces`, gathered into as few system calls as the kernel allows (over TLS,
+    which has no gathered send, one after the other)."""
+    if isinstance(sock, ssl.SSLSocket):
+        for piece in pieces:
+            sock.sendall(piece)
+        return
     while pieces:
         sent = sock.sendmsg(pieces)
         while pieces and sent >= len(pieces[0]):

@@ -23,6 +23,7 @@ lines in 30 s.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -93,8 +94,12 @@ class DataPlaneServer:
         key: bytes = b"",
         tracing: Tracing | None = None,
         ingest_bytes_per_s: float = 0.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.memory = memory
+        self.tls = tls
+        """With a context, connections speak TLS (`deadpool_runtime.tls`); a handshake that has not ended
+        `first_frame_s` after connecting is dropped, before the connection takes a slot."""
         self.ingest_bytes_per_s = ingest_bytes_per_s
         """Above 0, the store reads uploads no faster than this over all connections: a slow data plane
         on demand, for tests and benchmarks (`DEADPOOL_STORE_INGEST_BYTES_PER_S`)."""
@@ -118,7 +123,13 @@ class DataPlaneServer:
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); returns the port (useful with port 0)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self._server = await loop.create_server(
+            lambda: _Connection(self),
+            host,
+            port,
+            ssl=self.tls,
+            ssl_handshake_timeout=self.limits.first_frame_s if self.tls is not None else None,
+        )
         self._sweeper = loop.create_task(self._sweep())
         return int(self._server.sockets[0].getsockname()[1])
 

@@ -10,6 +10,7 @@ target reports the snapshot complete, so a copy that fails here is only logged.
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 from deadpool_protocol import ProtocolError, StoreAddress
 from deadpool_protocol.dataplane import (
@@ -34,10 +35,14 @@ class ReplicaRefusedError(DeadPoolError, RuntimeError):
     """The target store refused the copy (the text is its reason)."""
 
 
-async def push_snapshot(snap: StoredSnapshot, target: StoreAddress, token: bytes) -> None:
-    """Upload `snap` to `target` with the job's `token` and wait for its seal. The caller bounds the
-    whole call."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), CONNECT_TIMEOUT_S)
+async def push_snapshot(
+    snap: StoredSnapshot, target: StoreAddress, token: bytes, tls: ssl.SSLContext | None = None
+) -> None:
+    """Upload `snap` to `target` with the job's `token` and wait for its seal; over TLS with a client
+    `tls` context (the target's certificate must name its address). The caller bounds the whole call."""
+    server_hostname = target.host if tls is not None else None
+    connecting = asyncio.open_connection(target.host, target.port, ssl=tls, server_hostname=server_hostname)
+    reader, writer = await asyncio.wait_for(connecting, CONNECT_TIMEOUT_S)
     snap.readers += 1  # a commit freeing the snapshot meanwhile neither cuts this short nor reuses it
     try:
         data = memoryview(snap.data)

@@ -29,7 +29,7 @@ from nats.micro.request import Request
 from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.subjects import service_inbox, store_announce, store_replicate
-from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated
+from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated, tls
 from deadpool_runtime.host import host_name
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.metrics import Metrics
@@ -76,6 +76,8 @@ class StoreConfig:
 class StoreService:
     def __init__(self, config: StoreConfig, nc: Client, log: Any) -> None:
         self.config = config
+        self.tls = tls.client_context(tls.from_env())
+        """What the store verifies the stores it replicates to with (None: TLS off)."""
         self.nc = nc
         self.log = log
         self._refusals = RefusalLog(log)
@@ -98,6 +100,7 @@ class StoreService:
             key=config.dataplane_key,
             tracing=Tracing("deadpool-store"),
             ingest_bytes_per_s=float(os.environ.get(INGEST_LIMIT_ENV, "0") or 0),
+            tls=tls.server_context(tls.from_env()),
         )
         self.events = EventPublisher(nc, log)
         self.port = 0
@@ -164,9 +167,8 @@ class StoreService:
         started = time.monotonic()
         where = {"job": request.job, "rank": request.rank, "step": request.step, "target": request.target.store}
         try:
-            await asyncio.wait_for(
-                push_snapshot(snap, request.target, self.server.token_for(snap.job)), self.config.replicate_timeout_s
-            )
+            pushed = push_snapshot(snap, request.target, self.server.token_for(snap.job), self.tls)
+            await asyncio.wait_for(pushed, self.config.replicate_timeout_s)
         except (OSError, TimeoutError, ProtocolError, ReplicaRefusedError, asyncio.IncompleteReadError) as exc:
             self.log.warning("replication failed", **where, reason=repr(exc))
             return
