@@ -32,6 +32,8 @@ LIMITS = ConnectionLimits(
     connections_max=6, per_peer_max=4, header_budget_bytes=4096, frame_idle_s=0.3, first_frame_s=0.3, sweep_s=0.05
 )
 KEY = bytes(range(32))
+FLOOD_SOCKETS = 2000
+MEMBER_UPLOADS = 15
 CLOSED_WAIT_S = 5.0
 
 
@@ -98,6 +100,8 @@ async def test_connections_beyond_the_bounds_are_refused_and_freed_slots_serve_a
 ) -> None:
     running, port = server
     held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(LIMITS.per_peer_max)]
+    for step, (reader, writer) in enumerate(held):  # authorised: each has sent a frame the store took
+        assert await upload_on(reader, writer, 100 + step)
     extra_r, extra_w = await asyncio.open_connection("127.0.0.1", port)
     assert await closed_by_server(extra_r)  # one peer address may not hold more
     assert running.connections == LIMITS.per_peer_max
@@ -150,6 +154,77 @@ async def test_a_connection_that_sends_no_authorised_frame_is_dropped_and_an_hon
         for writer in (silent_w, forger_w, member_w):
             writer.close()
     finally:
+        await keyed.stop()
+
+
+async def test_a_header_before_any_authorised_frame_is_small_and_takes_no_budget_past_that() -> None:
+    """Four sockets announcing 16 MiB headers, and trickling, once took a store's whole header budget and
+    its members' Seals were refused: before a frame of it carried an accepted token, a connection may
+    announce a small header only. After, a member's Seal carries a layout as large as it needs."""
+    limits = replace(  # only the pre-token bound can close the stranger within the wait
+        LIMITS, header_budget_bytes=1 << 20, unauthorised_header_bytes=1024, frame_idle_s=60, first_frame_s=60
+    )
+    keyed = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), limits, key=KEY)
+    port = await keyed.start("127.0.0.1", 0)
+    try:
+        stranger_r, stranger_w = await asyncio.open_connection("127.0.0.1", port)
+        stranger_w.write(FRAME_LENGTH.pack(limits.unauthorised_header_bytes + 1) + b"\x81")
+        await stranger_w.drain()
+        assert await closed_by_server(stranger_r)
+        assert keyed.header_bytes == 0
+        member_r, member_w = await asyncio.open_connection("127.0.0.1", port)
+        token, data = job_token(KEY, "j"), bytes(range(8))
+        layout = b"L" * (64 * 1024)  # a large model's layout: past the pre-token bound, within the budget
+        member_w.write(encode_frame(PutChunk("j", 1, 0, "m", 1, 0, 8, 8, token)) + data)
+        member_w.write(encode_frame(Seal("j", 1, 0, "m", 1, 8, 8, [chunk_checksum(data)], layout, token)))
+        await member_w.drain()
+        (length,) = FRAME_LENGTH.unpack(await member_r.readexactly(FRAME_LENGTH.size))
+        reply = decode_frame_header(await member_r.readexactly(length), Reply)
+        assert isinstance(reply, Reply) and reply.ok, reply
+        assert keyed.memory.get("j", 0, 1).meta == layout
+        stranger_w.close()
+        member_w.close()
+    finally:
+        await keyed.stop()
+
+
+async def test_strangers_reopening_sockets_as_fast_as_they_are_dropped_never_lock_a_member_out() -> None:
+    """A flood of 2,000 sockets from the member's own address (the finding: 15 of 15 uploads failed): at
+    each bound the oldest connection that sent no authorised frame makes way, so every member upload,
+    each on a connection of its own, is sealed while the flood goes on."""
+    keyed = DataPlaneServer(SnapshotMemory(1 << 20), no_op, get_logger(test="limits"), LIMITS, key=KEY)
+    port = await keyed.start("127.0.0.1", 0)
+    opened = 0
+    flooding = True
+
+    async def flood() -> None:
+        nonlocal opened
+        held: list[asyncio.StreamWriter] = []
+        while flooding and opened < FLOOD_SOCKETS:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                continue
+            opened += 1
+            held.append(writer)
+            if opened % 50 == 0:
+                await asyncio.sleep(0)  # let the store's loop (the same one) run
+        for writer in held:
+            writer.close()
+
+    flooder = asyncio.create_task(flood())
+    try:
+        token = job_token(KEY, "j")
+        sealed = 0
+        for step in range(MEMBER_UPLOADS):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            sealed += await upload_on(reader, writer, step, token)
+            writer.close()
+        assert sealed == MEMBER_UPLOADS
+        assert opened > 2 * LIMITS.connections_max, f"the flood opened {opened} sockets only"
+    finally:
+        flooding = False
+        await flooder
         await keyed.stop()
 
 

@@ -476,6 +476,9 @@ class StoreProtocol(RuleBasedStateMachine):
             raise AssertionError(f"used_bytes {self.memory.used_bytes}, held {held}, capacity {self.CAPACITY}")
         if self.memory.used_bytes + self.memory.pooled_bytes > self.CAPACITY:
             raise AssertionError("stored plus pooled bytes exceed the capacity")
+        unsealed = sum(s.charged for s in snapshots if not s.sealed)
+        if sum(self.memory.unsealed_bytes.values()) != unsealed or unsealed > self.memory.job_unsealed_max_bytes:
+            raise AssertionError(f"unsealed bytes {dict(self.memory.unsealed_bytes)}, held {unsealed}")
 
     @precondition(lambda self: len(self.sent) > 64)
     @rule()

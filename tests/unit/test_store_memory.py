@@ -143,7 +143,7 @@ def test_an_upload_never_sealed_is_freed_after_its_bound() -> None:
 
 
 def test_a_snapshot_that_would_exceed_capacity_is_refused_and_committed_data_stays() -> None:
-    memory = SnapshotMemory(capacity_bytes=20)
+    memory = SnapshotMemory(capacity_bytes=20, job_unsealed_share=1.0)  # the capacity alone
     upload(memory, 1, b"a" * 12)
     memory.commit("j", 1)
     with pytest.raises(StoreError, match="store full"):
@@ -175,7 +175,7 @@ def test_a_buffer_still_being_served_is_not_reused() -> None:
 
 
 def test_pooled_buffers_give_way_to_a_snapshot_of_another_size() -> None:
-    memory = SnapshotMemory(capacity_bytes=40, keep_committed=1)
+    memory = SnapshotMemory(capacity_bytes=40, keep_committed=1, job_unsealed_share=1.0)
     upload(memory, 1, b"a" * 16)
     memory.commit("j", 1)
     upload(memory, 2, b"b" * 16)
@@ -215,7 +215,7 @@ def test_an_upload_holds_the_bytes_it_received_not_those_it_announces() -> None:
     """One 14-byte frame announcing a store's whole capacity once reserved all of it for 60 s, and every
     other job's upload was refused: now it holds the byte it sent. Bytes past the capacity are still
     refused, at the chunk that would cross it, and a chunk sent again is counted once."""
-    memory = SnapshotMemory(capacity_bytes=100)
+    memory = SnapshotMemory(capacity_bytes=100, job_unsealed_share=1.0)  # the capacity alone
     hog = PutChunk("other", 1, 0, "m9", 1, 0, 1, 100)
     put_chunk(memory, hog, b"x")
     put_chunk(memory, hog, b"x")  # the same chunk again
@@ -227,6 +227,26 @@ def test_an_upload_holds_the_bytes_it_received_not_those_it_announces() -> None:
         memory.chunk_target(PutChunk("other", 1, 0, "m9", 1, 40, 1, 100))
     with pytest.raises(StoreError, match="can never fit"):
         memory.chunk_target(PutChunk("other", 1, 0, "m9", 2, 0, 1, 101))
+
+
+def test_one_jobs_uploads_in_progress_hold_at_most_its_share_and_give_it_back() -> None:
+    """With its token, one job could open an upload on every connection it may have and hold the rest of
+    the store while they trickle: its unsealed bytes stop at its share, and another job still fits.
+    A seal or a drop gives the bytes back to the share."""
+    memory = SnapshotMemory(capacity_bytes=100, job_unsealed_share=0.5)
+    for rank in range(5):  # five uploads of 10 of 30 bytes each: 50, the share
+        put_chunk(memory, PutChunk("hog", 1, rank, "m9", 1, 0, 10, 30), b"x" * 10)
+    with pytest.raises(StoreError, match="its share of this store"):
+        memory.chunk_target(PutChunk("hog", 1, 5, "m9", 1, 0, 1, 30))
+    with pytest.raises(StoreError, match="its share of this store"):
+        memory.chunk_target(PutChunk("hog", 1, 0, "m9", 1, 10, 1, 30))
+    assert memory.unsealed_bytes["hog"] == 50
+    upload(memory, 5, b"a" * 40)  # another job: sealed, it holds no unsealed share
+    assert bytes(memory.get("j", 0, 5).data) == b"a" * 40 and "j" not in memory.unsealed_bytes
+    memory.finished("hog", 1)  # dropped: the share is free again
+    assert "hog" not in memory.unsealed_bytes and memory.used_bytes == 40
+    upload(memory, 6, b"b" * 50, job="hog")
+    assert "hog" not in memory.unsealed_bytes and memory.used_bytes == 90
 
 
 def test_an_abandoned_upload_is_freed_at_once_by_its_own_connection_only() -> None:

@@ -9,7 +9,8 @@ the connection (framing is lost); a refused upload is answered at its Seal with 
 Nothing a peer sends can hold the store: at most `connections_max` connections, `per_peer_max` of
 them from one address; frame headers in memory at once are bounded by `header_budget_bytes` over all
 connections (one peer announcing 16 MiB headers on many connections, and sending nothing, held that
-much each); a connection that stops in the middle of a frame for `frame_idle_s` is dropped, and so is
+much each), and a connection's headers are small until one of its frames carried an accepted token
+(`unauthorised_header_bytes`); a connection that stops in the middle of a frame for `frame_idle_s` is dropped, and so is
 one that has sent no authorised frame `first_frame_s` after it connected (a member sends its first at
 once; 256 idle sockets from strangers once held every slot and locked every member out). A connection
 sends one upload at a time: one it leaves unsealed (closing, going on to another, or idle for
@@ -69,6 +70,11 @@ class ConnectionLimits:
     """Connections from one address (a host runs a member per GPU, and each member one per store)."""
     header_budget_bytes: int = 64 * 1024 * 1024
     """Frame headers being received, over all connections (a Seal of a 10^5-tensor model is ~5 MB)."""
+    unauthorised_header_bytes: int = 64 * 1024
+    """The largest header a connection may announce before one of its frames carried an accepted token.
+    An honest connection's first frame is a chunk or a fetch (about 200 bytes, the token inside); only a
+    Seal's layout is large, and it follows its chunks. So strangers hold at most `connections_max` times
+    this of the budget (16 MiB of 64 MiB): four sockets announcing 16 MiB headers once took it all."""
     frame_idle_s: float = 30.0
     """How long a connection may send nothing in the middle of a frame."""
     first_frame_s: float = 2.0
@@ -156,14 +162,32 @@ class DataPlaneServer:
         return ""
 
     def admit(self, conn: _Connection) -> str:
-        """Register a new connection; returns why it is refused ('' if admitted)."""
-        if len(self._connections) >= self.limits.connections_max:
-            return f"the store already has {len(self._connections)} connections"
-        if self._per_peer[conn.peer_host] >= self.limits.per_peer_max:
-            return f"{conn.peer_host} already has {self._per_peer[conn.peer_host]} connections"
+        """Register a new connection; returns why it is refused ('' if admitted). At a bound, the oldest
+        connection that has sent no authorised frame yet makes way for it: a member sends its token at
+        once, so it is refused only when every slot holds an authorised peer. (Strangers re-opening
+        sockets as fast as they were dropped once kept every slot full, and 15 of 15 members' uploads
+        failed; a member sharing an address with them was locked out by the per-address bound.)"""
+        if self._per_peer[conn.peer_host] >= self.limits.per_peer_max and not self._make_way(conn.peer_host):
+            return f"{conn.peer_host} already has {self._per_peer[conn.peer_host]} authorised connections"
+        if len(self._connections) >= self.limits.connections_max and not self._make_way(""):
+            return f"the store already has {len(self._connections)} authorised connections"
         self._connections.add(conn)
         self._per_peer[conn.peer_host] += 1
         return ""
+
+    def _make_way(self, peer_host: str) -> bool:
+        """Drop the oldest connection (of `peer_host`; '' any) that has sent no authorised frame; False
+        if there is none."""
+        waiting = [c for c in self._connections if not c.authorised and (not peer_host or c.peer_host == peer_host)]
+        if not waiting:
+            return False
+        oldest = min(waiting, key=lambda c: c.connected_t)
+        reason = "made way for a new connection: it sent no authorised frame"
+        self.refusals.warning("data plane connection dropped", peer=oldest.peer, reason=reason)
+        self.forget(oldest)
+        if oldest.transport is not None:
+            oldest.transport.abort()
+        return True
 
     def forget(self, conn: _Connection) -> None:
         if conn in self._connections:
@@ -200,7 +224,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.peer_host = ""
         self._header_held = 0
         """Bytes of header buffer this connection holds against the server's budget."""
-        self._last_rx = self._connected_t = time.monotonic()
+        self._last_rx = self.connected_t = time.monotonic()
         self.authorised = False
         """Whether a frame of this connection carried a token the store accepts (an honest peer's)."""
         self._length = bytearray(FRAME_LENGTH.size)
@@ -244,7 +268,7 @@ class _Connection(asyncio.BufferedProtocol):
         idle_s = now - self._last_rx
         if self.mid_frame() and idle_s > limits.frame_idle_s:
             reason = f"no bytes for {limits.frame_idle_s} s mid-frame"
-        elif not self.authorised and now - self._connected_t > limits.first_frame_s:
+        elif not self.authorised and now - self.connected_t > limits.first_frame_s:
             reason = f"no authorised frame {limits.first_frame_s} s after connecting"
         elif self._upload is not None and idle_s > limits.unsealed_idle_s:
             reason = f"no bytes for {limits.unsealed_idle_s} s with an upload unsealed"
@@ -299,6 +323,11 @@ class _Connection(asyncio.BufferedProtocol):
         (length,) = FRAME_LENGTH.unpack(self._length)
         if not 0 < length <= HEADER_BYTES_MAX:
             raise ProtocolError(f"frame header of {length} bytes (allowed: 1 to {HEADER_BYTES_MAX})")
+        if not self.authorised and length > self.server.limits.unauthorised_header_bytes:
+            raise ProtocolError(
+                f"a {length}-byte header before any authorised frame "
+                f"(allowed: up to {self.server.limits.unauthorised_header_bytes})"
+            )
         budget = self.server.limits.header_budget_bytes
         if self.server.header_bytes + length > budget:
             raise ProtocolError(f"a {length}-byte header would take the store's headers past {budget} bytes")

@@ -17,7 +17,9 @@ sender's manifest. Rules:
 - a chunk that would take the bytes held past `capacity_bytes` is refused with a clear error (and so
   its upload); nothing committed is ever evicted to make room. An upload holds the bytes it has
   received, not the size it announces: one 14-byte frame announcing a store's whole capacity once
-  reserved it all for 60 s, starving every other job;
+  reserved it all for 60 s, starving every other job. One job's uploads in progress hold at most
+  `job_unsealed_share` of the capacity: with its token, one job could otherwise open an upload on every
+  connection it may have and hold the rest of the store while they trickle;
 - once a job has finished (`finished`), everything of it up to its last generation is freed: a new run
   of its name never restores from an ended run's copies (it starts afresh or from the durable tier, in
   a newer generation), and at GBs per rank they would leave the next job's snapshots no room.
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import mmap
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
@@ -85,10 +87,19 @@ class StoredSnapshot:
 
 
 class SnapshotMemory:
-    def __init__(self, capacity_bytes: int, keep_committed: int = 2, uncommitted_max: int = 4) -> None:
+    def __init__(
+        self, capacity_bytes: int, keep_committed: int = 2, uncommitted_max: int = 4, job_unsealed_share: float = 0.5
+    ) -> None:
         if capacity_bytes <= 0 or keep_committed < 1 or uncommitted_max < 1:
             raise ValueError("capacity_bytes, keep_committed and uncommitted_max must be positive")
+        if not 0 < job_unsealed_share <= 1:
+            raise ValueError("job_unsealed_share is a share of the capacity: above 0, at most 1")
         self.capacity_bytes = capacity_bytes
+        self.job_unsealed_max_bytes = int(capacity_bytes * job_unsealed_share)
+        """The bytes one job's unsealed uploads may hold. A store sized for its jobs (2 committed steps
+        and one in flight per rank) has a job's in-flight step within a third of its capacity."""
+        self.unsealed_bytes: Counter[str] = Counter()
+        """job -> bytes its unsealed uploads hold (the chunks received so far)."""
         self.keep_committed = keep_committed
         self.uncommitted_max = uncommitted_max
         self._snapshots: dict[SnapshotKey, StoredSnapshot] = {}
@@ -134,9 +145,15 @@ class SnapshotMemory:
                     f"store full: {chunk.nbytes} more bytes would exceed the capacity of {self.capacity_bytes} "
                     f"({self.used_bytes} in use); start the store with a larger --capacity-bytes or add stores"
                 )
+            if self.unsealed_bytes[chunk.job] + chunk.nbytes > self.job_unsealed_max_bytes:
+                raise StoreError(
+                    f"job {chunk.job}'s uploads in progress would hold more than {self.job_unsealed_max_bytes} bytes, "
+                    f"its share of this store ({self.unsealed_bytes[chunk.job]} held)"
+                )
             snap.charged_offsets.add(chunk.offset)
             snap.charged += chunk.nbytes
             self.used_bytes += chunk.nbytes
+            self.unsealed_bytes[chunk.job] += chunk.nbytes
         snap.writer = writer
         return memoryview(snap.data)[chunk.offset : chunk.offset + chunk.nbytes]
 
@@ -187,6 +204,7 @@ class SnapshotMemory:
                 )
         snap.sealed = True
         snap.writer = None
+        self._release_unsealed(snap)
         self.used_bytes += snap.total_bytes - snap.charged  # every chunk is in: exactly 0
         snap.charged, snap.charged_offsets = snap.total_bytes, set()
         snap.chunk_bytes = seal.chunk_bytes
@@ -292,6 +310,12 @@ class SnapshotMemory:
         for key in newer[1:][: max(0, len(newer) - self.uncommitted_max)]:
             self._drop(key)
 
+    def _release_unsealed(self, snap: StoredSnapshot) -> None:
+        """`snap` is sealed or dropped: its bytes no longer count against its job's unsealed share."""
+        self.unsealed_bytes[snap.job] -= snap.charged
+        if self.unsealed_bytes[snap.job] <= 0:
+            del self.unsealed_bytes[snap.job]
+
     def _allocate(self, nbytes: int) -> mmap.mmap:
         """A buffer of `nbytes`: a pooled one of that size, else fresh (evicting pooled ones for room)."""
         pooled = self._pool.get(nbytes)
@@ -309,6 +333,8 @@ class SnapshotMemory:
         if snap is None:
             return
         self.used_bytes -= snap.charged
+        if not snap.sealed:
+            self._release_unsealed(snap)
         fits = self.used_bytes + self.pooled_bytes + snap.total_bytes <= self.capacity_bytes
         if snap.readers == 0 and fits and snap.total_bytes > 0:
             self._pool[snap.total_bytes].append(snap.data)
