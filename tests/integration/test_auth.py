@@ -47,7 +47,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.events import EVENTS_STREAM
-from deadpool_protocol.job_record import JOBS_BUCKET
+from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
 from deadpool_protocol.messages import Failure, Heartbeat
 from deadpool_protocol.subjects import PING_INBOX, STORE_STATUS, service_inbox, store_announce
 from deadpool_runtime.credentials import (
@@ -57,6 +57,7 @@ from deadpool_runtime.credentials import (
     read_dataplane_key,
     store_nkey_path,
 )
+from deadpool_runtime.job_record_kv import read_record
 
 from .runs import RUN, start_run
 
@@ -389,6 +390,21 @@ async def test_a_jobs_key_cannot_speak_for_another_job_by_naming_it_in_the_paylo
         )
         answer = await key_a.request(a.hello, encode(hello), timeout=30)
         assert answer.headers is not None and "another job's subject" in answer.headers["Nats-Service-Error"]
+        # A's own member a-0, accepted (before formation: named by A's job record only, which the detector
+        # reads when it hears of a member no rebuild named).
+        assert (await start_run(admin, "job-a", 2)).accepted
+        own_hello = MemberHello(
+            "job-a", 0, "a-0", "host-a", os.getpid(), "", 0, 2, "127.0.0.1", 29501, time.time(), run=RUN
+        )
+        assert decode((await key_a.request(a.hello, encode(own_hello), timeout=30)).data, HelloReply).accepted
+        records = await admin.jetstream(timeout=10).key_value(JOBS_BUCKET)
+        deadline = time.monotonic() + 30
+        while True:  # the swapper writes the record as it accepts the hello; polling it is the only way
+            stored = await read_record(records, "job-a", 5.0)
+            if stored is not None and "a-0" in unpack_record(stored.record)[0].hosts:
+                break
+            assert time.monotonic() < deadline, "a-0 never reached job-a's record"
+            await asyncio.sleep(0.1)
         js = key_a.jetstream(timeout=10)
         forged = MemberError("job-b", 1, "m-0", 0, "forged", time.time(), MemberErrorCause.USER_CODE)
         await js.publish(a.member_error, encode(forged))  # stored: A's key may publish on A's subject

@@ -14,7 +14,7 @@ from deadpool_detector import core as detector_core
 from deadpool_detector import service as detector_service
 from deadpool_detector.core import DetectorConfig
 from deadpool_detector.service import DetectorService, DetectorServiceConfig
-from deadpool_protocol import ChildExit, Failure, Heartbeat, MemberError, Subjects, decode, encode
+from deadpool_protocol import ChildExit, Failure, Heartbeat, MemberError, Rebuild, Subjects, decode, encode
 from deadpool_runtime.logs import get_logger
 
 from .conftest import SpawnService, wait_for_micro_service
@@ -33,9 +33,23 @@ async def failures_of(nc: Client) -> asyncio.Queue[Failure]:
     return queue
 
 
+async def named(nc: Client, ranks: list[str], spares: list[str] = []) -> None:  # noqa: B006 (read only)
+    """Publish generation 1's rebuild naming `ranks` and `spares`, as the swapper would, and wait until the
+    detector watches them (it watches only members a rebuild or the job record named)."""
+    rebuild = Rebuild(
+        "j", 1, len(ranks), ranks, spares, ranks[0], "127.0.0.1", 4000, -1, [], [[] for _ in ranks], "", 0
+    )
+    deadline = time.monotonic() + 10
+    while not set(ranks + spares) <= set(await watched(nc)):
+        assert time.monotonic() < deadline, "the detector never watched the rebuild's members"
+        await nc.publish(S.rebuild, encode(rebuild))  # again: the detector may have subscribed after it
+        await asyncio.sleep(0.1)  # polling a status: the detector answers nothing when it reads a rebuild
+
+
 async def test_each_dead_member_yields_exactly_one_failure(nc: Client, spawn_service: SpawnService) -> None:
     spawn_service("detector", "--heartbeat-timeout-s", "30", "--hang-floor-s", "60")
     await wait_for_micro_service(nc, "deadpool-detector")
+    await named(nc, ["m0", "m1"], ["m2"])
     failures = await failures_of(nc)
     now = time.time()
     await nc.publish(S.child_exit, encode(ChildExit("j", 1, "l0", "m1", 4321, -9, now)))
@@ -54,12 +68,23 @@ async def test_a_member_whose_heartbeats_stop_is_declared_failed(nc: Client, spa
     spawn_service("detector", "--heartbeat-timeout-s", "0.5")
     await wait_for_micro_service(nc, "deadpool-detector")
     failures = await failures_of(nc)
-    for step in range(3):
-        await nc.publish(S.heartbeat, encode(Heartbeat("j", 1, "quiet", 0, 77, step, True, 0.0, time.time())))
-    await nc.flush()
+    sent = -1
+
+    async def beats() -> None:
+        nonlocal sent
+        while True:
+            sent += 1
+            await nc.publish(S.heartbeat, encode(Heartbeat("j", 1, "quiet", 0, 77, sent, True, 0.0, time.time())))
+            await asyncio.sleep(0.1)
+
+    beating = asyncio.create_task(beats())
+    try:
+        await named(nc, ["quiet"])
+    finally:
+        beating.cancel()
     failure = await asyncio.wait_for(failures.get(), 10)
     assert (failure.member, failure.reason, failure.rank) == ("quiet", "heartbeat", 0)
-    assert failure.evidence["last_step"] == "2"
+    assert failure.evidence["last_step"] == str(sent)
     assert failure.t_detected - failure.t_fault > 0.5
 
 
@@ -72,6 +97,7 @@ async def test_malformed_messages_are_rejected_and_the_detector_keeps_working(
     await nc.publish(S.child_exit, b"\x93garbage")
     await nc.publish(S.child_exit, encode(Heartbeat("j", 1, "m", 0, 1, 0, False, 0.0, 0.0)))  # wrong kind
     await nc.publish(S.heartbeat, b"")
+    await named(nc, ["m0", "m9"])
     await nc.publish(S.child_exit, encode(ChildExit("j", 1, "l0", "m9", 1, 1, time.time())))
     failure = await asyncio.wait_for(failures.get(), 10)
     assert failure.member == "m9"
@@ -117,8 +143,7 @@ async def test_wall_clock_steps_of_an_hour_neither_fire_nor_delay_a_verdict(
     beating = asyncio.create_task(beats())
     try:
         await wait_for_micro_service(nc, "deadpool-detector")
-        while set(await watched(nc)) != {"steady", "quiet"}:
-            await asyncio.sleep(0.1)  # polling a status: the detector publishes nothing when it sees a member
+        await named(nc, ["steady", "quiet"])
         clock.step_s = 3600.0
         await asyncio.sleep(2.0)  # two heartbeat timeouts of beats after the step forward: the fault's size
         assert failures.empty(), "nobody stopped beating: no verdict"

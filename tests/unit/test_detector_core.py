@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deadpool_detector.core import DECLARED_KEPT, DetectorConfig, DetectorCore, Watched
+from deadpool_detector.core import DECLARED_KEPT, UNNAMED_KEPT_MAX, DetectorConfig, DetectorCore, Watched
 from deadpool_protocol import (
     FIRST_STEP_SECTION,
     ChildExit,
@@ -77,6 +77,7 @@ def test_a_member_is_declared_failed_only_once_whatever_the_signals() -> None:
 
 def test_silence_longer_than_the_timeout_is_a_heartbeat_failure() -> None:
     core = detector(DetectorConfig(heartbeat_timeout_s=2))
+    formed(core, 10.0, ranks=("m0",), spares=())
     core.on_heartbeat(beat("m0", 10.0, step=7), 10.0)
     assert core.check(11.9) == []
     core.on_heartbeat(beat("m0", 11.9, step=8), 11.9)
@@ -104,10 +105,39 @@ def test_a_clean_exit_after_the_job_finished_is_not_a_failure() -> None:
     assert core.check(1000.0) == []
 
 
-def test_an_exit_of_a_member_the_detector_never_saw_is_still_reported() -> None:
+def test_an_exit_of_a_member_named_only_by_the_job_record_is_reported() -> None:
+    """A member that exits before any rebuild named it (a spare accepted since the last one) is found in
+    the job record, where the swapper lists every member it accepted."""
     core = detector(DetectorConfig())
-    (failure,) = core.on_exit(ChildExit("j", 0, "l0", "early", 9, 1, 1.0), 1.0)
+    formed(core, 0.0)
+    early = ChildExit("j", 1, "l0", "early", 9, 1, 1.0)
+    assert core.on_exit(early, 1.0) == [] and "named by no rebuild" in core.exit_refusal(early)
+    assert core.records_wanted(1.0) == ["j"] and core.records_wanted(1.5) == []  # one read per period
+    record = JobSummary("j", 2, 1, ["m0", "m1"], ["m2", "early"], {"early": "host-b"}, [], 0, False)
+    assert core.name_from_record(record, 1.6) == ["early"]
+    (failure,) = core.on_exit(early, 1.7)
     assert failure.rank == -1 and failure.member == "early"
+
+
+def test_members_nobody_named_are_not_watched_and_leave_no_verdict() -> None:
+    """5,000 forged heartbeats of invented members once became 5,000 stored failure events: a member is
+    watched only once a rebuild or the job record names it. Unnamed ones are remembered (bounded) only
+    so the record is read again for them, for `NAMING_WAIT_S`, once per period."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1))
+    formed(core, 0.0, ranks=("m0",), spares=())
+    for n in range(UNNAMED_KEPT_MAX + 100):
+        assert core.on_heartbeat(beat(f"invented-{n}", 0.5, rank=-1), 0.5) == ""
+    assert core.on_error(MemberError("j", 1, "invented-0", -1, "forged", 0.5), 0.5) == []
+    assert core.on_exit(ChildExit("j", 1, "l0", "invented-1", 9, -9, 0.5), 0.5) == []
+    view = core.jobs["j"]
+    assert list(view.members) == ["m0"] and len(view.unnamed) == UNNAMED_KEPT_MAX
+    assert core.records_wanted(0.5) == ["j"]
+    record = JobSummary("j", 1, 1, ["m0"], [], {"m0": "host-a"}, [], 0, False)
+    assert core.name_from_record(record, 0.6) == []  # the record lists none of them
+    assert [f.member for f in core.check(100.0)] == ["m0"]  # only the named rank's silence is a verdict
+    assert core.records_wanted(100.0) == []  # heard of long ago: no more reads for them
+    core.prune(100.0)
+    assert view.unnamed == {}
 
 
 HB_S = 0.1
@@ -475,6 +505,8 @@ def test_the_jobs_end_answers_every_verdict() -> None:
 
 def test_the_unanswered_verdicts_of_a_job_are_bounded() -> None:
     core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_floor_s=3))
+    spares = tuple(f"early-{n}" for n in range(DECLARED_KEPT + 10))
+    formed(core, 0.0, generation=0, ranks=("m0",), spares=spares)
     for n in range(DECLARED_KEPT + 10):
         core.on_exit(ChildExit("j", 0, "l0", f"early-{n}", n + 1, 1, 1.0), 1.0)
     view = core.jobs["j"]
@@ -660,20 +692,22 @@ def test_a_report_that_would_end_the_job_counts_only_for_the_reporters_own_rank_
     """A `user_code` report ends the job only for the reporter's own place: from the member the current
     generation named to that rank, or from a spare as a spare. From a spare claiming a rank, for another
     rank, of an older generation, or from a member nobody named, it is the reporter's own failure,
-    declared in the rank the detector knows it by (a forged one once ended any job)."""
+    declared in the rank the detector knows it by (a forged one once ended any job). From a member nobody
+    named, it is nothing at all."""
     core = detector(DetectorConfig(heartbeat_timeout_s=5))
     formed(core, 0.0, generation=2)
     cases = [
         ("m2", 0, 2, MemberErrorCause.STEP, -1),  # a spare claiming rank 0
         ("m1", 0, 2, MemberErrorCause.STEP, 1),  # rank 1 claiming rank 0
         ("m0", 0, 1, MemberErrorCause.STEP, 0),  # an older generation
-        ("stranger", -1, 2, MemberErrorCause.STEP, -1),  # a member the job never named
     ]
     for member, rank, generation, cause, declared_rank in cases:
         error = MemberError("j", generation, member, rank, "forged", 1.0, MemberErrorCause.USER_CODE)
         assert core.error_cause(error) == cause
         [failure] = core.on_error(error, 1.0)
         assert (failure.member, failure.rank, failure.cause) == (member, declared_rank, cause)
+    stranger = MemberError("j", 2, "stranger", -1, "forged", 1.0, MemberErrorCause.USER_CODE)
+    assert core.error_cause(stranger) == MemberErrorCause.STEP and core.on_error(stranger, 1.0) == []
     core = detector(DetectorConfig(heartbeat_timeout_s=5))
     formed(core, 0.0, generation=2)
     own = MemberError("j", 2, "m1", 1, "the optimizer factory raised", 1.0, MemberErrorCause.USER_CODE)

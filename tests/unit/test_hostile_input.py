@@ -126,8 +126,8 @@ def test_the_detector_forgets_finished_and_silent_jobs_and_watches_a_bounded_num
     assert core.prune(12.0) == ["made-up-0"]
     assert sorted(core.prune(4000.0)) == ["made-up-1", "made-up-2"]  # nothing heard for idle_job_s
     assert core.on_heartbeat(Heartbeat("one-more", 0, "m", -1, 1, -1, False, 0.0, 0.0), 4000.0) == ""
-    core.on_exit(ChildExit("exited-first", 0, "l0", "m", 7, -9, 4001.0), 4001.0)  # no heartbeat yet
-    assert core.prune(4002.0) == [] and "exited-first" in core.jobs
+    assert core.on_exit(ChildExit("exited-first", 0, "l0", "m", 7, -9, 4001.0), 4001.0) == []  # nobody named m
+    assert core.prune(4002.0) == [] and "exited-first" not in core.jobs
 
 
 def test_a_snapshot_of_a_step_far_beyond_the_committed_one_never_commits() -> None:

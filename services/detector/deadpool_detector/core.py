@@ -79,6 +79,14 @@ answered the same way (a later generation whose spares no longer name it).
 A restarted detector loads each job's ranks, spares and declared members from the job record
 (`load_job`) and watches them at once: a rank whose heartbeat does not come back is declared after the
 heartbeat timeout, like any other.
+
+Who is watched. Only members a rebuild or the job record named: a job's key could otherwise make the
+detector watch members it invents (5,000 forged heartbeats once became 5,000 stored failure events).
+A member heard of first (a spare's heartbeat between its hello and the next rebuild, a report or an exit)
+is noted as unnamed (`JobView.unnamed`, bounded) and not watched; while one heard of lately stays
+unnamed, the service reads the job's record again (`records_wanted`, at most every `RECORD_REREAD_S`),
+where the swapper lists every member it accepted, and `name_from_record` names those it lists. An exit
+or a report of a member still unnamed after that is refused: no verdict, no event.
 """
 
 from __future__ import annotations
@@ -113,6 +121,15 @@ BUSY_KEPT = 1024
 DECLARED_KEPT = 4096
 """Verdicts remembered per job (to drop repeats and to publish again one the swapper missed); the
 unanswered ones, repeated until a rebuild answers them, are among these, so they are bounded too."""
+UNNAMED_KEPT_MAX = 4096
+"""Unnamed members remembered per job; past it, more are ignored until the oldest are forgotten."""
+UNNAMED_KEPT_S = 60.0
+"""How long an unnamed member is remembered."""
+NAMING_WAIT_S = 10.0
+"""How long after an unnamed member was first heard of the job record is read again for it (the
+swapper writes a spare into the record as it accepts its hello)."""
+RECORD_REREAD_S = 1.0
+"""The least time between two reads of one job's record for unnamed members."""
 
 
 def wall_minus_monotonic() -> float:
@@ -276,6 +293,10 @@ class JobView:
     """(generation, when) of the last broken-group report: repeated every regroup wait while broken."""
     declared_in: int = 0
     """The generation of the last rank declared failed (a group with a failed rank is not 'broken')."""
+    unnamed: dict[str, float] = field(default_factory=dict)
+    """Members heard of that no rebuild or job record named, with when first heard: not watched."""
+    record_read_t: float = float("-inf")
+    """When the job record was last read for unnamed members."""
 
 
 class DetectorCore:
@@ -313,7 +334,8 @@ class DetectorCore:
         if watched is not None and launcher and watched.launcher and launcher != watched.launcher:
             return f"launcher {launcher} forwards a beat of {hb.member}, run by launcher {watched.launcher}"
         if watched is None:
-            watched = view.members[hb.member] = Watched(hb.member, hb.rank, now, progress_t=now)
+            self._note_unnamed(view, hb.member, now)
+            return ""  # a spare not yet named, or a member nobody accepted: not watched
         watched.launcher = watched.launcher or launcher
         watched.last_seen = now
         if hb.step != watched.last_step:
@@ -368,6 +390,7 @@ class DetectorCore:
         newer = rebuild.generation > view.generation
         self._generation(view, rebuild.generation, now)
         for member in [*rebuild.ranks, *rebuild.spares]:
+            view.unnamed.pop(member, None)
             if member not in view.members and member not in view.declared:
                 view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
         rank_of = {member: rank for rank, member in enumerate(rebuild.ranks)}  # O(n): thousands of members
@@ -419,11 +442,58 @@ class DetectorCore:
             view.declared.setdefault(member, None)
         rank_of = {member: rank for rank, member in enumerate(summary.ranks)}
         for member in [*summary.ranks, *summary.spares]:
+            view.unnamed.pop(member, None)
             if member not in view.members and member not in view.declared:
                 rank = rank_of.get(member, NO_RANK)
                 view.members[member] = Watched(
                     member, rank, now, progress_t=now, host=summary.hosts.get(member, ""), named_rank=rank
                 )
+
+    def _note_unnamed(self, view: JobView, member: str, now: float) -> None:
+        if member not in view.unnamed and len(view.unnamed) < UNNAMED_KEPT_MAX:
+            view.unnamed[member] = now
+
+    def unnamed_refusal(self, job: str, member: str) -> str:
+        """Why a report about `member` of `job` is not taken because no one named it ('' if named)."""
+        view = self.jobs.get(job)
+        if view is not None and (member in view.members or member in view.declared):
+            return ""
+        return f"{member} is named by no rebuild and by no job record of {job}: not watched"
+
+    def records_wanted(self, now: float) -> list[str]:
+        """Jobs whose record the service should read again now, for members heard of lately and unnamed."""
+        wanted = []
+        for job, view in self.jobs.items():
+            due = now - view.record_read_t >= RECORD_REREAD_S
+            if due and any(now - heard < NAMING_WAIT_S for heard in view.unnamed.values()):
+                view.record_read_t = now  # one read at a time: the next is due a period later
+                wanted.append(job)
+        return wanted
+
+    def claim_record_read(self, job: str, now: float, every_s: float) -> bool:
+        """Whether `job`'s record may be read again now (at most every `every_s`); the read is counted."""
+        view = self.jobs.get(job)
+        if view is None or now - view.record_read_t < every_s:
+            return False
+        view.record_read_t = now
+        return True
+
+    def name_from_record(self, summary: JobSummary, now: float) -> list[str]:
+        """Watch the unnamed members of `summary.job` that its record lists (as a rank, a spare, or a
+        live member before formation). Returns them."""
+        view = self.jobs.get(summary.job)
+        if view is None or view.finished:
+            return []
+        listed = {*summary.ranks, *summary.spares, *summary.hosts}
+        rank_of = {member: rank for rank, member in enumerate(summary.ranks)}
+        named = [m for m in view.unnamed if m in listed and m not in view.members and m not in view.declared]
+        for member in named:
+            del view.unnamed[member]
+            rank = rank_of.get(member, NO_RANK)
+            view.members[member] = Watched(
+                member, rank, now, progress_t=now, host=summary.hosts.get(member, ""), named_rank=rank
+            )
+        return named
 
     def on_done(self, done: MemberDone) -> None:
         watched = self._view(done.job).members.get(done.member)
@@ -443,6 +513,9 @@ class DetectorCore:
         """Forget jobs finished `finished_kept_s` ago, and jobs nothing was heard of for `idle_job_s`."""
         for view in self.jobs.values():
             view.heard_t = view.heard_t or now  # known only from an exit or a report: its clock starts now
+            for member, heard in list(view.unnamed.items()):
+                if now - heard > UNNAMED_KEPT_S:
+                    del view.unnamed[member]
         gone = [
             job
             for job, view in self.jobs.items()
@@ -459,6 +532,8 @@ class DetectorCore:
         their spares.)"""
         view = self.jobs.get(exit_.job)
         watched = view.members.get(exit_.member) if view is not None else None
+        if unnamed := self.unnamed_refusal(exit_.job, exit_.member):
+            return unnamed
         if watched is not None and watched.launcher and exit_.launcher != watched.launcher:
             return f"launcher {exit_.launcher} reports an exit of {exit_.member}, run by launcher {watched.launcher}"
         return ""
@@ -485,6 +560,9 @@ class DetectorCore:
 
     def on_exit(self, exit_: ChildExit, now: float) -> list[Failure]:
         if self.exit_refusal(exit_):
+            view = self.jobs.get(exit_.job)
+            if view is not None and self.unnamed_refusal(exit_.job, exit_.member):
+                self._note_unnamed(view, exit_.member, now)
             return []
         view = self._view(exit_.job)
         watched = view.members.pop(exit_.member, None)
@@ -503,6 +581,9 @@ class DetectorCore:
         cause = self.error_cause(error)
         view = self._view(error.job)
         if error.member in view.declared:
+            return []
+        if self.unnamed_refusal(error.job, error.member):
+            self._note_unnamed(view, error.member, now)
             return []
         watched = view.members.pop(error.member, None)
         rank = watched.rank if watched is not None else NO_RANK

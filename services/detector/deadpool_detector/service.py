@@ -81,6 +81,9 @@ REPEATS_LOGGED_MAX = 20
 """Verdicts named in the one log line of a pass that published verdicts again."""
 KV_KEYS_TIMEOUT_S = 5.0
 KV_GET_TIMEOUT_S = 2.0
+EVENT_REREAD_S = 0.2
+"""The least time between two reads of one job's record for exits and reports of unnamed members (the
+events reader waits for each read)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class DetectorService:
         self._refusals_logged: set[tuple[str, str, str]] = set()
         self._refusals = RefusalLog(log)
         self.tracing = Tracing("deadpool-detector", config.trace_file)
+        self._naming: dict[str, asyncio.Task[None]] = {}
+        """Reads of a job's record under way, for members heard of and not named (`records_wanted`)."""
         self._traces: OrderedDict[tuple[str, str, int], str] = OrderedDict()
         """(job, member, generation) -> the trace its failure started (a failure published again joins it)."""
 
@@ -131,6 +136,9 @@ class DetectorService:
             return
         self._emit(self.core.check(now))
         self._emit_again(self.core.repeats(now))
+        for job in self.core.records_wanted(now):
+            if job not in self._naming:
+                self._naming[job] = asyncio.create_task(self._naming_task(job))
         for broken in self.core.broken_groups(now):
             self.log.warning(
                 "process group broken, every rank alive and awaiting a rebuild",
@@ -226,6 +234,12 @@ class DetectorService:
         self.core.on_rebuild(rebuild, time.monotonic())
 
     async def _on_event(self, event: Message, _seq: int) -> None:
+        if (
+            isinstance(event, ChildExit | MemberError)
+            and self.core.unnamed_refusal(event.job, event.member)
+            and self.core.claim_record_read(event.job, time.monotonic(), EVENT_REREAD_S)
+        ):
+            await self._name_from_record(event.job)  # a member accepted since the last rebuild is listed there
         now = time.monotonic()
         if isinstance(event, ChildExit):
             if refused := self.core.exit_refusal(event):
@@ -240,9 +254,33 @@ class DetectorService:
                     reason=f"cause {event.cause} claimed for rank {event.rank} in generation {event.generation}",
                     taken_as=str(cause),
                 )
+            if refused := self.core.unnamed_refusal(event.job, event.member):
+                self._refusals.warning("member error refused", job=event.job, member=event.member, reason=refused)
             self._emit(self.core.on_error(event, now))
         elif isinstance(event, MemberDone):
             self.core.on_done(event)
+
+    async def _naming_task(self, job: str) -> None:
+        try:
+            await self._name_from_record(job)
+        finally:
+            self._naming.pop(job, None)
+
+    async def _name_from_record(self, job: str) -> None:
+        """Read `job`'s record and watch the members heard of that it lists (a spare accepted since the
+        last rebuild); the others stay unwatched (`DetectorCore.name_from_record`)."""
+        try:
+            kv = await self.nc.jetstream(timeout=KV_GET_TIMEOUT_S).key_value(JOBS_BUCKET)
+            stored = await read_record(kv, job, KV_GET_TIMEOUT_S)
+            if stored is None:
+                return
+            summary, _ = unpack_record(stored.record)
+        except (TimeoutError, nats.errors.Error, ProtocolError) as exc:
+            self.log.warning("job record not read for unnamed members", job=job, reason=repr(exc))
+            return
+        named = self.core.name_from_record(summary, time.monotonic())
+        if named:
+            self.log.info("members named by the job record: watched", job=job, members=named[:20], count=len(named))
 
     async def _load_jobs(self) -> None:
         """Each running job's ranks, spares and declared members, from the job records (if any)."""
