@@ -142,22 +142,24 @@ async def test_a_full_store_refuses_with_a_clear_error_and_keeps_what_is_committ
     nc: Client, spawn_service: SpawnService
 ) -> None:
     address = await start_store(nc, spawn_service)  # capacity 64 MiB
-    first = os.urandom(40 * 1024 * 1024)
+    # Two ranks of 20 MiB: one job's uploads in progress may hold at most half the store.
+    first = os.urandom(20 * 1024 * 1024)
 
-    def upload(step: int, data: bytes) -> str:
+    def upload(rank: int, step: int, data: bytes) -> str:
         conn = StoreConnection(address)
         try:
-            conn.upload(UploadKey("j", 1, 0, "m", step), memoryview(data), 4 * 1024 * 1024, b"", never)
+            conn.upload(UploadKey("j", 1, rank, "m", step), memoryview(data), 4 * 1024 * 1024, b"", never)
         except StoreClientError as exc:
             return str(exc)
         finally:
             conn.close()
         return ""
 
-    assert await asyncio.to_thread(upload, 1, first) == ""
+    assert await asyncio.to_thread(upload, 0, 1, first) == ""
+    assert await asyncio.to_thread(upload, 1, 1, bytes(20 * 1024 * 1024)) == ""
     await nc.publish(Subjects.for_job("j").commit, encode(Commit("j", 1, 1)))
     await nc.flush()
-    error = await asyncio.to_thread(upload, 2, bytes(30 * 1024 * 1024))
+    error = await asyncio.to_thread(upload, 0, 2, bytes(30 * 1024 * 1024))
     assert "store full" in error and "--capacity-bytes" in error
 
     def fetch(step: int) -> bytes:
@@ -179,17 +181,20 @@ async def test_a_finished_job_leaves_room_for_the_next_one(nc: Client, spawn_ser
     restarted, and the next job's snapshots were refused, the store full."""
     address = await start_store(nc, spawn_service)  # capacity 64 MiB
 
-    def upload(job: str, generation: int, nbytes: int) -> str:
+    def upload(job: str, generation: int, nbytes: int, rank: int = 0) -> str:
         conn = StoreConnection(address)
         try:
-            conn.upload(UploadKey(job, generation, 0, "m", 1), memoryview(bytes(nbytes)), 4 * 1024 * 1024, b"", never)
+            key = UploadKey(job, generation, rank, "m", 1)
+            conn.upload(key, memoryview(bytes(nbytes)), 4 * 1024 * 1024, b"", never)
         except StoreClientError as exc:
             return str(exc)
         finally:
             conn.close()
         return ""
 
-    assert await asyncio.to_thread(upload, "first", 3, 40 * 1024 * 1024) == ""
+    # Two ranks of 20 MiB: one job's uploads in progress may hold at most half the store.
+    assert await asyncio.to_thread(upload, "first", 3, 20 * 1024 * 1024, 0) == ""
+    assert await asyncio.to_thread(upload, "first", 3, 20 * 1024 * 1024, 1) == ""
     await nc.publish(Subjects.for_job("first").commit, encode(Commit("first", 3, 1)))
     await nc.flush()
     assert "store full" in await asyncio.to_thread(upload, "next", 1, 30 * 1024 * 1024)
