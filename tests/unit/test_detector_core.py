@@ -720,3 +720,27 @@ def test_a_report_that_would_end_the_job_counts_only_for_the_reporters_own_rank_
     spare = MemberError("j", 0, "m2", -1, "the factory raised while a spare warmed up", 1.0, MemberErrorCause.USER_CODE)
     [failure] = core.on_error(spare, 1.0)
     assert (failure.rank, failure.cause) == (-1, MemberErrorCause.USER_CODE)
+
+
+def test_a_spare_promoted_while_it_still_warmed_up_ends_the_job_with_its_factorys_error() -> None:
+    """Seen in CI: a spare slow to start (torch importing on two busy cores) was promoted to rank 1 in
+    generation 3 and its factory raised while it warmed up, before it took that rebuild. Its report, as
+    a spare, was taken as its own failure: the job waited for a spare it no longer had, not ended."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0, generation=2)
+    formed(core, 1.0, generation=3, ranks=("m0", "m2"), spares=())  # m1 lost; m2 promoted
+    warming = MemberError(
+        "j", 2, "m2", -1, "the factory raised while a spare warmed up", 1.5, MemberErrorCause.USER_CODE
+    )
+    assert core.error_cause(warming) == MemberErrorCause.USER_CODE
+    [failure] = core.on_error(warming, 1.5)
+    assert (failure.member, failure.rank, failure.cause) == ("m2", 1, MemberErrorCause.USER_CODE)
+    core = detector(DetectorConfig(heartbeat_timeout_s=5))
+    formed(core, 0.0, generation=2)
+    formed(core, 1.0, generation=3, ranks=("m0", "m2"), spares=())
+    late = MemberError(
+        "j", 3, "m2", -1, "a spare's report, in the generation that made it rank 1", 1.5, MemberErrorCause.USER_CODE
+    )
+    assert core.error_cause(late) == MemberErrorCause.STEP, "in that generation it knew its rank"
+    ranked = MemberError("j", 2, "m0", -1, "rank 0, claiming to be a spare", 1.5, MemberErrorCause.USER_CODE)
+    assert core.error_cause(ranked) == MemberErrorCause.STEP, "named rank 0 in generation 2, its report's"

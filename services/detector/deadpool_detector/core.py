@@ -251,6 +251,8 @@ class Watched:
     """Per heartbeat: was the training thread in a step and not waiting on peers?"""
     named_rank: int = NO_RANK
     """The rank the newest rebuild (or the job record) named it to; NO_RANK: a spare, or not named."""
+    named_in: int = 0
+    """The generation that named it to `named_rank`: before it, a member promoted there was a spare."""
     launcher: str = ""
     """The launcher that forwarded its first batched heartbeat: the one that runs it, and the only one
     whose report of its exit is taken ('' until then)."""
@@ -395,7 +397,10 @@ class DetectorCore:
                 view.members[member] = Watched(member, NO_RANK, now, progress_t=now)
         rank_of = {member: rank for rank, member in enumerate(rebuild.ranks)}  # O(n): thousands of members
         for member, watched in view.members.items():
-            watched.rank = watched.named_rank = rank_of.get(member, NO_RANK)
+            rank = rank_of.get(member, NO_RANK)
+            if rank != watched.named_rank:
+                watched.named_in = rebuild.generation
+            watched.rank = watched.named_rank = rank
             if newer:  # a new generation: rendezvous and restore take time; step clocks start again
                 watched.progress_t = now
                 watched.awaiting_since = 0.0  # awaiting counts again only in the new generation
@@ -446,7 +451,13 @@ class DetectorCore:
             if member not in view.members and member not in view.declared:
                 rank = rank_of.get(member, NO_RANK)
                 view.members[member] = Watched(
-                    member, rank, now, progress_t=now, host=summary.hosts.get(member, ""), named_rank=rank
+                    member,
+                    rank,
+                    now,
+                    progress_t=now,
+                    host=summary.hosts.get(member, ""),
+                    named_rank=rank,
+                    named_in=summary.generation,
                 )
 
     def _note_unnamed(self, view: JobView, member: str, now: float) -> None:
@@ -491,7 +502,13 @@ class DetectorCore:
             del view.unnamed[member]
             rank = rank_of.get(member, NO_RANK)
             view.members[member] = Watched(
-                member, rank, now, progress_t=now, host=summary.hosts.get(member, ""), named_rank=rank
+                member,
+                rank,
+                now,
+                progress_t=now,
+                host=summary.hosts.get(member, ""),
+                named_rank=rank,
+                named_in=summary.generation,
             )
         return named
 
@@ -541,8 +558,9 @@ class DetectorCore:
     def error_cause(self, error: MemberError) -> MemberErrorCause:
         """The cause a member's error report is taken with. One that would end the job is taken as such
         only for the reporter's own place: the rank the job's current generation named it to, in that
-        generation, or a spare's report as a spare. Anything else is that member's own failure (a forged
-        `user_code` report once ended any job)."""
+        generation, or a spare's report as a spare, including one the current generation promoted and
+        whose report comes from before it learned so (its factory raised while it warmed up). Anything
+        else is that member's own failure (a forged `user_code` report once ended any job)."""
         if not error.cause.ends_job:
             return error.cause
         view = self.jobs.get(error.job)
@@ -554,6 +572,8 @@ class DetectorCore:
             and view.generation < error.generation <= view.generation + self.config.generation_lead_max
         ):
             return error.cause  # a rebuild this detector has not read yet (its verdicts and reports race)
+        if error.rank == NO_RANK and watched.named_rank != NO_RANK and error.generation < watched.named_in:
+            return error.cause  # a spare then, which a rebuild it had not yet taken promoted
         if error.rank != watched.named_rank or (error.rank != NO_RANK and error.generation != view.generation):
             return MemberErrorCause.STEP
         return error.cause
