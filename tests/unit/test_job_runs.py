@@ -164,3 +164,26 @@ def test_a_rank_lost_while_training_is_held_is_swapped_and_the_new_generation_he
         core.on_ack(RebuildAck("j", swap.generation, member, rank, 4, 5, source, RebuildMarks(), 4.0), 4.0)
     (void,) = published(core.tick(4.1), GenerationVoid)  # still no store: the new generation is held too
     assert void.generation == swap.generation and core.jobs["j"].held_since == 2.0
+
+
+def test_a_launcher_of_spares_only_joins_the_started_run_and_learns_its_world_size() -> None:
+    core = core_with_store()
+    early, decision = core.on_run_start(RunStart("j", 0, "r", 0, "spares", 1.0), 1.0)
+    assert not early.accepted and early.not_yet and decision.actions == [] and "j" not in core.jobs
+    started, _ = core.on_run_start(RunStart("j", 0, "r", W, "l0", 2.0), 2.0)
+    assert started.accepted and started.world_size == W
+    joined, decision = core.on_run_start(RunStart("j", 0, "r", 0, "spares", 3.0), 3.0)
+    assert joined.accepted and joined.world_size == W and decision.actions == []
+    other, _ = core.on_run_start(RunStart("j", 0, "other", 0, "spares", 3.0), 3.0)
+    assert not other.accepted and other.not_yet, "another run is not joined"
+
+
+def test_a_finished_run_is_neither_joined_nor_started_again() -> None:
+    """The run id defaults to the job name over several hosts: launching that name again must not be
+    taken as a late launcher of the ended run, whose members would be told it ended and exit 0."""
+    core = core_with_store()
+    run_to_the_end(core, "first", 1.0)
+    for world in (W, 0):
+        again, decision = core.on_run_start(RunStart("j", 0, "first", world, "l5", 2.0), 2.0)
+        assert not again.accepted and not again.not_yet and "new --run-id" in again.reason
+        assert decision.actions == []

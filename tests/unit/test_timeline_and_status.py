@@ -152,3 +152,22 @@ def test_status_shows_each_members_phase_and_the_state_of_a_rebuild_under_way() 
     assert "  rank 0: m0 (host a, pid 10): training, step 42, heartbeat 0.1 s ago, step time 0.200 s" in lines
     assert "  rank 1: m1 (host b, pid 11): rebuilding (form), step 40, heartbeat 0.2 s ago, step time 0.200 s" in lines
     assert "  spares: m2 (warming)" in lines
+
+
+def test_without_the_plots_extra_the_demo_reports_without_its_picture_and_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen by a new user: without matplotlib the demo died with ModuleNotFoundError after both runs,
+    and its report was lost."""
+    from deadpool_cli.demo import _timeline
+    from deadpool_cli.timeline import PlotsMissingError
+
+    trace = tmp_path / "traces.jsonl"
+    write_trace(trace, "t1", "i1", T0)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import matplotlib now raises
+    with pytest.raises(PlotsMissingError, match="deadpool-hotswap\\[plots\\]"):
+        draw(pick_trace(read_spans(trace)), tmp_path / "t.png")
+    assert _timeline(trace, tmp_path / "timeline.png") == ""
+    said = capsys.readouterr().out
+    assert "deadpool-hotswap[plots]" in said and f"deadpool timeline --trace-file {trace}" in said
+    assert not (tmp_path / "timeline.png").exists()

@@ -383,12 +383,15 @@ def _print_summary(report: dict[str, Any]) -> None:
 def _timeline(trace_file: Path, out: Path) -> str:
     """Draw the last recovery of the demo's trace file; its path, or '' (spans went to an OTLP endpoint
     instead, or no recovery was traced)."""
-    from deadpool_cli.timeline import draw, pick_trace, read_spans
+    from deadpool_cli.timeline import PlotsMissingError, draw, pick_trace, read_spans
 
     if not trace_file.exists():
         return ""
     try:
         draw(pick_trace(read_spans(trace_file)), out)
+    except PlotsMissingError as exc:  # an optional extra: the report goes on without its picture
+        print(f"  no timeline picture: {exc}; then `deadpool timeline --trace-file {trace_file} -o {out}`", flush=True)
+        return ""
     except (LookupError, ValueError, OSError) as exc:
         print(f"  no timeline: {exc}", flush=True)
         return ""

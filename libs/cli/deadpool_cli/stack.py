@@ -39,6 +39,7 @@ from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import server_urls, tls
 from deadpool_runtime.bus import tls_options
 from deadpool_runtime.credentials import nkey_file
+from deadpool_runtime.host import LOOPBACK
 from deadpool_runtime.tracing import TRACE_FILE_ENV
 from deadpool_store import StoreConfig
 from deadpool_swapper import SwapperConfig
@@ -82,9 +83,23 @@ class StackConfig:
     component only its role's; stores then take job tokens only. False: an open bus and data plane."""
     credentials: str = ""
     """With `nats_url`: the credentials directory of that deployment ('' if its server has no auth)."""
+    listen: str = LOOPBACK
+    """Embedded NATS and the stores listen here: loopback serves this host only; a private address
+    (or 0.0.0.0 with `advertise`) serves other hosts (`deadpool up --listen`)."""
+    advertise: str = ""
+    """The address other hosts reach NATS and the stores at ('' is `listen`, which must then not be a
+    wildcard)."""
     jobs: tuple[str, ...] = ()
     """Embedded NATS with auth: jobs given member credentials of their own before the server starts
     (`nats_auth.create_job_credentials`; a running server admits a later one on `NatsServer.reload`)."""
+
+    def __post_init__(self) -> None:
+        if not self.advertise and self.listen in ("0.0.0.0", "::", ""):
+            raise ValueError(f"listening on {self.listen}, say which address other hosts reach: --advertise ADDRESS")
+
+    @property
+    def advertised(self) -> str:
+        return self.advertise or self.listen
 
     @property
     def js_replicas(self) -> int:
@@ -109,7 +124,10 @@ class StackConfig:
 
     def store_args(self, index: int) -> list[str]:
         """The `deadpool store` options of this stack's store `index` (NATS's aside)."""
-        return ["--id", self.store_id(index), "--capacity-bytes", str(self.store_capacity_bytes)]
+        args = ["--id", self.store_id(index), "--capacity-bytes", str(self.store_capacity_bytes)]
+        if self.listen != LOOPBACK or self.advertise:
+            args += ["--host", self.listen, "--advertise-host", self.advertised]
+        return args
 
 
 async def answers_ping(nc: Client, service: str, timeout_s: float = 0.2) -> bool:
@@ -160,8 +178,10 @@ class Stack:
                 self.cluster = NatsCluster(
                     self.config.workdir / "nats",
                     self.config.nats_nodes,
+                    host=self.config.listen,
                     authorization=authorization,
                     tls=tls.from_env(),  # every process of the stack inherits the same setting
+                    advertise=self.config.advertised,
                 )
                 self.url = self.cluster.start()
             c = self.config

@@ -17,7 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PHASES", "SpanRecord", "draw", "pick_trace", "read_spans"]
+from deadpool_protocol.errors import DeadPoolError
+
+__all__ = ["PHASES", "PlotsMissingError", "SpanRecord", "draw", "pick_trace", "read_spans"]
+
+PLOTS_INSTALL = "pip install 'deadpool-hotswap[plots]'"
+
+
+class PlotsMissingError(DeadPoolError, ImportError):
+    """matplotlib, the optional `plots` extra, is not installed: no picture, and nothing else lost."""
+
 
 PHASES = ("detect", "decide", "fence", "abort", "restore", "serve_restore", "rendezvous", "apply", "first_step")
 LINE_CHARS_MAX = 1 << 20
@@ -89,8 +98,12 @@ def pick_trace(spans: list[SpanRecord], incident: str = "") -> list[SpanRecord]:
 
 
 def draw(trace: list[SpanRecord], out: Path) -> None:
-    """A Gantt chart of `trace` into `out`: .png, or .html (the chart inline, with a table of spans)."""
-    import matplotlib
+    """A Gantt chart of `trace` into `out`: .png, or .html (the chart inline, with a table of spans).
+    Raises PlotsMissingError without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotsMissingError(f"drawing needs matplotlib, which {PLOTS_INSTALL} adds") from exc
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt

@@ -222,6 +222,8 @@ class RunStart(JobMessage):
     KIND: ClassVar[str] = "run_start"
     run: Name
     world_size: int
+    """Ranks in the whole job; 0 joins the run another launcher started, whatever its world size (a
+    host of spares only). The reply says the world size."""
     launcher: Name
     t: float
     hold_without_stores_s: float = 0.0
@@ -233,7 +235,7 @@ class RunStart(JobMessage):
         JobMessage.check(self)
         _need_name(self.run, "run")
         _need_name(self.launcher, "launcher")
-        _need(1 <= self.world_size <= MEMBERS_PER_JOB_MAX, f"world_size {self.world_size} out of range")
+        _need(0 <= self.world_size <= MEMBERS_PER_JOB_MAX, f"world_size {self.world_size} out of range")
         _need(0.0 <= self.hold_without_stores_s <= HOLD_WITHOUT_STORES_S_MAX, "hold_without_stores_s out of range")
 
 
@@ -243,6 +245,16 @@ class RunReply(JobMessage):
     run: Name
     accepted: bool
     reason: Text
+    world_size: int = 0
+    """The run's world size (when accepted)."""
+    not_yet: bool = False
+    """Refused only for now: a launcher of spares only asked to join a run no launcher has started yet.
+    It asks again."""
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.run, "run")
+        _need(0 <= self.world_size <= MEMBERS_PER_JOB_MAX, f"world_size {self.world_size} out of range")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from deadpool_protocol.codec import decode_on
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime import EventPublisher, connect, stopped_within, subscribe_validated
 from deadpool_runtime.credentials import CREDENTIALS_ENV
+from deadpool_runtime.host import LOOPBACK, address_towards, interface_of
 from deadpool_runtime.lifecycle import CONNECTION_CLOSE_S, SHUTDOWN_BUDGET_S, StopDeadline, close_connection
 from deadpool_runtime.log_limit import RefusalLog
 
@@ -91,10 +92,13 @@ class LaunchConfig:
     command: Sequence[str]
     """The script and its arguments (run with this Python)."""
     world_size: int = 0
-    """Ranks in the whole job (all hosts); 0 means nproc (one host)."""
+    """Ranks in the whole job (all hosts); 0 means nproc (one host), or with nproc 0 (a host of spares
+    only) the world size of the run the job's other launchers started, which this one joins."""
     rank_offset: int = 0
     """The first rank this host's processes ask for (node_rank * nproc on several hosts)."""
-    rendezvous_host: str = "127.0.0.1"
+    rendezvous_host: str = ""
+    """The address other hosts reach this host's members at; '' is this host's address on its route
+    to the NATS server (`address_towards`): loopback when the server runs here."""
     respawns: int = 0
     """How many dead children may be replaced by a fresh spare."""
     collective_timeout_s: float = 0.0
@@ -153,6 +157,11 @@ class Launcher:
         self.launcher_id = f"{self.host}-{os.getpid()}-{secrets.token_hex(2)}"
         self.subjects = Subjects.for_job(config.job)
         self.run_id = config.run or secrets.token_hex(6)
+        self.world_size = config.world_size or config.nproc
+        self.rendezvous_host = config.rendezvous_host or self._address_towards_nats()
+        self.gloo_interface = "lo" if self.rendezvous_host.startswith("127.") else interface_of(self.rendezvous_host)
+        """The interface the members' gloo binds ('' leaves gloo's choice: a name, not an address, given)."""
+        """0 until a host of spares only has joined its run (`_start_run`)."""
         self.children: dict[str, Child] = {}
         self.exit_codes: dict[str, int] = {}
         self.generation = 0
@@ -173,9 +182,12 @@ class Launcher:
         self.host_copy_dir: Path | None = None
         """The job's crash copies on this host (removed when the launcher ends)."""
 
-    @property
-    def world_size(self) -> int:
-        return self.config.world_size or self.config.nproc
+    def _address_towards_nats(self) -> str:
+        try:
+            return address_towards(self.config.nats_url)
+        except OSError as exc:  # no route: connecting will say so; its members cannot meet other hosts'
+            self.log.warning("no route to the NATS server: the rendezvous stays on loopback", error=str(exc))
+            return LOOPBACK
 
     async def run(self, stop: asyncio.Event) -> int:
         """Run the children to the end; returns the launcher's exit code (0: the job finished)."""
@@ -282,9 +294,21 @@ class Launcher:
             except ProtocolError as exc:
                 return f"the swapper's answer was not understood: {exc}"
             if reply.accepted:
-                self.log.info("run started", run=self.run_id)
-                return ""
-            return reply.reason
+                self.world_size = self.world_size or reply.world_size
+                self.log.info(
+                    "run started",
+                    run=self.run_id,
+                    world_size=self.world_size,
+                    rendezvous_host=self.rendezvous_host,
+                    gloo_interface=self.gloo_interface or "(gloo's choice)",
+                )
+                return "" if self.world_size > 0 else "the swapper named no world size for the run"
+            if not reply.not_yet:
+                return reply.reason
+            if time.monotonic() > deadline:  # a host of spares only: no launcher of ranks started the run
+                return f"{reply.reason} (asked for {RUN_START_WAIT_S:.0f} s)"
+            if await stopped_within(stop, RUN_START_RETRY_S):
+                break
         return "stopped before the run started"
 
     def _exit_code(self) -> int:
@@ -319,8 +343,8 @@ class Launcher:
         if self.config.nkey_file:
             env[ENV.NATS_NKEY] = self.config.nkey_file
         env.setdefault("OMP_NUM_THREADS", "1")
-        if self.config.rendezvous_host.startswith("127."):
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: keep gloo on loopback
+        if self.gloo_interface:  # gloo binds where the rendezvous is reached, not where the host name says
+            env.setdefault("GLOO_SOCKET_IFNAME", self.gloo_interface)
         env.update(
             {
                 ENV.JOB: self.config.job,
@@ -333,7 +357,7 @@ class Launcher:
                 ENV.LOCAL_INDEX: str(slot),
                 ENV.WORLD_SIZE: str(self.world_size),
                 ENV.HOST: self.host,
-                ENV.RENDEZVOUS_HOST: self.config.rendezvous_host,
+                ENV.RENDEZVOUS_HOST: self.rendezvous_host,
                 ENV.HOST_COPY_DIR: str(self.host_copy_dir or ""),
                 "PYTHONUNBUFFERED": "1",
             }

@@ -411,12 +411,24 @@ class SwapperCore:
         """A launcher starts a run of the job. A name holds one run at a time: the same run again is a
         no-op; a finished run makes way (its record archived, the generations going on from its); a run
         still going refuses the newcomer, saying which run holds the name. Members that said hello
-        under no run, while nothing formed, make way too (they were not started by a launcher)."""
+        under no run, while nothing formed, make way too (they were not started by a launcher). A
+        launcher of spares only (world size 0) joins the run another launcher started, and is told to
+        ask again until one has; a finished run is never joined nor started again."""
         state = self.jobs.get(start.job)
 
-        def reply(accepted: bool, reason: str) -> RunReply:
-            return RunReply(start.job, state.generation if state else 0, start.run, accepted, reason)
+        def reply(accepted: bool, reason: str, world_size: int = start.world_size, not_yet: bool = False) -> RunReply:
+            generation = state.generation if state else 0
+            return RunReply(start.job, generation, start.run, accepted, reason, world_size, not_yet)
 
+        if state is not None and state.run == start.run and state.finished:
+            why = f"run {start.run} of job {start.job} has ended: launch the name again with a new --run-id"
+            return reply(False, why), Decision([], f"run refused: {why}")
+        if start.world_size == 0:
+            if state is not None and state.run == start.run and state.world_size > 0:
+                joined = f"joined run {start.run} of {state.world_size} ranks"
+                return reply(True, joined, state.world_size), Decision([], joined)
+            why = f"run {start.run} of job {start.job} is not started yet: a launcher of its ranks starts it"
+            return reply(False, why, not_yet=True), Decision([], f"run not joined yet: {why}")
         if state is not None and state.run == start.run:
             if start.world_size != state.world_size:
                 why = f"run {start.run} has world size {state.world_size}, not {start.world_size}"

@@ -429,7 +429,7 @@ class SwapperService:
             reply = await asyncio.wait_for(asyncio.shield(item.reply), HELLO_ANSWER_S)
         except (TimeoutError, asyncio.CancelledError):
             return  # the launcher asks again
-        if not reply.accepted:
+        if not reply.accepted and not reply.not_yet:  # not yet: a spares-only launcher asks again
             self.log.warning("run refused", job=start.job, run=start.run, launcher=start.launcher, reason=reply.reason)
         with contextlib.suppress(nats.errors.Error):
             await self.nc.publish(msg.reply, encode(reply))
