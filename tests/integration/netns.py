@@ -108,6 +108,11 @@ class TestNetwork:
                     os.killpg(process.pid, signal.SIGKILL)  # the process and everything it started
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(STOP_WAIT_S)
+        # And whatever else runs inside the host (started by a stand-in of srun, say), as a host's death kills.
+        listed = subprocess.run(["ip", "netns", "pids", self.namespaces[host]], capture_output=True, text=True)
+        for pid in listed.stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
 
     def lose(self, host: str) -> None:
         """The host dies: every process on it is SIGKILLed and its link goes down."""

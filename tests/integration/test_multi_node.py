@@ -12,6 +12,7 @@ and 1, and the final weights equal an uninterrupted run's, bit for bit.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -37,6 +38,9 @@ KILL_AT = 8
 WAIT_S = 120.0
 RUN_TIMEOUT_S = 240.0
 SLURM_JOB_ID = "4242"
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "deploy" / "slurm" / "deadpool.sbatch"
+STAND_IN = Path(__file__).resolve().parent / "slurm_stand_in"
 
 
 def deadpool(*args: str) -> list[str]:
@@ -66,32 +70,44 @@ def job_key(credentials: Path, job: str) -> Path:
     return credentials / "jobs" / f"{job}.nk"
 
 
-def launch_all(net: TestNetwork, way: str, url: str, key: Path, job: str, out: Path) -> dict[str, object]:
-    """Launchers on hosts a, b (two ranks each) and c (spares only), the torchrun way or the Slurm way."""
-    common = ["launch", "--nats", url, "--nkey", str(key), "--collective-timeout-s", "20"]
-    launchers: dict[str, object] = {}
+def launch_torchrun_way(net: TestNetwork, url: str, key: Path, job: str, out: Path) -> list[subprocess.Popen[bytes]]:
+    """Launchers on hosts a, b (two ranks each) and c (spares only), with torchrun's flags; the
+    surviving ones (b's and c's), whose exit is the job's outcome."""
+    common = ["launch", "--nats", url, "--nkey", str(key), "--job", job, "--collective-timeout-s", "20"]
     for index, host in enumerate(["hosta", "hostb"]):
-        if way == "torchrun":
-            args = [*common, "--job", job, "--nnodes", "2", "--node-rank", str(index)]
-            env: dict[str, str] = {}
-        else:  # srun --nodes 2 --ntasks-per-node 1 deadpool launch ...
-            args, env = common, slurm_env(step=0, nodes=2, node=index)
-        command = deadpool(*args, "--nproc-per-node", "2", "--spares", "0", *training(out))
-        launchers[host] = net.spawn(host, command, env=env, name=f"launch-{host}")
-    spares = [*common, "--job", job] if way == "torchrun" else common
-    env = {} if way == "torchrun" else slurm_env(step=1, nodes=1, node=0)  # a second srun, on the spare node
-    command = deadpool(*spares, "--nproc-per-node", "0", "--spares", "2", *training(out))
-    launchers["hostc"] = net.spawn("hostc", command, env=env, name="launch-hostc")
-    return launchers
+        command = [*common, "--nnodes", "2", "--node-rank", str(index), "--nproc-per-node", "2", "--spares", "0"]
+        net.spawn(host, deadpool(*command, *training(out)), name=f"launch-{host}")
+    command = deadpool(*common, "--nproc-per-node", "0", "--spares", "2", *training(out))
+    net.spawn("hostc", command, name="launch-hostc")
+    return [net.processes["hostb"][0], net.processes["hostc"][0]]
 
 
-def slurm_env(step: int, nodes: int, node: int) -> dict[str, str]:
-    return {
+def launch_slurm_way(net: TestNetwork, url: str, key: Path, out: Path) -> subprocess.Popen[bytes]:
+    """`deploy/slurm/deadpool.sbatch` as sbatch runs it on an allocation of hosts a, b and c (the last
+    one of spares only), its srun played over the hosts' namespaces (`slurm_stand_in/srun`)."""
+    env = {
+        "PATH": f"{STAND_IN}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "STAND_IN_NAMESPACES": ",".join(net.namespaces[h] for h in ("hosta", "hostb", "hostc")),
+        "STAND_IN_HOSTS": "hosta,hostb,hostc",
         "SLURM_JOB_ID": SLURM_JOB_ID,
-        "SLURM_STEP_ID": str(step),
-        "SLURM_NNODES": str(nodes),
-        "SLURM_NODEID": str(node),
+        "SLURM_JOB_NUM_NODES": "3",
+        "NPROC_PER_NODE": "2",
+        "SPARE_NODES": "1",
+        "SPARES_ON_SPARE_NODES": "2",
+        "DEADPOOL": str(Path(sys.executable).parent / "deadpool"),
+        "DEADPOOL_NATS": url,
+        "DEADPOOL_JOB_KEY": str(key),
+        "DEADPOOL_PG_TIMEOUT_S": "20",
     }
+    log = open(net.logdir / "sbatch.log", "ab")  # noqa: SIM115 (the child owns it)
+    with log:
+        return subprocess.Popen(
+            ["bash", str(SBATCH), *training(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
 
 
 async def connect(url: str, seed: Path) -> Client:
@@ -112,12 +128,16 @@ async def test_three_hosts_one_of_spares_lose_a_host_and_its_ranks_move_to_the_s
             watch = JobWatch(nc, job, get_logger(test=job))
             await watch.start()
             out = tmp_path / "swap"
-            launchers = launch_all(net, way, url, key, job, out)
+            if way == "torchrun":
+                survivors = launch_torchrun_way(net, url, key, job, out)
+                names = ["launch-hosta", "launch-hostb", "launch-hostc"]
+            else:
+                sbatch = launch_slurm_way(net, url, key, out)
+                names = ["sbatch"]
 
             def logs() -> str:
                 return "\n".join(
-                    f"--- {h}:\n" + (tmp_path / f"launch-{h}.log").read_text(errors="replace")[-2000:]
-                    for h in ("hosta", "hostb", "hostc")
+                    f"--- {name}:\n" + (tmp_path / f"{name}.log").read_text(errors="replace")[-4000:] for name in names
                 )
 
             try:
@@ -129,16 +149,21 @@ async def test_three_hosts_one_of_spares_lose_a_host_and_its_ranks_move_to_the_s
             assert all(m.startswith("hostb-") for m in watch.rebuild.ranks[2:]), watch.rebuild.ranks
             assert watch.failures == [], [(f.member, f.reason, f.evidence) for f in watch.failures]
             net.lose("hosta")
-            for host in ("hostb", "hostc"):
-                code = await asyncio.wait_for(asyncio.to_thread(launchers[host].wait), RUN_TIMEOUT_S)  # type: ignore[attr-defined]
-                assert code == 0, logs()
+            if way == "torchrun":
+                for launcher in survivors:
+                    assert await asyncio.wait_for(asyncio.to_thread(launcher.wait), RUN_TIMEOUT_S) == 0, logs()
+            else:  # the ranks' srun step reports the lost node's task; the survivors' outcome is in the log
+                await asyncio.wait_for(asyncio.to_thread(sbatch.wait), RUN_TIMEOUT_S)
+                finished = watch.finished_message
+                assert finished is not None and not finished.failed, logs()
             assert sorted(i.rank for i in watch.incidents) == [0, 1], watch.incidents
             assert all(i.replacement.startswith("hostc-") for i in watch.incidents), watch.incidents
             assert len({i.generation for i in watch.incidents}) == 1, "both ranks should move in one generation"
             for i in watch.incidents:  # the figures a closing note quotes (pytest -s)
                 print(
                     f"{way}: rank {i.rank} {i.member} -> {i.replacement}: detected after {i.detect_s:.2f} s, "
-                    f"first step after the fault {i.downtime_s:.2f} s, {i.lost_steps} steps lost"
+                    f"first step after the fault {i.downtime_s:.2f} s, {i.lost_steps} steps lost; phases (s) "
+                    + " ".join(f"{k} {v:.2f}" for k, v in i.phases.items())
                 )
 
             reference = tmp_path / "reference"  # the same job uninterrupted, its four ranks on one host
