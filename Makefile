@@ -19,9 +19,10 @@ demo: $(STAMP)
 	$(BIN)/deadpool demo $(DEMO_ARGS)
 
 # -n 2: the tests that mostly wait run beside the others, which run one at a time (tests/conftest.py).
-# The 15 slowest tests are listed at the end; every test has a time limit (pyproject.toml).
+# The 15 slowest tests are listed at the end, and why any test was skipped (-rs); every test has a time
+# limit (pyproject.toml).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --durations=15 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 -rs --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
