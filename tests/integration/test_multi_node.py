@@ -176,3 +176,50 @@ async def test_three_hosts_one_of_spares_lose_a_host_and_its_ranks_move_to_the_s
             await nc.close()
     identical, tensors, differences = compare_final_states(out, reference)
     assert identical and tensors > 0, differences[:5]
+
+
+async def test_a_rendezvous_address_the_other_hosts_cannot_reach_moves_to_another_host_and_the_job_trains(
+    tmp_path: Path,
+) -> None:
+    """Host a offers a rendezvous address that host b has no route to (a second interface's, as a
+    container bridge's or a management network's would be: `--rendezvous-host` given wrong). What the
+    user sees: b's members say the address is unreachable, a's that the group did not form within the
+    collective timeout; the next generation's rendezvous is on b, and the job trains to its end. The
+    rotation once named a's three members one after another: the job trained from generation 4."""
+    job = "unreachable"
+    hidden = "10.214.0.1"  # on host a only: no host has a route to it
+    with TestNetwork(["ctl", "hosta", "hostb"], tmp_path) as net:
+        url = await control_plane(net, tmp_path / "ctl")
+        credentials = tmp_path / "ctl" / "credentials"
+        key = job_key(credentials, job)
+        ns = net.namespaces["hosta"]
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "-n", ns, "addr", "add", f"{hidden}/32", "dev", "lo"], check=True)
+        with net.entered("ctl"):
+            nc = await connect(url, credentials / "admin.nk")
+            watch = JobWatch(nc, job, get_logger(test=job))
+            await watch.start()
+            common = ["launch", "--nats", url, "--nkey", str(key), "--job", job, "--collective-timeout-s", "10"]
+            launchers = []
+            for index, host in enumerate(["hosta", "hostb"]):
+                command = [*common, "--nnodes", "2", "--node-rank", str(index), "--nproc-per-node", "3"]
+                command += ["--spares", "0", *(["--rendezvous-host", hidden] if host == "hosta" else [])]
+                launchers.append(net.spawn(host, deadpool(*command, *training(tmp_path / "out")), name=host))
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(watch.wait_for(lambda: every_rank_at(watch, 1)), WAIT_S)
+            except TimeoutError:
+                tails = [(tmp_path / f"{h}.log").read_text(errors="replace")[-3000:] for h in ("hosta", "hostb")]
+                pytest.fail("the job never trained:\n" + "\n".join(tails))
+            first_step_s = time.monotonic() - started
+            codes = [await asyncio.wait_for(asyncio.to_thread(p.wait), RUN_TIMEOUT_S) for p in launchers]
+            await nc.close()
+    logs = {h: (tmp_path / f"{h}.log").read_text(errors="replace") for h in ("hosta", "hostb")}
+    assert codes == [0, 0], logs["hostb"][-3000:]
+    assert f"rendezvous store {hidden}:" in logs["hostb"] and "Network is unreachable" in logs["hostb"]
+    assert "of generation 1 not formed" in logs["hosta"], logs["hosta"][-3000:]
+    formed = [r for _, r in watch.rebuilds if r.generation == 2]
+    assert formed and formed[0].rendezvous_member.startswith("hostb-"), [r.rendezvous_member for _, r in watch.rebuilds]
+    assert watch.finished_message is not None and not watch.finished_message.failed
+    assert watch.rebuild is not None
+    print(f"unreachable rendezvous: first step after {first_step_s:.1f} s, generation {watch.rebuild.generation}")

@@ -531,6 +531,28 @@ def test_a_rendezvous_host_is_not_named_twice_in_a_row_when_generations_fail() -
     assert first.rendezvous_member == "r0" and second.rendezvous_member == first.ranks[1]
 
 
+def test_a_host_whose_rendezvous_address_fails_is_left_for_another_host_before_its_next_member() -> None:
+    """Hosts a and b hold two ranks each. Generation 1's rendezvous, on a's address, never forms (the
+    others cannot reach it): the next attempt goes to b's address, not to a's second member, whose
+    address is the same (a host of 8 ranks was once tried 8 times in a row)."""
+    core = SwapperCore(SwapperConfig(replication=1, store_timeout_s=1e9))
+    core.on_store_status(StoreStatus("store0", "127.0.0.1", 5000, 0, 100, 0, 0.0), 0.0)
+    addresses = {"a0": "10.0.0.1", "a1": "10.0.0.1", "b0": "10.0.0.2", "b1": "10.0.0.2"}
+    decisions = [
+        core.on_hello(MemberHello("j", 0, m, m[0], 100, f"l-{m[0]}", r, 4, addresses[m], 4000 + r, 0.0), 0.1)[1]
+        for r, m in enumerate(addresses)
+    ]
+    (formation,) = [r for d in decisions for r in published(d, Rebuild)]
+    named = [formation.rendezvous_member]
+    generation = formation.generation
+    for t in (30.0, 60.0):  # each generation's group breaks before it forms
+        broken = GroupBroken("j", generation, list(formation.ranks), {}, t, t)
+        (rebuild,) = published(core.on_group_broken(broken, t), Rebuild)
+        named.append(rebuild.rendezvous_member)
+        generation = rebuild.generation
+    assert named == ["a0", "b0", "a1"], named
+
+
 def test_generations_only_grow_and_each_is_announced_once_in_a_storm_of_failures() -> None:
     core, _ = formed_core(spares=("s1", "s2", "s3", "s4"))
     seen: list[int] = []

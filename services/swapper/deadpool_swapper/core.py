@@ -752,8 +752,10 @@ class SwapperCore:
             why = f"{state.attempts} generations in a row did not form (the last was {state.generation})"
             return self._end_job(state, now, why)
         assert len(set(state.ranks)) == len(state.ranks), "a member holds more than one rank"
-        # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt.
-        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts)]
+        # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt,
+        # over the members' addresses first.
+        addresses = {m: state.members[m].rendezvous_host for m in state.ranks if m in state.members}
+        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts, addresses)]
         # Until a generation has formed, every attempt starts fresh (a rank that died during formation
         # may never have stored step 0). Every later generation restores a committed step (members ack
         # formation only once their first snapshot is sealed on its stores), or, when no RAM copy of one

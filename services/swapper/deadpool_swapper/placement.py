@@ -70,12 +70,27 @@ def pick_spare(
     return min(spares, key=preference)
 
 
-def pick_rendezvous(ranks: Sequence[str], newcomers: set[str], attempt: int = 0) -> str:
+def pick_rendezvous(
+    ranks: Sequence[str], newcomers: set[str], attempt: int = 0, address_of: Mapping[str, str] | None = None
+) -> str:
     """The rendezvous host: a rank that survived (it is already up and reachable), the lowest one on a
-    first attempt; each attempt in a row that failed to form moves to the next survivor, so one host
-    that cannot serve the rendezvous does not sink every attempt."""
+    first attempt. Each attempt in a row that failed to form moves to the next survivor at another
+    address (`address_of`: a member's rendezvous address), visiting every address before a second
+    member of any, so that one host that cannot serve the rendezvous (an address the other hosts cannot
+    reach) does not sink every attempt, however many ranks it holds. Moving member by member tried a
+    host of 8 ranks 8 times in a row, a collective timeout each, and a host of 16 or more until the job
+    ended (`rebuild_attempts_max`)."""
     survivors = [member for member in ranks if member not in newcomers] or list(ranks)
-    return survivors[attempt % len(survivors)]
+    address = address_of or {}
+    taken: dict[str, int] = {}
+    order: list[tuple[int, int, str]] = []  # (its address's how-manieth, its place among survivors, member)
+    for place, member in enumerate(survivors):
+        key = address.get(member, member)
+        nth = taken.get(key, 0)
+        taken[key] = nth + 1
+        order.append((nth, place, member))
+    order.sort()
+    return order[attempt % len(order)][2]
 
 
 def place_snapshots(
