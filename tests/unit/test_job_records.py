@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgpack
@@ -16,7 +17,9 @@ from deadpool_protocol.job_record import (
     join_parts,
     unpack_record,
 )
+from deadpool_swapper.core import JobState
 from deadpool_swapper.job_records import state_from_record, state_to_record
+from deadpool_swapper.restore_chain import CommittedCopies
 from tests.unit.test_swapper_core import ack, fail, first_steps, formed_core, published
 
 
@@ -139,3 +142,86 @@ def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_inc
     assert incident.evidence["restore_link"] == "committed" and "k00" in incident.evidence  # the first kept
     loaded = state_from_record(state_to_record(core.jobs["j"], 6.0), 6.0)
     assert [i.incident_id for i in loaded.incidents] == [incident.incident_id]
+
+
+RETRANSMIT_TIMERS = frozenset({"void_sent_t", "placement_sent_t", "replicate_sent_t"})
+"""Not in the record: a new leader retransmits what is outstanding at once (each is idempotent)."""
+INSTANTS = frozenset({"finished_t", "last_hello_t", "hold_until", "awaiting_since", "unprotected_since", "held_since"})
+"""The swapper's own monotonic instants: they travel as ages (or time left) and come back on the
+loader's clock."""
+
+
+def every_field_set(saved_at: float) -> JobState:
+    """A job state whose every field differs from its default: a rebuild in flight with an ack and an
+    open incident (from the core itself), and every other field given a value by hand."""
+    core, _ = formed_core(spares=("s1", "s2"))
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
+    core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
+    state = core.jobs["j"]
+    state.run, state.base_generation, state.world_size = "run-2", 3, 2
+    state.committed_step, state.restore_step = 40, 39
+    state.completes = {41: {0: {"store0"}, 1: {"store0", "store1"}}}
+    state.incidents = [
+        Incident(
+            job="j",
+            generation=2,
+            incident_id="i-1",
+            rank=0,
+            member="r9",
+            replacement="s0",
+            reason="exit",
+            t_fault=1.0,
+            t_detected=2.0,
+            t_decided=3.0,
+            t_resumed=4.0,
+            restore_step=39,
+            lost_steps=1,
+            phases={"detect": 1.0},
+            evidence={"a": "b"},
+            t_first_step=5.0,
+        )
+    ]
+    state.done = {"r0": 40}
+    state.finished, state.finished_t, state.failed_reason = True, saved_at - 10.0, "a reason"
+    state.incident_seq, state.last_hello_t, state.hold_until = 7, saved_at - 2.0, saved_at + 30.0
+    state.silent_hosts = {"h3": (2, 5)}
+    state.void_sent_t, state.placement_sent_t, state.replicate_sent_t = saved_at - 1.0, saved_at - 1.0, saved_at - 1.0
+    state.applied_seq, state.stream_id = 42, "2026-12-01T00:00:00+00:00"
+    state.placement_version, state.placement_confirmed, state.committed_generation = 3, False, 2
+    state.committed_holders = {0: {"store0"}, 1: {"store1"}}
+    state.rank_bytes = {0: 1000, 1: 2000}
+    state.previous_committed = CommittedCopies(35, 1, {0: {"store1"}})
+    state.unavailable = {(1, 41)}
+    state.awaiting_first_step, state.awaiting_since = ["s1"], saved_at - 4.0
+    state.first_steps = {0: 1234.5}
+    state.durable_failed, state.durable_completes = True, {0: {"store0"}}
+    state.announced_stores = {"store0": ("10.0.0.5", 7001)}
+    state.unprotected_since, state.unprotected_step = saved_at - 6.0, 38
+    state.hold_without_stores_s, state.held_since, state.local_failed = 9.0, saved_at - 8.0, True
+    return state
+
+
+def test_every_field_of_a_job_state_survives_its_record_field_by_field() -> None:
+    """What a new leader loads is what its predecessor held, for every field of `JobState` there is,
+    so a field added without its place in the record fails here (the fixture must give it a value
+    first). Instants come back shifted to the loader's clock; retransmission timers start afresh."""
+    saved_at, loaded_at = 100.0, 5000.0
+    shift = loaded_at - saved_at
+    state, default = every_field_set(saved_at), JobState("j")
+    names = [f.name for f in dataclasses.fields(JobState)]
+    unset = [n for n in names if n != "job" and getattr(state, n) == getattr(default, n)]
+    assert not unset, f"give these fields a value in every_field_set: {unset}"
+    loaded = state_from_record(state_to_record(state, saved_at), loaded_at)
+    for name in names:
+        want, got = getattr(state, name), getattr(loaded, name)
+        if name in RETRANSMIT_TIMERS:
+            assert got == getattr(default, name), name
+        elif name in INSTANTS:
+            assert got == want + shift, name
+        elif name == "members":
+            assert got == {m: dataclasses.replace(i, registered_at=i.registered_at + shift) for m, i in want.items()}
+        elif name == "pending":
+            assert got is not None and want is not None
+            assert (got.command, got.acks, got.t_sent) == (want.command, want.acks, want.t_sent + shift)
+        else:
+            assert got == want, name
