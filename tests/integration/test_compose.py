@@ -1,7 +1,8 @@
 """deploy/compose.yaml run for real: its images built with no registry (`deploy/image/build-images.sh`:
 a Debian base from Debian's packages, wheels built on this host), the 3-node NATS cluster over TLS, two
 detectors, two swappers, two stores and the example trainer with a spare. A trainer rank is SIGKILLed
-inside its container; the spare takes its rank, trains on, and the job finishes.
+inside its container; the spare takes its rank, trains on, and the job finishes with weights
+bit-identical to the same job run uninterrupted on this host.
 
 It needs a running Docker engine, docker-compose (or the compose plugin), root (the credentials are
 given to the containers' uid) and, for the base image, debootstrap and a Debian mirror; where any is
@@ -26,6 +27,7 @@ import nats
 import pytest
 
 from deadpool_cli.job_watch import JobWatch
+from deadpool_cli.weights_check import compare_final_states
 from deadpool_runtime.logs import get_logger
 
 from .jobs import every_rank_at
@@ -33,7 +35,9 @@ from .test_deploy import compose_command
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-JOB = "example"  # the compose file's trainer runs job "example" for 2,000 steps, one spare
+JOB = "example"  # the compose file's trainer runs job "example" with one spare
+TRAINER_STEPS = 600  # DEADPOOL_EXAMPLE_STEPS (2,000 by default)
+OUT_IN_CONTAINER = "/var/lib/deadpool/example-out"  # its --out, a named volume
 CONTAINER_UID = 10001
 KILL_AT = 40
 WAIT_S = 180.0
@@ -89,6 +93,7 @@ def secrets_for_compose(directory: Path) -> dict[str, str]:
         "DEADPOOL_CREDENTIALS_DIR": str(credentials),
         "DEADPOOL_TLS_DIR": str(tls),
         "DEADPOOL_ADVERTISE_HOST": ADVERTISE,
+        "DEADPOOL_EXAMPLE_STEPS": str(TRAINER_STEPS),
     }
 
 
@@ -191,5 +196,20 @@ async def test_the_compose_file_runs_a_job_whose_killed_rank_the_spare_takes(
         )
     finally:
         await nc.close()
-    exited = subprocess.run(["docker", "wait", compose.container("trainer")], capture_output=True, text=True)
+    trainer = compose.container("trainer")
+    exited = subprocess.run(["docker", "wait", trainer], capture_output=True, text=True)
     assert exited.stdout.strip() == "0", compose.logs("trainer")[-4000:]
+    swapped = tmp_path / "swap"  # the ranks' final weights, from the trainer's volume
+    copied = subprocess.run(["docker", "cp", f"{trainer}:{OUT_IN_CONTAINER}", str(swapped)], capture_output=True)
+    assert copied.returncode == 0, copied.stderr
+
+    reference = tmp_path / "reference"  # the same job uninterrupted, on this host: the same torch, seed, ranks
+    log = tmp_path / "reference.log"
+    command = ["launch", "--nproc", "2", "--spares", "0", str(ROOT / "examples" / "train_gpt.py")]
+    command += ["--steps", str(TRAINER_STEPS), "--model-size", "tiny", "--out", str(reference)]
+    with open(log, "wb") as sink:
+        ran = subprocess.run([sys.executable, "-m", "deadpool_cli", *command], stdout=sink, stderr=sink, timeout=600)
+    assert ran.returncode == 0, log.read_text(errors="replace")[-3000:]
+    identical, tensors, differences = compare_final_states(swapped, reference)
+    assert identical and tensors > 0, differences[:5]
+    print(f"compose: final weights bit-identical to an uninterrupted run ({tensors} tensors)")
