@@ -449,16 +449,7 @@ class DetectorCore:
         for member in [*summary.ranks, *summary.spares]:
             view.unnamed.pop(member, None)
             if member not in view.members and member not in view.declared:
-                rank = rank_of.get(member, NO_RANK)
-                view.members[member] = Watched(
-                    member,
-                    rank,
-                    now,
-                    progress_t=now,
-                    host=summary.hosts.get(member, ""),
-                    named_rank=rank,
-                    named_in=summary.generation,
-                )
+                view.members[member] = _named_by_record(summary, member, rank_of, now)
 
     def _note_unnamed(self, view: JobView, member: str, now: float) -> None:
         if member not in view.unnamed and len(view.unnamed) < UNNAMED_KEPT_MAX:
@@ -500,16 +491,7 @@ class DetectorCore:
         named = [m for m in view.unnamed if m in listed and m not in view.members and m not in view.declared]
         for member in named:
             del view.unnamed[member]
-            rank = rank_of.get(member, NO_RANK)
-            view.members[member] = Watched(
-                member,
-                rank,
-                now,
-                progress_t=now,
-                host=summary.hosts.get(member, ""),
-                named_rank=rank,
-                named_in=summary.generation,
-            )
+            view.members[member] = _named_by_record(summary, member, rank_of, now)
         return named
 
     def on_done(self, done: MemberDone) -> None:
@@ -906,3 +888,17 @@ class DetectorCore:
 def _suspends_hang_rule(section: str) -> bool:
     """A user's section suspends the hang rule; the first step of a generation only lengthens it."""
     return bool(section) and section != FIRST_STEP_SECTION
+
+
+def _named_by_record(summary: JobSummary, member: str, rank_of: dict[str, int], now: float) -> Watched:
+    """A member the job record `summary` names, watched from `now` as its rank there (or a spare)."""
+    rank = rank_of.get(member, NO_RANK)
+    return Watched(
+        member,
+        rank,
+        now,
+        progress_t=now,
+        host=summary.hosts.get(member, ""),
+        named_rank=rank,
+        named_in=summary.generation,
+    )
