@@ -27,10 +27,9 @@ import yaml
 from nats.errors import Error as NatsError
 from nats.js.errors import Error as JetStreamError
 
-from deadpool_cli.main import _parser
+from deadpool_cli.main import _parser, node_plan_of
 from deadpool_cli.nats_auth import write_server_authorization
 from deadpool_cli.nats_server import NatsServer, free_port, nats_server_binary
-from deadpool_cli.node_plan import plan_node
 from deadpool_runtime.credentials import nkey_file
 
 from .test_deploy import make_tls
@@ -542,17 +541,7 @@ def test_the_trainers_indexed_jobs_give_every_rank_to_one_node(workloads: dict[s
         args = parser.parse_args(launch_args(workload))
         assert (args.job, args.nkey, args.nats) == (JOB, "/run/secrets/job.nk", NATS_URLS)
         for index in range(spec["completions"]):
-            plan = plan_node(
-                script_name=Path(args.script).stem,
-                nproc=args.nproc,
-                job=args.job,
-                run=args.run_id,
-                nnodes=args.nnodes,
-                node_rank=args.node_rank,
-                world_size=args.world_size,
-                rank_offset=args.rank_offset,
-                environ={"JOB_COMPLETION_INDEX": str(index)},
-            )
+            plan = node_plan_of(args, {"JOB_COMPLETION_INDEX": str(index)})  # as `launch` plans its node
             assert (plan.job, plan.run, plan.source) == (JOB, JOB, "kubernetes")
             if workload is ranks:
                 assert args.nnodes == spec["completions"] and plan.world_size == args.nnodes * args.nproc

@@ -14,11 +14,13 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from deadpool.launcher import LaunchConfig
 from deadpool.member_config import MemberConfig, env_float
 from deadpool_cli.demo import DemoConfig
+from deadpool_cli.node_plan import NodePlan, plan_node
 from deadpool_cli.stack import StackConfig
 from deadpool_detector import DetectorServiceConfig
 from deadpool_detector.core import DetectorConfig
@@ -548,11 +550,26 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool demo: {exc}")
 
 
+def node_plan_of(args: argparse.Namespace, environ: Mapping[str, str]) -> NodePlan:
+    """This host's place in the job that `launch`'s arguments and `environ` (Slurm's, Kubernetes')
+    describe. Raises ValueError where they disagree."""
+    return plan_node(
+        script_name=args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem,
+        nproc=args.nproc,
+        job=args.job,
+        run=args.run_id,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        world_size=args.world_size,
+        rank_offset=args.rank_offset,
+        environ=environ,
+    )
+
+
 def _launch(args: argparse.Namespace) -> int:
     from deadpool.cuda_devices import detect_devices, plan_devices
     from deadpool.launcher import Launcher
     from deadpool.member_config import ENV
-    from deadpool_cli.node_plan import plan_node
     from deadpool_cli.stack import Stack
     from deadpool_protocol.names import require_name
     from deadpool_protocol.timeouts import TimeoutHierarchy
@@ -562,17 +579,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     configure_logging("launcher")
     try:
-        node = plan_node(
-            script_name=args.script.rsplit(".", 1)[-1] if args.module else Path(args.script).stem,
-            nproc=args.nproc,
-            job=args.job,
-            run=args.run_id,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            world_size=args.world_size,
-            rank_offset=args.rank_offset,
-            environ=os.environ,
-        )
+        node = node_plan_of(args, os.environ)
         require_name(node.job, "--job")
         if node.run:
             require_name(node.run, "--run-id")
