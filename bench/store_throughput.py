@@ -11,9 +11,13 @@ parameters, two thirds optimizer state), laid out and copied by the hooks' own c
   buffer, no framing, no checksums: what this machine's loopback can do;
 - ingest: `StoreConnection.upload` to a `deadpool store` process (embedded nats-server), timed to the
   store's seal reply, i.e. every chunk received into the store's memory and its checksum verified;
-- restore: `StoreConnection.fetch` into a fresh `FlatBuffer` with every checksum verified, then
-  `load_module` and `load_optimizer` into a freshly built model and optimizer, exactly as a promoted
-  spare does (parameters copied; optimizer state kept in the fetched buffer, which the spare owns).
+- restore: a warm spare's, as a promoted spare does it: `fetch_from_stores` into the landing buffer
+  the spare faulted in while it waited (`SpareLanding`, given the snapshot's size), every checksum
+  verified, then `load_module` and `load_optimizer` into a freshly built model and optimizer
+  (parameters copied; optimizer state kept in the fetched buffer, which the spare owns). Faulting the
+  landing in is the spare's warm-up, not its restore, and is not timed;
+- restore into fresh memory: the same into a `FlatBuffer` allocated when the fetch begins, as spares
+  restored before they had a landing (issue 25's "before"), reported as `restore_fresh_gbps`.
 
 Baseline and ingest are steady-state figures (after two warm-up transfers, as in training, where a rank's
 snapshot has the same size every step and the store reuses the buffers that commits free); the first,
@@ -22,13 +26,14 @@ cold transfer of each is printed too. On this VM, memory the guest has never tou
 restore allocates fresh buffers, so its first run is printed apart as well.
 The store's CPU time during each ingest (its whole process, from /proc) is reported per MB beside one
 thread's memcpy measured in the same run. The last line is one JSON object: ingest_gbps, baseline_gbps,
-ingest_ratio, restore_gbps (GB = 1e9 B), store_ingest_cpu_ms_per_mb, memcpy_ms_per_mb.
+ingest_ratio, restore_gbps, restore_fresh_gbps (GB = 1e9 B), store_ingest_cpu_ms_per_mb, memcpy_ms_per_mb.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -40,14 +45,17 @@ import time
 from pathlib import Path
 
 import nats
+import structlog
 import torch
 from measures import cpu_seconds, memcpy_ms_per_mb
 from nats.aio.client import Client
 from torch import nn
 
 from deadpool.snapshot_layout import FlatBuffer
+from deadpool.spare_landing import SpareLanding
 from deadpool.store_client import StoreConnection, UploadKey
-from deadpool.training_state import SnapshotMeta, load_module, load_optimizer, snapshot_now
+from deadpool.store_restore import SnapshotWanted, fetch_from_stores
+from deadpool.training_state import SnapshotMeta, load_module, load_optimizer, snapshot_bytes_max, snapshot_now
 from deadpool_cli.nats_server import NatsServer
 from deadpool_protocol import Commit, StoreAddress, StoreStatus, Subjects, decode, encode
 from deadpool_protocol.dataplane import CHUNK_BYTES_DEFAULT
@@ -145,7 +153,7 @@ async def start_store(
 
 
 async def ingest_seconds(
-    nc: Client, address: StoreAddress, data: memoryview, meta: bytes, rounds: int, store_pid: int
+    nc: Client, address: StoreAddress, data: memoryview, meta: SnapshotMeta, rounds: int, store_pid: int
 ) -> tuple[list[float], list[float]]:
     """Upload step after step, committing each, as training does: the store reuses freed buffers.
     Returns each upload's seconds and the store process's CPU seconds during it."""
@@ -155,7 +163,8 @@ async def ingest_seconds(
         for step in range(1, rounds + 1):
             key = UploadKey(JOB, 1, 0, "hook", step)
             started, cpu_before = time.perf_counter(), cpu_seconds(store_pid)
-            await asyncio.to_thread(conn.upload, key, data, CHUNK_BYTES_DEFAULT, meta, lambda: False)
+            stepped = dataclasses.replace(meta, step=step).encode()  # the step a restore checks it holds
+            await asyncio.to_thread(conn.upload, key, data, CHUNK_BYTES_DEFAULT, stepped, lambda: False)
             times.append(time.perf_counter() - started)
             cpu.append(cpu_seconds(store_pid) - cpu_before)
             await nc.publish(Subjects.for_job(JOB).commit, encode(Commit(JOB, 1, step)))
@@ -165,10 +174,29 @@ async def ingest_seconds(
     return times, cpu
 
 
+def warm_restore_seconds(
+    address: StoreAddress, step: int, total: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[float, float]:
+    """A warm spare's restore of `step`: its landing faulted in first (untimed: the spare's wait), then
+    fetch into it, verify, load. Returns (fetch_s, total_s)."""
+    landing = SpareLanding(snapshot_bytes_max(model), pin=False, log=structlog.get_logger())
+    landing.want(total)
+    landing.start()
+    assert landing.wait_faulted(total, 600), "the landing was not faulted in"
+    started = time.perf_counter()
+    wanted = SnapshotWanted(JOB, 0, step)
+    buffer, meta, _ = fetch_from_stores(wanted, [address], model, structlog.get_logger(), landing=landing.take)
+    fetched = time.perf_counter()
+    load_module(model, [buffer])
+    load_optimizer(model, optimizer, [buffer], meta.decode_tree(buffer), take_buffers=True)
+    return fetched - started, time.perf_counter() - started
+
+
 def restore_seconds(
     address: StoreAddress, step: int, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[float, float]:
-    """A spare's restore of `step`: fetch into a fresh buffer, verify, load. Returns (fetch_s, total_s)."""
+    """A spare's restore of `step` without a landing: fetch into a fresh buffer, verify, load. Returns
+    (fetch_s, total_s)."""
     got: dict[str, object] = {}
 
     def destination(meta_bytes: bytes, nbytes: int) -> memoryview:
@@ -207,7 +235,7 @@ def main() -> None:
     model, optimizer = build(layers)
     initialised_optimizer(model, optimizer)
     snapshot, decoded = snapshot_now(model, optimizer, 1)
-    layout, meta = snapshot.layout, decoded.encode()
+    layout = snapshot.layout
     data = snapshot.bytes_view()
     total = len(data)
     print(f"snapshot: {total / 1e9:.3f} GB ({len(layout.specs)} tensors, {layers} layers of {WIDTH}x{WIDTH} + AdamW)")
@@ -224,13 +252,13 @@ def main() -> None:
     nats_server = NatsServer(workdir / "nats", tls=tls_files)
     url = nats_server.start()
 
-    async def against_store() -> tuple[list[float], list[float], list[float], list[float]]:
+    async def against_store() -> tuple[list[float], list[float], list[float], list[float], list[float], list[float]]:
         nc = await nats.connect(url, **tls_options())
         store, address = await start_store(nc, url, workdir, capacity=4 * total)
         try:
-            ingest, ingest_cpu = await ingest_seconds(nc, address, data, meta, rounds, store.pid)
+            ingest, ingest_cpu = await ingest_seconds(nc, address, data, decoded, rounds, store.pid)
             fresh_model, fresh_optimizer = build(layers)
-            fetch_only, restore = [], []
+            fetch_only, restore, warm_fetch, warm = [], [], [], []
             for _ in range(1 + args.repeats):  # the first one touches fresh memory; reported apart
                 fetch_s, restore_s = await asyncio.to_thread(
                     restore_seconds, address, rounds, fresh_model, fresh_optimizer
@@ -239,14 +267,23 @@ def main() -> None:
                 restore.append(restore_s)
             for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
                 assert torch.equal(a, b), "restored parameters differ from the snapshot's"
-            return ingest, ingest_cpu, fetch_only, restore
+            warm_model, warm_optimizer = build(layers)
+            for _ in range(args.repeats):
+                fetch_s, restore_s = await asyncio.to_thread(
+                    warm_restore_seconds, address, rounds, total, warm_model, warm_optimizer
+                )
+                warm_fetch.append(fetch_s)
+                warm.append(restore_s)
+            for a, b in zip(model.parameters(), warm_model.parameters(), strict=True):
+                assert torch.equal(a, b), "parameters restored into the landing differ from the snapshot's"
+            return ingest, ingest_cpu, fetch_only, restore, warm_fetch, warm
         finally:
             await nc.close()
             store.terminate()
             store.wait(timeout=30)
 
     try:
-        ingest_all, ingest_cpu_all, fetch_all, restore_all = asyncio.run(against_store())
+        ingest_all, ingest_cpu_all, fetch_all, restore_all, warm_fetch, warm = asyncio.run(against_store())
     finally:
         nats_server.stop()
     baseline, ingest = baseline_all[WARM_UP_ROUNDS:], ingest_all[WARM_UP_ROUNDS:]
@@ -269,8 +306,10 @@ def main() -> None:
         "ingest_first_gbps": round(total / ingest_all[0] / 1e9, 3),
         "baseline_first_gbps": round(total / baseline_all[0] / 1e9, 3),
         "restore_first_gbps": round(total / restore_all[0] / 1e9, 3),
-        "fetch_gbps": round(gbps(fetch_only), 3),
-        "restore_gbps": round(gbps(restore), 3),
+        "fetch_fresh_gbps": round(gbps(fetch_only), 3),
+        "restore_fresh_gbps": round(gbps(restore), 3),
+        "fetch_gbps": round(gbps(warm_fetch), 3),
+        "restore_gbps": round(gbps(warm), 3),
         "goals": {"ingest_ratio_min": GOAL_INGEST_RATIO, "restore_gbps_min": GOAL_RESTORE_GBPS},
         "cpus": os.cpu_count(),
     }
@@ -282,8 +321,10 @@ def main() -> None:
         ("ingest, first (fresh memory)", ingest_all[:1]),
         ("ingest: hook -> store, verified", ingest),
         ("restore, first (fresh memory)", restore_all[:1]),
-        ("fetch + verify", fetch_only),
-        ("restore: fetch + verify + load", restore),
+        ("fresh memory: fetch + verify", fetch_only),
+        ("fresh memory: + load", restore),
+        ("warm landing: fetch + verify", warm_fetch),
+        ("restore: warm landing + load", warm),
     ):
         print(f"{name:<34} {gbps(times):>13.2f}  {' '.join(f'{t:.3f}' for t in times)}")
     print(

@@ -48,9 +48,10 @@ async def launch(
     out: Path | None = None,
     script: Path = SCRIPT,
     env: dict[str, str] | None = None,
+    launch_args: tuple[str, ...] = (),
 ) -> asyncio.subprocess.Process:
     command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", str(nproc)]
-    command += ["--spares", str(spares), "--respawns", str(respawns), "--collective-timeout-s", "20"]
+    command += ["--spares", str(spares), "--respawns", str(respawns), "--collective-timeout-s", "20", *launch_args]
     command += [str(script), "--steps", str(steps), "--model-size", "tiny"]
     if out is not None:
         command += ["--out", str(out)]

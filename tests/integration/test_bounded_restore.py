@@ -1,7 +1,8 @@
 """A restore from the stores is bounded: a copy larger than the member's model is refused before
 anything is allocated for it, a copy the host cannot allocate is refused rather than crashing the
 member, and a store that trickles is abandoned at the fetch's deadline. Each time the next store is
-tried, and the state restored from it is the original, bit for bit.
+tried, and the state restored from it is the original, bit for bit. A warm spare's restore lands in
+the buffer it faulted in beforehand, the next store's copy too when one fails midway.
 
 Over real loopback sockets: the honest store is the store's own data-plane server, the hostile one a
 small TCP server that speaks the data-plane frames.
@@ -23,9 +24,10 @@ from structlog.testing import capture_logs
 from torch import nn
 
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout, TensorSpec, aligned_bytes
+from deadpool.spare_landing import SpareLanding
 from deadpool.store_client import FetchDeadline, StoreConnection, UploadKey
 from deadpool.store_restore import SnapshotWanted, fetch_from_stores
-from deadpool.training_state import SnapshotMeta, load_module, snapshot_now
+from deadpool.training_state import SnapshotMeta, load_module, snapshot_bytes_max, snapshot_now
 from deadpool_protocol import StoreAddress
 from deadpool_protocol.dataplane import (
     CHUNK_BYTES_MAX,
@@ -302,3 +304,35 @@ async def test_a_trickling_store_is_abandoned_at_the_fetch_deadline_and_the_next
     assert "deadline" in reason, reason
     assert elapsed < DEADLINE.seconds(meta.layout.total_bytes) + MARGIN_S, elapsed  # a bound, not a goal
     assert_restored_exactly(got, original, buffer, meta)
+
+
+async def test_a_warm_spare_lands_in_its_buffer_and_after_a_copy_failing_midway_the_next_lands_there_too(
+    honest: tuple[StoreAddress, nn.Module, FlatBuffer, SnapshotMeta], start_hostile: StartHostile
+) -> None:
+    address, original, buffer, meta = honest
+    payload = bytearray(honest_reply(buffer, meta))
+    payload[-1] ^= 0xFF  # the last chunk fails its checksum: the landing already holds the rest
+    hostile = await start_hostile(HostileStore(bytes(payload), at_once=1 << 30))
+    landing = SpareLanding(snapshot_bytes_max(fresh_model()), pin=False, log=get_logger(test="bounded-restore"))
+    landing.want(meta.layout.total_bytes)
+    landing.start()
+    taken: list[torch.Tensor] = []
+
+    def take(nbytes: int) -> torch.Tensor | None:
+        got = landing.take(nbytes)
+        taken.extend([got] if got is not None else [])
+        return got
+
+    def warm_restore() -> tuple[FlatBuffer, SnapshotMeta, str]:
+        wanted = SnapshotWanted(JOB, RANK, STEP, GENERATION)
+        log = get_logger(test="bounded-restore")
+        return fetch_from_stores(wanted, [hostile, address], fresh_model(), log, deadline=DEADLINE, landing=take)
+
+    with capture_logs() as logs:
+        got = await asyncio.to_thread(warm_restore)
+    (reason,) = refusals(logs)
+    assert "fails its checksum" in reason, reason
+    (landed,) = taken  # taken once, by the first copy, and the second landed in it as well
+    assert got[0].data.data_ptr() == landed.data_ptr() and got[0].data.numel() == meta.layout.total_bytes
+    assert_restored_exactly(got, original, buffer, meta)
+    assert landing.take(meta.layout.total_bytes) is None, "a landing is taken once"

@@ -138,6 +138,7 @@ def job_permissions(job: str) -> dict[str, list[str]]:
             s.placement,
             s.finished,
             s.snapshot_interval,
+            s.commit,
             f"{PREFIX}.{job}.launcher.*.heartbeat",
             f"{PREFIX}.{job}.launcher.*.fence",
             f"{s.inbox}.>",

@@ -273,11 +273,15 @@ class HelloReply(JobMessage):
     seal_key: Token = b""
     """The job's seal key (`dataplane.seal_key`), which its members sign and check their snapshots'
     seals with; empty where the swapper has no signing key. It comes only to the job's own inbox."""
+    snapshot_bytes: int = 0
+    """The largest snapshot a rank of the job has streamed so far (0: none yet), which a warm spare
+    faults in a landing buffer of (`deadpool.spare_landing`); later ones come with each `Commit`."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(len(self.store_token) in (0, TOKEN_BYTES), f"a store token of {len(self.store_token)} bytes")
         _need(len(self.seal_key) in (0, TOKEN_BYTES), f"a seal key of {len(self.seal_key)} bytes")
+        _need(self.snapshot_bytes >= 0, "a snapshot size is not negative")
 
 
 class MemberPhase(enum.StrEnum):
@@ -798,10 +802,13 @@ class Commit(JobMessage):
 
     KIND: ClassVar[str] = "commit"
     step: int
+    snapshot_bytes: int = 0
+    """The largest snapshot a rank of the job has streamed: a warm spare's landing size (`HelloReply`)."""
 
     def check(self) -> None:
         JobMessage.check(self)
         _need(self.step >= 0, "a committed step is not negative")
+        _need(self.snapshot_bytes >= 0, "a snapshot size is not negative")
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from deadpool.member_config import MemberConfig
 from deadpool.thread_probe import probe_thread
 from deadpool_protocol import (
     NO_RANK,
+    Commit,
     GenerationVoid,
     Heartbeat,
     HelloReply,
@@ -97,6 +98,7 @@ class ControlLink:
         on_command: Callable[[Command], None] | None = None,
         on_placement: Callable[[Placement], None] | None = None,
         on_interval: Callable[[SnapshotInterval], None] | None = None,
+        on_snapshot_size: Callable[[int], None] | None = None,
     ) -> None:
         self.config = config
         self._on_command_cb = on_command
@@ -104,6 +106,9 @@ class ControlLink:
         """Called on the control thread with each newer placement (quick and thread-safe, too)."""
         self._on_interval_cb = on_interval
         """Called on the control thread with each snapshot interval a rank of the job says (quick too)."""
+        self._on_snapshot_size_cb = on_snapshot_size
+        """A spare's: called on the control thread with the largest snapshot a rank of the job streamed,
+        from the hello's answer and each commit (quick too). Without it the member hears no commits."""
         """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
         (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
         self.log = log
@@ -239,6 +244,8 @@ class ControlLink:
         await subscribe_validated(
             self._nc, self.subjects.snapshot_interval, SnapshotInterval, self._on_interval, self.log
         )
+        if self._on_snapshot_size_cb is not None:
+            await subscribe_validated(self._nc, self.subjects.commit, Commit, self._on_commit, self.log)
         self._ready.set()
         await self._register()
         beat = asyncio.create_task(self._heartbeats())
@@ -269,6 +276,7 @@ class ControlLink:
                     self._registered = True
                     self.store_token = reply.store_token
                     self.seal_key = reply.seal_key
+                    self._snapshot_size(reply.snapshot_bytes)
                 elif reply.finished:  # too late: not an error, the member just has nothing to do
                     self._registered = True
                     failed = bool(reply.failed_reason)
@@ -358,6 +366,19 @@ class ControlLink:
                 self._on_interval_cb(interval)
             except Exception:
                 self.log.exception("interval callback failed")
+
+    async def _on_commit(self, commit: Commit, _msg: Msg) -> None:
+        if commit.job != self.config.job:
+            self.log.warning("commit of another job ignored", job=commit.job)
+            return
+        self._snapshot_size(commit.snapshot_bytes)
+
+    def _snapshot_size(self, nbytes: int) -> None:
+        if self._on_snapshot_size_cb is not None and nbytes > 0:
+            try:
+                self._on_snapshot_size_cb(nbytes)
+            except Exception:
+                self.log.exception("snapshot size callback failed")
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:

@@ -42,10 +42,11 @@ from deadpool.member_rebuild import FirstStepTrace, RebuildParts
 from deadpool.member_recovery import HoldsRank, JobEnded, Outcome, Recovery, StaysSpare
 from deadpool.member_state import MemberState, RebuildResult
 from deadpool.process_group import GenerationGroup, Rendezvous, pick_backend
+from deadpool.spare_landing import SpareLanding
 from deadpool.step_capture import StepCapture, snapshot_worker
 from deadpool.step_stats import StepStats
 from deadpool.training_objects import OptimizerFactory, TrainingObjects, Wrapper
-from deadpool.training_state import rng_state
+from deadpool.training_state import rng_state, snapshot_bytes_max
 from deadpool.user_state import UserState
 from deadpool_protocol import (
     FIRST_STEP_SECTION,
@@ -148,6 +149,12 @@ class Member:
         if self._metrics.on:
             self.stats.listener = self._step_metrics()
         self._worker = snapshot_worker(config, log)
+        self._landing = (
+            SpareLanding(snapshot_bytes_max(module), any(p.is_cuda for p in module.parameters()), log)
+            if config.rank_hint < 0
+            else None
+        )
+        """A spare's buffer for the snapshot it will restore, faulted in after its warm-up."""
         if arm_from_env():
             log.warning(
                 "fault injection armed: SIGUSR1 hangs the training thread, SIGUSR2 raises, "
@@ -159,6 +166,7 @@ class Member:
             on_command=lambda command: self._recovery.on_command(command),
             on_placement=lambda placement: self._snapshots.on_placement(placement),
             on_interval=lambda interval: self._snapshots.heard(interval),
+            on_snapshot_size=self._landing.want if self._landing is not None else None,
         )
         self._snapshots = StepCapture(config, log, self._worker, self.objects, self.link, self.stats)
         if config.rank_hint < 0:  # a spare is not ready to take a rank before it has warmed up
@@ -178,6 +186,7 @@ class Member:
             leave_group=self._leave_group,
             adopt=self._adopt,
             capture=lambda step, loaded: self._snapshots.capture(step, self.extra_state, loaded),
+            landing=self._landing.take if self._landing is not None else None,
         )
         computes_itself = backend == "gloo" and all(p.device.type == "cpu" for p in module.parameters())
         self._recovery = Recovery(parts, self.position, self._enter, self.stats.recent_step_s, computes_itself)
@@ -276,6 +285,8 @@ class Member:
             self.link.progress = replace(self.link.progress, section="")
         self._enter(MemberPhase.SPARE)
         self.log.info("spare warm", warm_up_s=round(time.monotonic() - started, 3))
+        if self._landing is not None:
+            self._landing.start()
 
     def obey_newer_rebuild(self) -> None:
         """Between steps: carry out a rebuild newer than this member's generation, if one came."""
@@ -331,6 +342,8 @@ class Member:
         self._leave_group()
         gc.collect()  # free DDP/ZeRO objects before the interpreter tears torch down
         self._worker.close()
+        if self._landing is not None:
+            self._landing.close()
         if self.config.stats_dir:
             self.stats.write(
                 self.config.stats_dir,
@@ -436,6 +449,8 @@ class Member:
             self.restores += 1
             self.extra_state = result.extra_state
         self._worker.forget_after(result.step)
+        if self._landing is not None:  # a rank now: a landing its restore did not take is freed
+            self._landing.close()
 
     def _leave_group(self) -> None:
         """Drop the wrappers that hold the process group, then break and destroy the group.

@@ -58,7 +58,7 @@ from deadpool.sharded_module import is_fully_sharded
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.step_agreement import agree_on_newest
-from deadpool.store_restore import NoStoreCopyError, SnapshotWanted, fetch_from_stores, stores_in_order
+from deadpool.store_restore import Landing, NoStoreCopyError, SnapshotWanted, fetch_from_stores, stores_in_order
 from deadpool.training_objects import TrainingObjects
 from deadpool.training_state import (
     Partition,
@@ -114,6 +114,8 @@ class RebuildParts:
     """The one place the member takes a rebuild's result (before SEAL, which snapshots as the rank)."""
     capture: Callable[[int, Mapping[str, Any] | None], Any]
     """Start the snapshot of a step (`StepCapture.capture`, with the member's `extra_state`)."""
+    landing: Landing | None = None
+    """A warm spare's landing buffer, which a restore from a store fetches into (`SpareLanding.take`)."""
 
 
 class MemberRebuild:
@@ -528,6 +530,7 @@ class MemberRebuild:
                 pin=torch.cuda.is_available() and any(p.is_cuda for p in module.parameters()),
                 sharded=is_fully_sharded(module),
                 breakable=lambda abort: parts.waits.breakable(self.generation, abort),
+                landing=parts.landing,
             )
         except NoStoreCopyError as exc:
             raise RestoreUnavailableError(str(exc)) from exc

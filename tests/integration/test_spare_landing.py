@@ -1,0 +1,56 @@
+"""A warm spare restores into the buffer it faulted in while it waited, and training ends bit-identical.
+
+Real processes: NATS, a detector, a swapper, two stores, and `deadpool launch --no-host-copy` with 2
+ranks and a spare (so the swap restores from a store, as a lost host's does). The spare hears the job's
+snapshot size from the swapper (the hello's answer, then each commit), faults in its landing buffer,
+and once it is warm rank 1 is SIGKILLed: the spare's fetch lands in that buffer, and the final weights
+equal an uninterrupted run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from deadpool_cli.stack import Stack, StackConfig
+from deadpool_cli.weights_check import compare_final_states
+
+from .jobs import every_rank_at, finish, kill, launch, stop_all, tail, until, watcher
+
+JOB = "spare-landing"
+STEPS = 60
+
+
+async def test_a_warm_spare_restores_into_its_faulted_in_landing_and_training_ends_bit_identical(
+    tmp_path: Path,
+) -> None:
+    async with Stack(StackConfig(workdir=tmp_path)) as stack:
+        nc, watch = await watcher(stack, JOB)
+        log = tmp_path / "job.log"
+        no_copy = ("--no-host-copy",)
+        launcher = await launch(
+            stack.nats_args, JOB, log, steps=STEPS, nproc=2, spares=1, out=tmp_path / "job", launch_args=no_copy
+        )
+        try:
+            await until(watch, lambda: every_rank_at(watch, 5), log, "training")
+            await until(watch, lambda: "landing buffer warm" in log.read_text(), log, "the spare's landing warm")
+            victim = watch.holder_of(1)
+            assert victim is not None
+            kill(watch, victim, signal.SIGKILL)
+            await until(watch, lambda: bool(watch.incidents), log, "the rank swapped")
+            incident = watch.incidents[0]
+            assert incident.evidence.get("restore_link") == "committed", incident.evidence  # from a store
+            assert await finish(launcher, log) == 0, tail(log)
+        finally:
+            stop_all(launcher)
+            await nc.close()
+        landed = [line for line in log.read_text().splitlines() if "restore lands in the warm buffer" in line]
+        assert len(landed) == 1, tail(log)
+        reference, ref_log = tmp_path / "reference", tmp_path / "ref.log"
+        plain = await launch(stack.nats_args, f"{JOB}-ref", ref_log, steps=STEPS, nproc=2, spares=0, out=reference)
+        try:
+            assert await finish(plain, ref_log) == 0, tail(ref_log)
+        finally:
+            stop_all(plain)
+    identical, tensors, differences = compare_final_states(tmp_path / "job", reference)
+    assert identical and tensors > 0, differences[:5]
