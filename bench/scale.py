@@ -41,8 +41,12 @@ Reported per scenario, as a table and then one JSON line:
   its checksums) per MB captured, plus the stream's and the store's ingest per MB streamed (every step
   is captured, every K-th streamed); `cpu_ms_per_snapshot` splits it: copy per capture, stream and
   ingest per streamed snapshot;
-- `sender_bytes_per_snapshot_byte`: bytes sent over the loopback (every part runs on this host, so
-  every byte a member sends to a store crosses it once; the bus's few KB a step too) per byte snapshotted;
+- `sender_bytes_per_snapshot_byte`: bytes the members sent to stores (their stats files'
+  `snapshot_sent_bytes`) per byte snapshotted: 1 where each snapshot leaves its member once (a chain:
+  the first store passes it on to the others), R where the member uploads every copy itself
+  (`DEADPOOL_SNAPSHOT_CHAIN=0`); `wire_bytes_per_snapshot_byte`: every byte over the loopback (every
+  part runs on this host: the members' uploads, the stores' copies down a chain, the bus's few KB a
+  step) per byte snapshotted, R either way;
 - `store_ingest_gb_per_cpu_s`: those bytes per second of the stores' CPU (their capacity), and
   `store_ingest_gb_per_s`: per second of the round (what the job asked of them);
 - `restore_s_local`: round 3's restore phase, the spare taking the crash copy (moving its files, checking
@@ -308,7 +312,10 @@ def summarise(
             "stream": round(1000 * stream_s / streamed, 1),
             "store_ingest": round(1000 * on["store_cpu_s"] / streamed, 1),
         },
-        "sender_bytes_per_snapshot_byte": round(on["sent_bytes"] / streamed_bytes, 3),
+        "sender_bytes_per_snapshot_byte": round(
+            sum(m.get("snapshot_sent_bytes", 0) for m in on["members"]) / streamed_bytes, 3
+        ),
+        "wire_bytes_per_snapshot_byte": round(on["sent_bytes"] / streamed_bytes, 3),
         "store_ingest_gb_per_cpu_s": round(on["sent_bytes"] / 1e9 / on["store_cpu_s"], 2)
         if on["store_cpu_s"]
         else None,

@@ -26,7 +26,9 @@ cold transfer of each is printed too. On this VM, memory the guest has never tou
 restore allocates fresh buffers, so its first run is printed apart as well.
 The store's CPU time during each ingest (its whole process, from /proc) is reported per MB beside one
 thread's memcpy measured in the same run. The last line is one JSON object: ingest_gbps, baseline_gbps,
-ingest_ratio, restore_gbps, restore_fresh_gbps (GB = 1e9 B), store_ingest_cpu_ms_per_mb, memcpy_ms_per_mb.
+ingest_ratio, restore_gbps, restore_fresh_gbps (GB = 1e9 B), store_ingest_cpu_ms_per_mb, memcpy_ms_per_mb,
+and raw_receiver_cpu_ms_per_mb: the baseline's receiver's CPU per MB, what receiving over TCP alone
+costs (the kernel's copy out of the socket), beside which a store's ingest CPU is judged.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def sink_main(port_file: str) -> None:
                 conn.sendall(b"k")
 
 
-def baseline_seconds(data: memoryview, rounds: int, workdir: Path) -> list[float]:
+def baseline_seconds(data: memoryview, rounds: int, workdir: Path) -> tuple[list[float], list[float]]:
+    """Each raw transfer's seconds, and the receiving process's CPU seconds during it."""
     port_file = workdir / "sink-port"
     sink = subprocess.Popen([sys.executable, __file__, "--sink", str(port_file)])
     try:
@@ -117,15 +120,16 @@ def baseline_seconds(data: memoryview, rounds: int, workdir: Path) -> list[float
             time.sleep(0.01)
         with socket.create_connection(("127.0.0.1", int(port_file.read_text()))) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            times = []
+            times, cpu = [], []
             for _ in range(rounds):
-                started = time.perf_counter()
+                started, cpu_before = time.perf_counter(), cpu_seconds(sink.pid)
                 sock.sendall(len(data).to_bytes(8, "big"))
                 for offset in range(0, len(data), CHUNK_BYTES_DEFAULT):
                     sock.sendall(data[offset : offset + CHUNK_BYTES_DEFAULT])
                 assert sock.recv(1) == b"k"
                 times.append(time.perf_counter() - started)
-        return times
+                cpu.append(cpu_seconds(sink.pid) - cpu_before)
+        return times, cpu
     finally:
         sink.wait(timeout=30)
 
@@ -242,7 +246,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="deadpool-throughput-"))
     rounds = WARM_UP_ROUNDS + args.repeats
-    baseline_all = baseline_seconds(data, rounds, workdir)
+    baseline_all, baseline_cpu_all = baseline_seconds(data, rounds, workdir)
     tls_files = None
     if args.tls:  # the setting every process reads, the store's and this one's StoreConnections included
         make_tls = Path(__file__).resolve().parents[1] / "deploy" / "tls" / "make-tls.sh"
@@ -301,6 +305,9 @@ def main() -> None:
         "ingest_ratio": round(gbps(ingest) / gbps(baseline), 3),
         "store_ingest_cpu_ms_per_mb": round(
             1000 * statistics.median(ingest_cpu_all[WARM_UP_ROUNDS:]) / (total / 1e6), 3
+        ),
+        "raw_receiver_cpu_ms_per_mb": round(
+            1000 * statistics.median(baseline_cpu_all[WARM_UP_ROUNDS:]) / (total / 1e6), 3
         ),
         "memcpy_ms_per_mb": round(memcpy_ms_per_mb(), 3),
         "ingest_first_gbps": round(total / ingest_all[0] / 1e9, 3),

@@ -580,13 +580,18 @@ def check_forged_publication(case: tuple[str, str, bytes]) -> bool:
 
 def check_forged_read(case: tuple[str, str]) -> bool:
     """Whether the key may read `subject`. Reading any reply inbox but its own (a job's replies carry its
-    token and seal key), another job's subjects, or another store's requests is a forgery."""
+    token and seal key), another job's subjects, or another store's requests is a forgery. (A store's
+    announcement, its address and memory use, is every service's to read: stores find a chain's next
+    store by it.)"""
+    from deadpool_protocol.subjects import store_announce
+
     key, subject = case
     readable = any(subject_matches(p, subject) for p in key_permissions(key)["subscribe"])
     own_inbox = f"_INBOX.deadpool.{FORGER_JOB}." if key == "job" else f"_INBOX.deadpool-store.{FORGER_STORE}."
     others = f".{VICTIM_JOB}." if key == "job" else f"deadpool.store.{VICTIM_STORE}."
     secret = subject.startswith("_INBOX.") and not subject.startswith(own_inbox)
-    if readable and (secret or others in subject):
+    announcement = key == "store" and subject == store_announce(VICTIM_STORE)
+    if readable and (secret or (others in subject and not announcement)):
         raise Forgery(f"{key} key may read {subject}")
     return readable
 

@@ -32,7 +32,7 @@ import secrets
 from pathlib import Path
 
 from deadpool_protocol.events import EVENTS_STREAM, event_subjects
-from deadpool_protocol.subjects import PING_INBOX, PREFIX, Subjects, service_inbox, store_announce
+from deadpool_protocol.subjects import PING_INBOX, PREFIX, STORE_STATUS, Subjects, service_inbox, store_announce
 from deadpool_runtime.credentials import ROLES, job_nkey_path, store_nkey_path
 
 __all__ = [
@@ -105,10 +105,12 @@ does too: its launchers answer fences."""
 
 def store_permissions(store: str) -> dict[str, list[str]]:
     """What store `store`'s own key may do: announce itself, report the copies it sealed, answer its own
-    requests (replication, status, pings), hear commits and ends, and read its own replies only."""
+    requests (replication, status, pings), hear commits, ends and the other stores' announcements (a
+    chained upload's next store), and read its own replies only."""
     return {
         "publish": [store_announce(store), f"{PREFIX}.*.snapshot.complete.{store}", _PING],
         "subscribe": [
+            STORE_STATUS,
             _ANY.commit,
             _ANY.finished,
             f"{PREFIX}.store.{store}.>",

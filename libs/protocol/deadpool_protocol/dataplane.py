@@ -26,6 +26,15 @@ replicate, and return it with a fetch, and the member checks it before it takes 
 checksums it covers are XXH3, chosen for speed: a store that could craft an XXH3 second preimage of a
 4 MiB chunk could still change bytes under a valid signature.)
 
+**Each byte leaves the member once.** A rank's snapshot goes to R stores; the member uploads it to
+the first only, naming the others in each chunk's `forward`. That store passes each chunk on to the
+next as it arrives (the chunk's `forward` then names the rest), so the copies are made in a pipeline,
+store to store, and its `Reply` to the Seal waits for the chain's and lists the stores downstream that
+sealed their copy (`forwarded`). Each store verifies every chunk against the member's signed manifest
+itself, and reports its own copy complete, so a commit still means R verified copies. A store missing
+from `forwarded` (it failed, or the one before it could not reach it) gets the member's own upload, as
+before chains.
+
 This module only encodes and decodes; the I/O lives with the hooks and the store.
 """
 
@@ -34,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, TypeVar
 
 import msgpack
@@ -50,6 +59,7 @@ __all__ = [
     "CHUNK_BYTES_DEFAULT",
     "CHUNK_BYTES_MAX",
     "DATAPLANE_VERSION",
+    "FORWARD_MAX",
     "FRAME_LENGTH",
     "HEADER_BYTES_MAX",
     "SIGNATURE_BYTES",
@@ -86,9 +96,12 @@ Checksums = Annotated[list[int], Bound(CHECKSUMS_MAX, "CHECKSUMS_MAX", "items")]
 Layout = Annotated[bytes, Bound(HEADER_BYTES_MAX, "HEADER_BYTES_MAX", "bytes")]
 """A snapshot's layout (`meta`), carried in a frame header."""
 DATAPLANE_KEY_BYTES_MIN = 32
-DATAPLANE_VERSION = 3
-"""1: CRC-32 checksums; 2: XXH3-64; 3: signed seals. A peer speaking another version is refused at its
-first frame."""
+DATAPLANE_VERSION = 4
+"""1: CRC-32 checksums; 2: XXH3-64; 3: signed seals; 4: chained uploads (`PutChunk.forward`). A peer
+speaking another version is refused at its first frame."""
+FORWARD_MAX = 7
+"""Stores a chunk may be forwarded to, down its chain (R - 1 of them: R is at most 8)."""
+Forward = Annotated[list[Name], Bound(FORWARD_MAX, "FORWARD_MAX", "items")]
 SIGNATURE_BYTES = 32
 
 
@@ -133,6 +146,13 @@ def seal_signature(
 def _check_signature(signature: bytes) -> None:
     if len(signature) not in (0, SIGNATURE_BYTES):
         raise ProtocolError(f"a signature of {len(signature)} bytes (a seal's has {SIGNATURE_BYTES})")
+
+
+def _check_forward(forward: list[str]) -> None:
+    if any(not is_valid_name(name) for name in forward):
+        raise ProtocolError("a store named down a chain is not a valid name")
+    if len(set(forward)) != len(forward):
+        raise ProtocolError("a chain names a store twice")
 
 
 def _check_token(token: bytes) -> None:
@@ -214,11 +234,15 @@ class PutChunk(Frame):
     nbytes: int
     total_bytes: int
     token: Token = b""
+    forward: Forward = field(default_factory=list)
+    """The stores, in order, this chunk goes on to from the store receiving it (by name: the store
+    resolves each from the stores' own announcements, never from an address a client gives)."""
 
     def check(self) -> None:
         _check_key(self.job, self.rank, self.step)
         _check_upload(self.generation, self.member)
         _check_token(self.token)
+        _check_forward(self.forward)
         if not 0 < self.total_bytes <= SNAPSHOT_BYTES_MAX:
             raise ProtocolError(f"a snapshot of {self.total_bytes} bytes (allowed: 1 to {SNAPSHOT_BYTES_MAX})")
         if self.nbytes > CHUNK_BYTES_MAX:
@@ -275,6 +299,13 @@ class Reply(Frame):
     OP: ClassVar[str] = "reply"
     ok: bool
     error: Text
+    forwarded: Forward = field(default_factory=list)
+    """Answering a Seal of a chained upload: the stores down the chain that sealed their copy."""
+    forward_error: Text = ""
+    """Why the chain stopped short of the stores the upload named ('' if it did not)."""
+
+    def check(self) -> None:
+        _check_forward(self.forwarded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class ENV(enum.StrEnum):
     SNAPSHOT_EVERY = "DEADPOOL_SNAPSHOT_EVERY"
     SNAPSHOT_BUDGET = "DEADPOOL_SNAPSHOT_BUDGET"
     SNAPSHOT_PARTITION = "DEADPOOL_SNAPSHOT_PARTITION"
+    SNAPSHOT_CHAIN = "DEADPOOL_SNAPSHOT_CHAIN"
     SNAPSHOT_STREAM_NICE = "DEADPOOL_SNAPSHOT_STREAM_NICE"
     STATS_DIR = "DEADPOOL_STATS_DIR"
     SNAPSHOT_WAIT_S = "DEADPOOL_SNAPSHOT_WAIT_S"
@@ -108,6 +109,9 @@ class MemberConfig:
     skipped and the interval grows (adaptive interval only)."""
     snapshot_partition: bool = True
     """Under data parallelism, snapshot only this rank's share of the replicated parameters."""
+    snapshot_chain: bool = True
+    """Upload each snapshot once, to its first store, which passes it on to the others store to store
+    (`deadpool_protocol.dataplane`); off: the member uploads to each of its R stores itself."""
     snapshot_stream_nice: int = 0
     """CPU niceness of the thread that streams snapshots (0-19; 0: like training). Raise it only where
     training saturates the CPU and step time matters more than snapshot freshness: see
@@ -204,6 +208,7 @@ class MemberConfig:
             snapshot_every=_env_every(env),
             snapshot_budget=env_float(env, ENV.SNAPSHOT_BUDGET, cls.snapshot_budget),
             snapshot_partition=_env_bool(env, ENV.SNAPSHOT_PARTITION, cls.snapshot_partition),
+            snapshot_chain=_env_bool(env, ENV.SNAPSHOT_CHAIN, cls.snapshot_chain),
             snapshot_stream_nice=_env_int(env, ENV.SNAPSHOT_STREAM_NICE, cls.snapshot_stream_nice),
             snapshot_wait_s=env_float(env, ENV.SNAPSHOT_WAIT_S, cls.snapshot_wait_s),
             durable_dir=_env_str(env, ENV.DURABLE_DIR, cls.durable_dir),

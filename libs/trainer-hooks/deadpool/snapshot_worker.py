@@ -172,8 +172,12 @@ class SnapshotWorker:
         wait_s: float = 60.0,
         durable: DurableWriter | None = None,
         host_copy: HostCopy | None = None,
+        chain: bool = True,
     ) -> None:
         self.log = log
+        self.chain = chain
+        """Upload each snapshot once, to its first store, which passes it on down the placement's chain
+        (`dataplane`); False: to each store in turn, as before chains."""
         self.durable = durable
         self.host_copy = host_copy
         """The slots' files in the host's shared memory (`host_copy`); None: in this process only."""
@@ -212,6 +216,9 @@ class SnapshotWorker:
         self.captures = 0
         self.streamed_bytes = 0
         """The bytes of the snapshots streamed (once each, whatever the number of stores)."""
+        self.sent_bytes = 0
+        """The bytes this member sent to stores (each upload's, complete or not): with chains about
+        `streamed_bytes`, without them R times it."""
         self.copy_cpu_s = 0.0
         """CPU time the copy thread spent copying (and checksumming the host-local copy), over all captures."""
         self.stream_cpu_s = 0.0
@@ -445,6 +452,7 @@ class SnapshotWorker:
             "durable_disk_full": durable.disk_full if durable else 0,
             "snapshots_streamed": self.captures,
             "snapshot_streamed_bytes": self.streamed_bytes,
+            "snapshot_sent_bytes": self.sent_bytes,
             "snapshot_copy_cpu_s": self.copy_cpu_s,
             "snapshot_stream_cpu_s": self.stream_cpu_s,
             "snapshot_copy_gpu_s": self.copy_gpu_s,
@@ -651,7 +659,9 @@ class SnapshotWorker:
         return True
 
     def _stream(self, request: CaptureRequest) -> int:
-        """Upload the snapshot to each of its stores; returns its size in bytes (0 if cancelled)."""
+        """Upload the snapshot to its stores, once, to the first, which passes it on down the rest
+        (`chain`); then to each store the chain missed, directly. Returns its size in bytes (0 if
+        cancelled)."""
         buffer = request.slot.buffer
         assert buffer is not None
         data = buffer.bytes_view()
@@ -660,7 +670,10 @@ class SnapshotWorker:
         def cancelled() -> bool:
             return key.generation < self._cancel_below_generation
 
-        for address in request.stores:
+        for position, address in enumerate(request.stores):
+            if address.store in request.sealed_on:
+                continue  # a copy the chain made
+            rest = request.stores[position + 1 :] if self.chain else []
             with self._lock:
                 conn = self._connections.get(address.store)
                 if conn is None or conn.address != address:
@@ -670,8 +683,15 @@ class SnapshotWorker:
                         address, token=self.store_token, seal_key=self.seal_key
                     )
             try:
-                conn.upload(key, data, self.chunk_bytes, request.slot.meta, cancelled)
-                request.sealed_on.append(address.store)
+                self.sent_bytes += len(data)
+                chained = conn.upload(
+                    key, data, self.chunk_bytes, request.slot.meta, cancelled, [s.store for s in rest]
+                )
+                request.sealed_on += [address.store, *chained.sealed]
+                if chained.stopped:
+                    self.log.warning(
+                        "snapshot chain stopped short", step=key.step, store=address.store, reason=chained.stopped
+                    )
             except SnapshotCancelledError:
                 return 0
             except StoreClientError as exc:

@@ -64,7 +64,13 @@ def snapshot_worker(config: MemberConfig, log: Any) -> SnapshotWorker:
     )
     host_copy = HostCopy(Path(config.host_copy_dir), config.job, config.member, log) if config.host_copy_dir else None
     return SnapshotWorker(
-        log, config.snapshot_chunk_bytes, config.snapshot_stream_nice, config.snapshot_wait_s, durable, host_copy
+        log,
+        config.snapshot_chunk_bytes,
+        config.snapshot_stream_nice,
+        config.snapshot_wait_s,
+        durable,
+        host_copy,
+        config.snapshot_chain,
     )
 
 

@@ -14,7 +14,7 @@ import select
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from deadpool_protocol import ProtocolError, StoreAddress
@@ -37,6 +37,7 @@ from deadpool_protocol.errors import DeadPoolError
 from deadpool_runtime import tls
 
 __all__ = [
+    "Chained",
     "FetchDeadline",
     "FetchDeadlineError",
     "FetchedSnapshot",
@@ -137,6 +138,16 @@ class FetchedSnapshot:
     total_bytes: int
 
 
+@dataclass(frozen=True)
+class Chained:
+    """What became of an upload's chain (`StoreConnection.upload`)."""
+
+    sealed: list[str]
+    """The stores down the chain that sealed their copy (only those the upload named)."""
+    stopped: str = ""
+    """Why the chain stopped short of the stores it named ('' if it did not)."""
+
+
 class StoreConnection:
     """One persistent connection to one store; reconnects on the next call after an error."""
 
@@ -206,9 +217,18 @@ class StoreConnection:
             return True
 
     def upload(
-        self, key: UploadKey, data: memoryview, chunk_bytes: int, meta: bytes, cancelled: Callable[[], bool]
-    ) -> None:
-        """Send snapshot `key` (the bytes of `data`) and wait for the store to seal it."""
+        self,
+        key: UploadKey,
+        data: memoryview,
+        chunk_bytes: int,
+        meta: bytes,
+        cancelled: Callable[[], bool],
+        forward: Sequence[str] = (),
+    ) -> Chained:
+        """Send snapshot `key` (the bytes of `data`) and wait for the store to seal it. With `forward`
+        (stores by name), the store passes each chunk on down that chain as it arrives (`dataplane`):
+        returns the stores of it that sealed their copy, and why the chain stopped short if it did."""
+        chain = list(forward)
         try:
             sock = self._connected()
             checksums: list[int] = []
@@ -217,7 +237,16 @@ class StoreConnection:
                     raise SnapshotCancelledError(f"upload of step {key.step} cancelled")
                 chunk = data[offset : offset + nbytes]
                 header = PutChunk(
-                    key.job, key.generation, key.rank, key.member, key.step, offset, nbytes, len(data), self.token
+                    key.job,
+                    key.generation,
+                    key.rank,
+                    key.member,
+                    key.step,
+                    offset,
+                    nbytes,
+                    len(data),
+                    self.token,
+                    chain,
                 )
                 _send_all(sock, [memoryview(encode_frame(header)), chunk])
                 checksums.append(chunk_checksum(chunk))  # while the store drains the socket
@@ -233,6 +262,7 @@ class StoreConnection:
         assert isinstance(reply, Reply)
         if not reply.ok:
             raise StoreClientError(f"store {self.address.store} refused step {key.step}: {reply.error}")
+        return Chained([name for name in reply.forwarded if name in chain], reply.forward_error)
 
     def fetch(
         self,

@@ -48,6 +48,7 @@ from deadpool_protocol.dataplane import (
 )
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
+from deadpool_store.chain_forward import ChainForward, StoreDirectory
 from deadpool_store.memory import SnapshotKey, SnapshotMemory, StoredSnapshot, StoreError
 
 __all__ = ["DataPlaneServer"]
@@ -101,8 +102,18 @@ class DataPlaneServer:
         tracing: Tracing | None = None,
         ingest_bytes_per_s: float = 0.0,
         tls: ssl.SSLContext | None = None,
+        directory: StoreDirectory | None = None,
+        client_tls: ssl.SSLContext | None = None,
+        forward_reply_wait_s: float = 20.0,
     ) -> None:
         self.memory = memory
+        self.directory = directory
+        """Where a chained upload's next store is (`chain_forward`); None: this store forwards nothing."""
+        self.client_tls = client_tls
+        """What this store verifies the next store of a chain with (None: TLS off)."""
+        self.forward_reply_wait_s = forward_reply_wait_s
+        """How long the answer to a chained upload's Seal waits for the next store's (then the member
+        uploads to the rest itself)."""
         self.tls = tls
         """With a context, connections speak TLS (`deadpool_runtime.tls`); a handshake that has not ended
         `first_frame_s` after connecting is dropped, before the connection takes a slot."""
@@ -241,6 +252,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._replies: asyncio.Task[None] | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
+        self._forward: ChainForward | None = None
+        """The current upload's chain to the next store, if it names one."""
+        self._forward_error = ""
+        """Why the current upload's chain could not begin ('' if it did, or names none)."""
+        self._held: set[str] = set()
+        """Why reading this connection is paused (an ingest limit, a chain's connection or backlog)."""
 
     # ------------------------------------------------------------ asyncio callbacks
 
@@ -345,9 +362,12 @@ class _Connection(asyncio.BufferedProtocol):
         if isinstance(frame, PutChunk):
             self._chunk_started(frame)
         elif isinstance(frame, Seal | Fetch):
+            chain: tuple[ChainForward | None, str] = (None, "")
             if isinstance(frame, Seal) and self._upload == (frame.job, frame.rank, frame.step):
                 self._upload = None  # its seal is answered next: no longer this connection's to free
-            self._reply(frame)
+                chain = (self._forward, self._forward_error)
+                self._forward, self._forward_error = None, ""
+            self._reply(frame, chain)
             self._expect(memoryview(self._length), self._length_read)
         else:
             raise ProtocolError(f"a client may not send {frame.OP} frames")
@@ -362,6 +382,8 @@ class _Connection(asyncio.BufferedProtocol):
             if self._upload != key:
                 self._abandon_upload()
             target = self.server.memory.chunk_target(chunk, writer=self)
+            if self._upload != key and chunk.forward:
+                self._start_forward(chunk)
             self._upload = key
         except StoreError as exc:
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
@@ -375,6 +397,10 @@ class _Connection(asyncio.BufferedProtocol):
     def _chunk_read(self) -> None:
         assert self._chunk is not None
         self.server.memory.chunk_received(self._chunk)
+        if self._forward is not None:
+            self._forward.send_chunk(self._chunk, self._target)
+            if self._forward.backlogged:
+                self._hold(_held_for(self._forward))
         self._throttle(self._chunk.nbytes)
         self._chunk = None
         self._expect(memoryview(self._length), self._length_read)
@@ -389,18 +415,50 @@ class _Connection(asyncio.BufferedProtocol):
         free_at = max(now, self.server.ingest_free_at) + nbytes / rate
         self.server.ingest_free_at = free_at
         self._last_rx = free_at  # the store holds the bytes back: no idle clock runs until it reads again
-        self.transport.pause_reading()
-        asyncio.get_running_loop().call_later(free_at - now, self._resume_reading)
-
-    def _resume_reading(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+        self._hold("throttle")
+        asyncio.get_running_loop().call_later(free_at - now, self._release, "throttle")
 
     def _abandon_upload(self) -> None:
         if self._upload is not None and self.server.memory.abandon(self._upload, self):
             job, rank, step = self._upload
             self.server.refusals.info("unsealed upload freed", peer=self.peer, job=job, rank=rank, step=step)
         self._upload = None
+        self._drop_forward()
+
+    def _drop_forward(self) -> None:
+        if self._forward is not None:
+            self._forward.close()
+            self._release(_held_for(self._forward))
+            self._forward = None
+        self._forward_error = ""
+
+    def _start_forward(self, chunk: PutChunk) -> None:
+        """A new upload names stores down its chain: connect to the next, holding this connection's
+        reads until the connection is up (or failed), so no chunk arrives before it can go on."""
+        name, rest = chunk.forward[0], chunk.forward[1:]
+        directory = self.server.directory
+        address = directory.address_of(name, time.monotonic()) if directory is not None else None
+        if address is None:
+            self._forward_error = f"store {name} is not a store this one has heard from"
+            return
+        token = self.server.token_for(chunk.job)
+        forward = ChainForward(address, rest, token, lambda: self._release(_held_for(forward)))
+        self._forward = forward
+        self._hold(_held_for(forward))
+        opened = asyncio.get_running_loop().create_task(forward.open(self.server.client_tls))
+        opened.add_done_callback(lambda _: self._release(_held_for(forward)))
+
+    def _hold(self, why: str) -> None:
+        if not self._held and self.transport is not None:
+            self.transport.pause_reading()
+        self._held.add(why)
+
+    def _release(self, why: str) -> None:
+        if why not in self._held:
+            return
+        self._held.discard(why)
+        if not self._held and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _discard_next(self) -> None:
         """Read (and drop) the rest of a refused chunk, a scratch buffer at a time."""
@@ -416,16 +474,18 @@ class _Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------ replies
 
-    def _reply(self, frame: Frame) -> None:
+    def _reply(self, frame: Frame, chain: tuple[ChainForward | None, str] = (None, "")) -> None:
         previous = self._replies
-        self._replies = asyncio.get_running_loop().create_task(self._answer(frame, previous))
+        self._replies = asyncio.get_running_loop().create_task(self._answer(frame, previous, chain))
 
-    async def _answer(self, frame: Frame, previous: asyncio.Task[None] | None) -> None:
+    async def _answer(
+        self, frame: Frame, previous: asyncio.Task[None] | None, chain: tuple[ChainForward | None, str]
+    ) -> None:
         if previous is not None:
             await previous
         try:
             if isinstance(frame, Seal):
-                await self._seal(frame)
+                await self._seal(frame, *chain)
             elif isinstance(frame, Fetch):
                 await self._fetch(frame)
         except Exception:
@@ -444,7 +504,9 @@ class _Connection(asyncio.BufferedProtocol):
             self.transport.write(view[start : start + SEND_PIECE_BYTES])
         return not self.transport.is_closing()
 
-    async def _seal(self, seal: Seal) -> None:
+    async def _seal(self, seal: Seal, forward: ChainForward | None, forward_error: str) -> None:
+        """Seal the upload; with a chain, send the Seal on and answer once the next store has (the
+        member uploads to the stores the chain missed itself)."""
         key = (seal.job, seal.rank, seal.step)
         error = self._refused.pop(key, "") or self._refusal(seal.job, seal.token)
         snap: StoredSnapshot | None = None
@@ -454,11 +516,24 @@ class _Connection(asyncio.BufferedProtocol):
             except StoreError as exc:
                 error = str(exc)
         if snap is None:
+            if forward is not None:
+                forward.close()
             self.server.refusals.warning("snapshot refused", job=seal.job, rank=seal.rank, step=seal.step, reason=error)
             await self._write(encode_frame(Reply(ok=False, error=error)))
             return
-        await self._write(encode_frame(Reply(ok=True, error="")))
         await self.server.on_sealed(snap)
+        forwarded: list[str] = []
+        if forward is not None:
+            snap.readers += 1  # its chunks may still wait in the chain's buffer: not to be reused
+            try:
+                forwarded, forward_error = await forward.finish(seal, self.server.forward_reply_wait_s)
+            finally:
+                snap.readers -= 1
+        if forward_error:
+            self.server.refusals.warning(
+                "snapshot chain stopped", job=seal.job, rank=seal.rank, step=seal.step, reason=forward_error
+            )
+        await self._write(encode_frame(Reply(ok=True, error="", forwarded=forwarded, forward_error=forward_error)))
 
     async def _fetch(self, fetch: Fetch) -> None:
         started = time.time()
@@ -495,3 +570,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.log.info("snapshot served", job=fetch.job, rank=fetch.rank, step=fetch.step, nbytes=snap.total_bytes)
             attrs = {"job": fetch.job, "rank": fetch.rank, "step": fetch.step, "bytes": snap.total_bytes}
             self.server.tracing.record("serve_restore", fetch.traceparent, started, time.time(), attrs)
+
+
+def _held_for(forward: ChainForward) -> str:
+    """The reason a connection's reads are held for one chain (its connecting, or its backlog)."""
+    return f"chain {id(forward)}"

@@ -1,7 +1,8 @@
 """`deadpool store`: a snapshot store process (RAM copies of snapshots, served over the data plane).
 
-NATS side: announces itself and its memory use on `deadpool.store.status` (every 0.5 s: the swapper
-takes a store silent for 1.5 s as lost), copies a snapshot to another store when the swapper asks on
+NATS side: announces itself and its memory use on `deadpool.store.<id>.announce` (every 0.5 s: the
+swapper takes a store silent for 1.5 s as lost) and hears the other stores' (where a chained upload
+goes next: `chain_forward`), copies a snapshot to another store when the swapper asks on
 `deadpool.store.<id>.replicate` (after a store was lost), reports each sealed
 snapshot on `deadpool.<job>.snapshot.complete` (an event: stored in the events stream, retried until
 the server has it, without holding up the data plane), frees old snapshots on
@@ -28,13 +29,14 @@ from nats.micro.request import Request
 
 from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.subjects import service_inbox, store_announce, store_replicate
+from deadpool_protocol.subjects import STORE_STATUS, service_inbox, store_announce, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated, tls
 from deadpool_runtime.host import host_name
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.metrics import Metrics
 from deadpool_runtime.tracing import Tracing
 from deadpool_store import fault_injection
+from deadpool_store.chain_forward import StoreDirectory
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot, StoreError
 from deadpool_store.replicator import ReplicaRefusedError, push_snapshot
@@ -93,6 +95,8 @@ class StoreService:
             "snapshot bytes allowed",
             lambda: [(self.memory.capacity_bytes, store)],
         )
+        self.directory = StoreDirectory(config.store_id)
+        """The other stores, as they announce themselves: where a chained upload goes next."""
         self.server = DataPlaneServer(
             self.memory,
             self._on_sealed,
@@ -101,6 +105,8 @@ class StoreService:
             tracing=Tracing("deadpool-store"),
             ingest_bytes_per_s=float(os.environ.get(INGEST_LIMIT_ENV, "0") or 0),
             tls=tls.server_context(tls.from_env()),
+            directory=self.directory,
+            client_tls=self.tls,
         )
         self.events = EventPublisher(nc, log)
         self.port = 0
@@ -136,6 +142,9 @@ class StoreService:
                 nbytes=snap.total_bytes,
             ),
         )
+
+    async def _on_store_status(self, status: StoreStatus, _msg: Msg) -> None:
+        self.directory.heard(status, time.monotonic())
 
     async def _on_commit(self, commit: Commit, _msg: Msg) -> None:
         freed = self.memory.commit(commit.job, commit.step, commit.generation)
@@ -185,6 +194,7 @@ class StoreService:
     async def run(self, stop: asyncio.Event) -> None:
         self.port = await self.server.start(self.config.host, self.config.port)
         await subscribe_validated(self.nc, Subjects.any_job().commit, Commit, self._on_commit, self.log)
+        await subscribe_validated(self.nc, STORE_STATUS, StoreStatus, self._on_store_status, self.log)
         await subscribe_validated(self.nc, Subjects.any_job().finished, JobFinished, self._on_finished, self.log)
         replicate = store_replicate(self.config.store_id)
         await subscribe_validated(self.nc, replicate, Replicate, self._on_replicate, self.log)
