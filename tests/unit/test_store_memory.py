@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 
 from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
@@ -258,3 +260,21 @@ def test_an_abandoned_upload_is_freed_at_once_by_its_own_connection_only() -> No
     upload(memory, 6, b"z" * 8)
     assert not memory.abandon(("j", 0, 6), None), "a sealed copy is no upload to abandon"
     assert memory.used_bytes == 8
+
+
+def test_a_ranks_first_upload_asks_for_its_next_steps_buffers_and_they_are_reused_within_capacity() -> None:
+    memory = SnapshotMemory(capacity_bytes=35, keep_committed=2)
+    upload(memory, 1, b"0123456789")
+    assert memory.prefault_wanted() == [10, 10], "the two more buffers a rank holds at once"
+    assert memory.prefault_wanted() == [], "handed over once"
+    faulted = [mmap.mmap(-1, 10) for _ in range(3)]
+    assert memory.offer_pooled(faulted[0]) and memory.offer_pooled(faulted[1])
+    assert not memory.offer_pooled(faulted[2]) and faulted[2].closed, "past the capacity: 10 stored + 20 pooled"
+    upload(memory, 2, b"abcdefghij")
+    assert memory.prefault_wanted() == [], "the same rank asks once"
+    assert memory.get("j", 0, 2).data in faulted[:2], "the next step lands in a faulted-in buffer"
+    upload(memory, 1, b"0123", rank=1)
+    assert memory.prefault_wanted() == [4, 4], "another rank asks for its own"
+    memory.finished("j", 1)
+    upload(memory, 1, b"0123456789", generation=2)
+    assert memory.prefault_wanted() == [10, 10], "a new run of the job asks again"

@@ -24,6 +24,7 @@ lines in 30 s.
 from __future__ import annotations
 
 import asyncio
+import mmap
 import ssl
 import time
 from collections import Counter
@@ -136,6 +137,8 @@ class DataPlaneServer:
         self.header_bytes = 0
         """Bytes of frame headers allocated and not yet decoded, over all connections."""
         self._sweeper: asyncio.Task[None] | None = None
+        self._prefault_sizes: list[int] = []
+        self._prefaulting: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on (host, port); returns the port (useful with port 0)."""
@@ -153,10 +156,31 @@ class DataPlaneServer:
     async def stop(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        if self._prefaulting is not None:
+            self._prefaulting.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
         self.refusals.flush()
+
+    def prefault(self) -> None:
+        """Fault in the pool buffers the memory wants (a rank's first upload here asks for its next
+        steps'), one at a time on a thread of their own, beside the uploads."""
+        self._prefault_sizes += self.memory.prefault_wanted()
+        if self._prefault_sizes and (self._prefaulting is None or self._prefaulting.done()):
+            self._prefaulting = asyncio.get_running_loop().create_task(self._fault_in_pool())
+
+    async def _fault_in_pool(self) -> None:
+        while self._prefault_sizes:
+            nbytes = self._prefault_sizes.pop(0)
+            if not self.memory.room_for_pooled(nbytes):
+                continue
+            started = time.monotonic()
+            data = await asyncio.to_thread(_faulted_in, nbytes)
+            kept = self.memory.offer_pooled(data)
+            self.log.info(
+                "pool buffer faulted in", nbytes=nbytes, kept=kept, took_s=round(time.monotonic() - started, 3)
+            )
 
     def token_for(self, job: str) -> bytes:
         """The token this store's own uploads of `job` carry (replication); b'' without a key."""
@@ -382,6 +406,7 @@ class _Connection(asyncio.BufferedProtocol):
             if self._upload != key:
                 self._abandon_upload()
             target = self.server.memory.chunk_target(chunk, writer=self)
+            self.server.prefault()
             if self._upload != key and chunk.forward:
                 self._start_forward(chunk)
             self._upload = key
@@ -575,3 +600,8 @@ class _Connection(asyncio.BufferedProtocol):
 def _held_for(forward: ChainForward) -> str:
     """The reason a connection's reads are held for one chain (its connecting, or its backlog)."""
     return f"chain {id(forward)}"
+
+
+def _faulted_in(nbytes: int) -> mmap.mmap:
+    """Anonymous memory of `nbytes`, every page faulted in by the kernel (MAP_POPULATE)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)

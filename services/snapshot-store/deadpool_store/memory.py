@@ -26,8 +26,12 @@ sender's manifest. Rules:
 
 Freed buffers are kept for reuse (a rank's snapshot has the same size every step), as long as stored
 plus pooled bytes stay within `capacity_bytes`: fresh memory costs a page fault per 4 KiB on first
-touch (~0.2 s per GB on this machine's VM, more than streaming the GB itself), reused memory nothing.
-A buffer that a fetch is still sending from is never reused.
+touch (~0.2 s per GB on this machine's VM, more than streaming the GB itself, and up to 3 s per GB for
+memory the VM never touched), reused memory nothing. A buffer that a fetch is still sending from is
+never reused. When a rank first uploads here, the buffers its next steps will need (`keep_committed`
+more: a store holds that many committed steps and one in flight) are wanted in the pool at once
+(`prefault_wanted`): the store faults them in beside the upload (`offer_pooled`), so that only a
+rank's first snapshot here pays for fresh memory, not its first three.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ __all__ = ["SnapshotKey", "SnapshotMemory", "StoreError", "StoredSnapshot"]
 
 SnapshotKey = tuple[str, int, int]
 """(job, rank, step)"""
+RANKS_SEEN_MAX = 65_536
+"""(job, rank) remembered as having uploaded here (each asks for its pool buffers once)."""
+PREFAULT_QUEUE_MAX = 1024
+"""Pool buffers waiting to be faulted in, at most (past it a new rank's are not asked for)."""
 
 
 class StoreError(DeadPoolError):
@@ -110,6 +118,10 @@ class SnapshotMemory:
         self.used_bytes = 0
         self._pool: dict[int, list[mmap.mmap]] = defaultdict(list)
         self.pooled_bytes = 0
+        self._ranks_seen: set[tuple[str, int]] = set()
+        """(job, rank) that uploaded here: their later steps' buffers were asked for already."""
+        self._prefault: list[int] = []
+        """Buffer sizes wanted in the pool, not yet handed to the faulting (`prefault_wanted`)."""
 
     def __len__(self) -> int:
         return len(self._snapshots)
@@ -264,6 +276,7 @@ class SnapshotMemory:
         freed = [key for key, snap in self._snapshots.items() if key[0] == job and snap.generation <= generation]
         for key in freed:
             self._drop(key)
+        self._ranks_seen = {seen for seen in self._ranks_seen if seen[0] != job}  # a new run asks again
         return freed
 
     def _entry_for(self, chunk: PutChunk) -> StoredSnapshot:
@@ -301,7 +314,33 @@ class SnapshotMemory:
             started_t=time.monotonic(),
         )
         self._snapshots[key] = snap
+        if (chunk.job, chunk.rank) not in self._ranks_seen:
+            if len(self._ranks_seen) >= RANKS_SEEN_MAX:
+                self._ranks_seen.clear()  # at worst some rank's buffers are asked for once more
+            self._ranks_seen.add((chunk.job, chunk.rank))
+            if len(self._prefault) < PREFAULT_QUEUE_MAX:
+                self._prefault += [chunk.total_bytes] * self.keep_committed
         return snap
+
+    def prefault_wanted(self) -> list[int]:
+        """The buffer sizes to fault in for the pool (each once: the list is handed over and emptied)."""
+        wanted, self._prefault = self._prefault, []
+        return wanted
+
+    def room_for_pooled(self, nbytes: int) -> bool:
+        """Whether a buffer of `nbytes` more would fit in the pool now (stored + pooled within capacity)."""
+        return self.used_bytes + self.pooled_bytes + nbytes <= self.capacity_bytes
+
+    def offer_pooled(self, data: mmap.mmap) -> bool:
+        """A buffer faulted in for the pool: kept if it fits (the upload it was for may have taken the
+        room meanwhile), else closed. Whether it was kept."""
+        nbytes = len(data)
+        if not self.room_for_pooled(nbytes):
+            data.close()
+            return False
+        self._pool[nbytes].append(data)
+        self.pooled_bytes += nbytes
+        return True
 
     def _bound_uncommitted(self, job: str, rank: int) -> None:
         latest = self._committed[job][-1] if self._committed.get(job) else -1
