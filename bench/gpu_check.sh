@@ -59,6 +59,21 @@ fi
 KILL_RANK=$((NPROC - 1))
 echo "$NAME; $GPUS GPU(s); backend $DEADPOOL_BACKEND, $NPROC ranks + 1 spare" | tee "$OUT/device.txt"
 
+if [ "$DRY" = 0 ]; then  # exactly sized pinned buffers (issue 25) beside torch's pin_memory, 1.65 GB each
+  timeout 90 $VPY - <<'PINNED' 2>&1 | tee "$OUT/pinned.txt" || true
+import json, time, torch
+from deadpool.pinned_memory import pinned_bytes
+n, out = 1_650_000_000, {}
+src = torch.empty(n, dtype=torch.uint8, device="cuda")
+for name, make in (("exact", lambda: pinned_bytes(n)), ("pin_memory", lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))):
+    t = time.perf_counter(); buf = make(); alloc_s = time.perf_counter() - t
+    torch.cuda.synchronize(); t = time.perf_counter(); buf.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    out[name] = {"alloc_s": round(alloc_s, 3), "d2h_gb_per_s": round(n / (time.perf_counter() - t) / 1e9, 2)}
+    del buf
+print(json.dumps(out))
+PINNED
+fi
+
 timeout 270 $VPY bench/overhead.py --device "$DEVICE" --gpus "$BENCH_GPUS" --pairs "$PAIRS" --steps "$STEPS" \
   --warm-up-steps 4 --model-size "$SIZE" 2>&1 | tee "$OUT/overhead.txt"
 tail -n 1 "$OUT/overhead.txt" > "$OUT/overhead.json"

@@ -2,16 +2,21 @@
 torch's NCCL settings, and which group an abort hits.
 
 The stand-ins below replace only what cannot exist here (a CUDA event, a CUDA tensor, an NCCL group);
-the CUDA and NCCL calls themselves are checked by bench/gpu_check.sh on a GPU."""
+the CUDA and NCCL calls themselves are checked by bench/gpu_check.sh on a GPU. Pinned buffers are
+exactly their size: the host registration is recorded instead of made."""
 
 from __future__ import annotations
 
+import gc
 import threading
 
+import pytest
 import torch
 
 from deadpool.process_group import NCCL_ENVIRONMENT, GenerationGroup, apply_nccl_environment
+from deadpool.snapshot_layout import FlatBuffer, plan_layout
 from deadpool.snapshot_worker import CaptureRequest, SnapshotWorker, device_split, wait_for_event
+from deadpool.spare_landing import SpareLanding
 from deadpool.store_client import UploadKey
 from deadpool_protocol.dataplane import chunk_spans
 from deadpool_runtime.logs import get_logger
@@ -106,3 +111,48 @@ def test_the_replica_exchange_is_staged_in_bounded_chunks() -> None:
     assert chunk_spans(0, 4) == []
     spans = chunk_spans(3 << 30, 64 << 20)
     assert max(size for _, size in spans) == 64 << 20 and sum(spans[-1]) == 3 << 30
+
+
+class RecordingCudart:
+    """The CUDA runtime's host registration, as far as `pinned_memory` calls it."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, pointer: int, size: int, flags: int) -> int:
+        assert flags == 0
+        self.registered[pointer] = size
+        return 0
+
+    def cudaHostUnregister(self, pointer: int) -> int:
+        self.unregistered.append(pointer)
+        return 0
+
+
+def test_a_pinned_buffer_is_exactly_its_size_registered_once_and_unregistered_when_freed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cudart = RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    layout = plan_layout([("param.0", torch.zeros(1_650_001, dtype=torch.uint8))])
+    buffer = FlatBuffer(layout, pin=True)
+    pointer = buffer.data.data_ptr()
+    # torch's pin_memory would take 2 MiB (the next power of two) for these 1.65 MB
+    assert buffer.data.numel() == layout.total_bytes and cudart.registered == {pointer: layout.total_bytes}
+    buffer.views[0].fill_(7)  # the mapping is writable memory of its own
+    assert int(buffer.data[: layout.total_bytes].sum()) == 7 * 1_650_001
+    del buffer
+    gc.collect()
+    assert cudart.unregistered == [pointer]
+
+
+def test_a_spare_landing_on_cuda_is_exactly_the_snapshots_size_and_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    cudart = RecordingCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    landing = SpareLanding(64 << 20, pin=True, log=get_logger(test="landing"))
+    landing.want(3_000_001)
+    landing.start()
+    assert landing.wait_faulted(3_000_001, 30.0)
+    got = landing.take(3_000_001)
+    assert got is not None and list(cudart.registered.values()) == [3_000_001]

@@ -278,3 +278,11 @@ def test_a_ranks_first_upload_asks_for_its_next_steps_buffers_and_they_are_reuse
     memory.finished("j", 1)
     upload(memory, 1, b"0123456789", generation=2)
     assert memory.prefault_wanted() == [10, 10], "a new run of the job asks again"
+
+
+def test_a_rank_whose_snapshots_grow_asks_again_for_the_new_size() -> None:
+    memory = SnapshotMemory(capacity_bytes=1000, keep_committed=2)
+    upload(memory, 0, b"0123")  # the formation's: parameters only
+    assert memory.prefault_wanted() == [4, 4]
+    upload(memory, 1, b"0123456789ab")  # the optimizer's state appeared
+    assert memory.prefault_wanted() == [12, 12]

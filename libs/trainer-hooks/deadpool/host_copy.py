@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import msgpack
 import torch
 
+from deadpool.pinned_memory import register_with_cuda
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.training_state import SnapshotMeta
 from deadpool_protocol.dataplane import chunk_checksum
@@ -238,16 +238,5 @@ def map_buffer(path: Path, layout: SnapshotLayout, pin: bool, create: bool) -> F
         os.close(fd)
     data = torch.frombuffer(mapped, dtype=torch.uint8)
     if pin:
-        _register_with_cuda(data)
+        register_with_cuda(data)
     return FlatBuffer(layout, data=data)
-
-
-def _register_with_cuda(data: torch.Tensor) -> None:  # pragma: no cover - needs a GPU
-    """Page-lock the mapping (as `pin_memory` does for an allocation), so that copies to it from the
-    device run at pinned speed; unregistered when the tensor is freed."""
-    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    pointer, size = data.data_ptr(), data.numel()
-    error = cudart.cudaHostRegister(pointer, size, 0)
-    if int(error) != 0:
-        raise OSError(f"cudaHostRegister of {size} bytes failed ({error})")
-    weakref.finalize(data, cudart.cudaHostUnregister, pointer)

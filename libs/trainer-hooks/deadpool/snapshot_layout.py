@@ -18,6 +18,8 @@ from typing import Any
 import msgpack
 import torch
 
+from deadpool.pinned_memory import pinned_bytes
+
 __all__ = ["ALIGN_BYTES", "FlatBuffer", "SnapshotLayout", "TensorSpec", "aligned_bytes", "plan_layout"]
 
 ALIGN_BYTES = 64
@@ -137,8 +139,8 @@ class FlatBuffer:
         on any device)."""
         self.layout = layout
         size = max(layout.total_bytes, 1)
-        if data is None:
-            data = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        if data is None:  # pinned: exactly sized (`pinned_memory`), not rounded up to a power of two
+            data = pinned_bytes(size) if pin else torch.empty(size, dtype=torch.uint8)
         elif data.dtype != torch.uint8 or data.dim() != 1 or data.numel() < layout.total_bytes:
             raise ValueError(f"a buffer for {layout.total_bytes} bytes needs a 1-D uint8 tensor at least that long")
         self.data = data

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from deadpool.pinned_memory import pinned_bytes
+
 __all__ = ["FAULT_SLICE_BYTES", "SpareLanding"]
 
 FAULT_SLICE_BYTES = 16 << 20
@@ -125,7 +127,7 @@ class SpareLanding:
                 self._buffer, self._faulted = None, 0  # a smaller one is dropped before the larger is made
             started = time.monotonic()
             try:
-                buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+                buffer = pinned_bytes(size) if self.pin else torch.empty(size, dtype=torch.uint8)
             except (MemoryError, RuntimeError) as exc:  # torch's allocator raises RuntimeError
                 self.log.warning("no memory for a landing buffer: restores allocate", bytes=size, error=str(exc))
                 with self._cond:

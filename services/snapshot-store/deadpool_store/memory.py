@@ -28,8 +28,9 @@ Freed buffers are kept for reuse (a rank's snapshot has the same size every step
 plus pooled bytes stay within `capacity_bytes`: fresh memory costs a page fault per 4 KiB on first
 touch (~0.2 s per GB on this machine's VM, more than streaming the GB itself, and up to 3 s per GB for
 memory the VM never touched), reused memory nothing. A buffer that a fetch is still sending from is
-never reused. When a rank first uploads here, the buffers its next steps will need (`keep_committed`
-more: a store holds that many committed steps and one in flight) are wanted in the pool at once
+never reused. When a rank first uploads a snapshot of a size here, the buffers its next steps will
+need (`keep_committed` more: a store holds that many committed steps and one in flight) are wanted
+in the pool at once
 (`prefault_wanted`): the store faults them in beside the upload (`offer_pooled`), so that only a
 rank's first snapshot here pays for fresh memory, not its first three.
 """
@@ -49,7 +50,7 @@ __all__ = ["SnapshotKey", "SnapshotMemory", "StoreError", "StoredSnapshot"]
 SnapshotKey = tuple[str, int, int]
 """(job, rank, step)"""
 RANKS_SEEN_MAX = 65_536
-"""(job, rank) remembered as having uploaded here (each asks for its pool buffers once)."""
+"""(job, rank, size) remembered as having uploaded here (each asks for its pool buffers once)."""
 PREFAULT_QUEUE_MAX = 1024
 """Pool buffers waiting to be faulted in, at most (past it a new rank's are not asked for)."""
 
@@ -118,8 +119,10 @@ class SnapshotMemory:
         self.used_bytes = 0
         self._pool: dict[int, list[mmap.mmap]] = defaultdict(list)
         self.pooled_bytes = 0
-        self._ranks_seen: set[tuple[str, int]] = set()
-        """(job, rank) that uploaded here: their later steps' buffers were asked for already."""
+        self._ranks_seen: set[tuple[str, int, int]] = set()
+        """(job, rank, snapshot size) uploaded here: their later steps' buffers were asked for already.
+        By size too: a rank's formation snapshot (step 0) holds no optimizer state yet, its next ones
+        do (358 MB, then 1.07 GB, for 1 GiB of state)."""
         self._prefault: list[int] = []
         """Buffer sizes wanted in the pool, not yet handed to the faulting (`prefault_wanted`)."""
 
@@ -314,10 +317,11 @@ class SnapshotMemory:
             started_t=time.monotonic(),
         )
         self._snapshots[key] = snap
-        if (chunk.job, chunk.rank) not in self._ranks_seen:
+        seen = (chunk.job, chunk.rank, chunk.total_bytes)
+        if seen not in self._ranks_seen:
             if len(self._ranks_seen) >= RANKS_SEEN_MAX:
                 self._ranks_seen.clear()  # at worst some rank's buffers are asked for once more
-            self._ranks_seen.add((chunk.job, chunk.rank))
+            self._ranks_seen.add(seen)
             if len(self._prefault) < PREFAULT_QUEUE_MAX:
                 self._prefault += [chunk.total_bytes] * self.keep_committed
         return snap
