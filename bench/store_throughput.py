@@ -65,7 +65,10 @@ from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime.bus import tls_options
 from deadpool_runtime.tls import TLS_ENV, TlsFiles
 
-GOAL_INGEST_RATIO = 0.7
+GOAL_INGEST_RATIO = 0.85
+"""Hook -> store against a raw socket (issue 25 raised it from 0.7)."""
+GOAL_STORE_CPU_MEMCPY_RATIO = 1.5
+"""The store's ingest CPU per MB against a memcpy's (issue 25)."""
 GOAL_RESTORE_GBPS = 2.0
 """A spare's restore, fetch + verify + load (issue 12 raised it from 1.0)."""
 JOB = "bench"
@@ -317,10 +320,19 @@ def main() -> None:
         "restore_fresh_gbps": round(gbps(restore), 3),
         "fetch_gbps": round(gbps(warm_fetch), 3),
         "restore_gbps": round(gbps(warm), 3),
-        "goals": {"ingest_ratio_min": GOAL_INGEST_RATIO, "restore_gbps_min": GOAL_RESTORE_GBPS},
+        "goals": {
+            "ingest_ratio_min": GOAL_INGEST_RATIO,
+            "restore_gbps_min": GOAL_RESTORE_GBPS,
+            "store_cpu_memcpy_ratio_max": GOAL_STORE_CPU_MEMCPY_RATIO,
+        },
         "cpus": os.cpu_count(),
     }
-    result["goals_met"] = result["ingest_ratio"] >= GOAL_INGEST_RATIO and result["restore_gbps"] >= GOAL_RESTORE_GBPS
+    result["store_cpu_memcpy_ratio"] = round(result["store_ingest_cpu_ms_per_mb"] / result["memcpy_ms_per_mb"], 2)
+    result["goals_met"] = (
+        result["ingest_ratio"] >= GOAL_INGEST_RATIO
+        and result["restore_gbps"] >= GOAL_RESTORE_GBPS
+        and result["store_cpu_memcpy_ratio"] <= GOAL_STORE_CPU_MEMCPY_RATIO
+    )
     print(f"{'transfer':<34} {'GB/s (median)':>13}  {'runs (s)'}")
     for name, times in (
         ("baseline, first (fresh memory)", baseline_all[:1]),
@@ -337,7 +349,9 @@ def main() -> None:
     print(
         f"ingest ratio {result['ingest_ratio']:.2f} (goal >= {GOAL_INGEST_RATIO}); "
         f"restore {result['restore_gbps']:.2f} GB/s (goal >= {GOAL_RESTORE_GBPS}); the store's CPU while "
-        f"ingesting {result['store_ingest_cpu_ms_per_mb']:.3f} ms/MB, a memcpy {result['memcpy_ms_per_mb']:.3f} ms/MB"
+        f"ingesting {result['store_ingest_cpu_ms_per_mb']:.3f} ms/MB, a memcpy {result['memcpy_ms_per_mb']:.3f} ms/MB "
+        f"({result['store_cpu_memcpy_ratio']}x, goal <= {GOAL_STORE_CPU_MEMCPY_RATIO}x; a raw socket's receiver "
+        f"{result['raw_receiver_cpu_ms_per_mb']:.3f} ms/MB)"
     )
     print(json.dumps(result))
 

@@ -2,9 +2,11 @@
 
 torch's `pin_memory=True` allocates through its caching host allocator, which rounds each block up to
 a power of two: a 1.65 GB snapshot slot took 2 GiB of page-locked memory, and three slots per rank
-took 6 GiB for 5 GB of snapshots. Here a buffer is one anonymous mapping of exactly its size, its pages
-faulted in at once (`MAP_POPULATE`), registered with CUDA (`cudaHostRegister`, as the crash copy's
-shared-memory files already are) and unregistered when its tensor is freed. CUDA only: nothing here
+took 6 GiB for 5 GB of snapshots. Here a buffer is one anonymous mapping of exactly its size,
+registered with CUDA (`cudaHostRegister`, as the crash copy's shared-memory files already are: it
+locks, and so faults in, every page) and unregistered when its tensor is freed. No `MAP_POPULATE`:
+`mmap` holds the GIL for the whole populate, seconds per GB on a cold VM, and the member's control
+thread (its heartbeats) would wait that long. CUDA only: nothing here
 runs without a GPU, and the callers ask for it only when the model's tensors are on one.
 """
 
@@ -21,7 +23,7 @@ __all__ = ["pinned_bytes", "register_with_cuda"]
 
 def pinned_bytes(nbytes: int) -> torch.Tensor:
     """A 1-D uint8 host tensor of exactly `nbytes` (at least 1), page-locked for CUDA copies."""
-    mapped = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    mapped = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     data = torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
     register_with_cuda(data)
     return data

@@ -31,7 +31,7 @@ memory the VM never touched), reused memory nothing. A buffer that a fetch is st
 never reused. When a rank first uploads a snapshot of a size here, the buffers its next steps will
 need (`keep_committed` more: a store holds that many committed steps and one in flight) are wanted
 in the pool at once
-(`prefault_wanted`): the store faults them in beside the upload (`offer_pooled`), so that only a
+(`prefault_wanted`): the store faults them in on a thread beside the upload (`offer_pooled`), so that only a
 rank's first snapshot here pays for fresh memory, not its first three.
 """
 
