@@ -246,6 +246,8 @@ class Member:
 
     def _end(self, finished: JobFinished | None) -> None:
         self._enter(MemberPhase.DONE)
+        if self._landing is not None:  # a spare at the job's end: its faulting thread ends now
+            self._landing.close()
         if finished is not None and finished.failed:
             raise JobFailedError(f"the job was ended by the swapper: {finished.reason}")
 

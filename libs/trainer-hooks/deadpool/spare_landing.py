@@ -18,6 +18,7 @@ one smaller than the snapshot is not taken at all (the restore allocates, as bef
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from typing import Any
@@ -26,8 +27,10 @@ import torch
 
 from deadpool.pinned_memory import pinned_bytes
 
-__all__ = ["FAULT_SLICE_BYTES", "SpareLanding"]
+__all__ = ["CLOSE_WAIT_S", "FAULT_SLICE_BYTES", "SpareLanding"]
 
+CLOSE_WAIT_S = 5.0
+"""How long `close` waits for the faulting thread (it stops within one slice)."""
 FAULT_SLICE_BYTES = 16 << 20
 """Faulted in at a time (about 50 ms on a cold VM page): the longest `take` waits for the faulting."""
 
@@ -106,10 +109,15 @@ class SpareLanding:
         return buffer[:nbytes]
 
     def close(self) -> None:
+        """Free the buffer and end the faulting thread, waiting for it (at most `CLOSE_WAIT_S`): a thread
+        still inside a torch op while the interpreter exits aborts the process ("terminate called
+        without an active exception": a spare exited with SIGABRT at the job's end)."""
         with self._cond:
             self._spent = True
             self._buffer = None
             self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(CLOSE_WAIT_S)
 
     def _holds(self, nbytes: int) -> bool:
         return self._buffer is not None and self._buffer.numel() >= nbytes
@@ -141,7 +149,8 @@ class SpareLanding:
                 with self._cond:  # `take` waits at most this slice
                     if self._spent or self._buffer is not buffer:
                         return
-                    buffer[offset : offset + FAULT_SLICE_BYTES].zero_()
+                    # memset, not a torch op: no intra-op threads, and the GIL dropped while it runs
+                    ctypes.memset(buffer.data_ptr() + offset, 0, min(FAULT_SLICE_BYTES, size - offset))
                     self._faulted = min(size, offset + FAULT_SLICE_BYTES)
                     self._cond.notify_all()
             self.log.info("landing buffer warm", bytes=size, took_s=round(time.monotonic() - started, 3))
