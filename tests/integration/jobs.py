@@ -18,6 +18,7 @@ from nats.aio.client import Client
 
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack
+from deadpool_cli.weights_check import compare_final_states
 from deadpool_runtime.logs import get_logger
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
@@ -59,6 +60,30 @@ async def launch(
         return await asyncio.create_subprocess_exec(
             *command, stdout=sink, stderr=sink, env={**os.environ, **(env or {})}
         )
+
+
+async def assert_same_as_uninterrupted(
+    stack: Stack,
+    job: str,
+    out: Path,
+    workdir: Path,
+    *,
+    steps: int,
+    spares: int,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run `job` again as `<job>-ref`, 2 ranks and no fault, and check that the final weights the faulted
+    run left in `out` equal its own, bit for bit (`torch.equal` on every tensor)."""
+    reference, ref_log = workdir / "reference", workdir / "ref.log"
+    plain = await launch(
+        stack.nats_args, f"{job}-ref", ref_log, steps=steps, nproc=2, spares=spares, out=reference, env=env
+    )
+    try:
+        assert await finish(plain, ref_log) == 0, tail(ref_log)
+    finally:
+        stop_all(plain)
+    identical, tensors, differences = compare_final_states(out, reference)
+    assert identical and tensors > 0, differences[:5]
 
 
 def rank_steps(watch: JobWatch) -> list[int]:

@@ -404,12 +404,14 @@ class _Connection(asyncio.BufferedProtocol):
             refused = self._refusal(chunk.job, chunk.token)
             if refused:
                 raise StoreError(refused)
-            if self._upload != key:
+            new_upload = self._upload != key
+            if new_upload:
                 self._abandon_upload()
             target = self.server.memory.chunk_target(chunk, writer=self)
-            self.server.prefault()
-            if self._upload != key and chunk.forward:
-                self._start_forward(chunk)
+            if new_upload:  # not per chunk: only an upload's first chunk can make a new entry
+                self.server.prefault()
+                if chunk.forward:
+                    self._start_forward(chunk)
             self._upload = key
         except StoreError as exc:
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
