@@ -6,6 +6,7 @@ crash copy, not at all where it keeps none."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from pathlib import Path
@@ -33,22 +34,31 @@ class SilentStore:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.received = 0
+        self.receiving = threading.Event()
+        """Set at the first bytes received."""
         self._release = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        conn, _ = self.server.accept()
+        try:
+            conn, _ = self.server.accept()
+        except OSError:
+            return  # released before anyone connected
         conn.settimeout(0.05)
         with conn:
             while not self._release.is_set():
                 try:
                     self.received += len(conn.recv(1 << 20))
+                    if self.received:
+                        self.receiving.set()
                 except TimeoutError:
                     continue
 
     def release(self) -> None:
         self._release.set()
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes an accept still waiting
         self._thread.join(WAIT_S)
         self.server.close()
 
@@ -104,6 +114,23 @@ def test_dropping_a_store_that_is_no_longer_placed_frees_a_stream_blocked_on_it_
         assert request.done.wait(WAIT_S) and request.sealed_on == []
     finally:
         store.release()
+        worker.close()
+
+
+def test_a_snapshot_taken_before_its_generations_newest_placement_skips_the_stores_it_no_longer_names() -> None:
+    _, sources, layout = model_and_plan()
+    lost, placed = SilentStore(), SilentStore()
+    worker = SnapshotWorker(get_logger(test="worker"), chunk_bytes=4096, wait_s=60.0)
+    stores = [StoreAddress("lost", "127.0.0.1", lost.port), StoreAddress("placed", "127.0.0.1", placed.port)]
+    try:
+        worker.drop_stores(keep={"placed"}, generation=1)
+        request = worker.capture(UploadKey("j", 1, 0, "m", 1), layout, sources, b"", stores)
+        assert request is not None
+        assert placed.receiving.wait(WAIT_S), "the silent lost store, first in the list, was not skipped"
+        assert lost.received == 0
+    finally:
+        lost.release()
+        placed.release()
         worker.close()
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -16,6 +19,7 @@ from nats.aio.msg import Msg
 from deadpool.store_client import Chained, StoreConnection, UploadKey
 from deadpool_protocol import StoreAddress, StoreStatus, decode
 from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_store.chain_forward import BUFFER_BYTES
 
 from .conftest import SpawnService
 from .test_store_replication import WAIT_S, fetch, start_stores
@@ -24,13 +28,15 @@ JOB = "chain"
 DATA = os.urandom(3 * 1024 * 1024 + 17)
 """A snapshot of 13 chunks, the last one short."""
 CHUNK_BYTES = 256 * 1024
+SOCKET_TIMEOUT_S = 30.0
+"""The member's socket timeout (`StoreConnection`'s default)."""
 
 
-def chained_upload(head: StoreAddress, step: int, forward: list[str]) -> Chained:
-    conn = StoreConnection(head)
+def chained_upload(head: StoreAddress, step: int, forward: list[str], data: bytes = DATA) -> Chained:
+    conn = StoreConnection(head, timeout_s=SOCKET_TIMEOUT_S)
     try:
         return conn.upload(
-            UploadKey(JOB, 1, 0, "m0", step), memoryview(DATA), CHUNK_BYTES, b"layout", lambda: False, forward
+            UploadKey(JOB, 1, 0, "m0", step), memoryview(data), CHUNK_BYTES, b"layout", lambda: False, forward
         )
     finally:
         conn.close()
@@ -69,6 +75,35 @@ async def test_a_chain_stops_at_a_store_unknown_refusing_or_dead_and_the_stores_
     dead = await asyncio.to_thread(chained_upload, s1, 3, ["s2"])  # heard less than 5 s ago: still listed
     assert dead.sealed == [] and "s2 unreachable" in dead.stopped, dead
     assert (await asyncio.to_thread(fetch, s1, JOB, 0, 3))[0] == DATA
+
+
+async def test_a_next_store_that_stops_mid_chain_stops_the_chain_in_bounded_time_and_the_member_goes_on(
+    nc: Client, spawn_service: SpawnService
+) -> None:
+    """A next store frozen (SIGSTOP: its host hangs; the kernel still accepts and buffers) neither
+    drains the chain's backlog nor answers the Seal: the head gives up on it after its bounds, seals
+    its own copy, and answers the member, which would otherwise hang until its socket's timeout."""
+    spawned: list[subprocess.Popen[bytes]] = []
+
+    def spawn(command: str, *args: str) -> subprocess.Popen[bytes]:
+        spawned.append(spawn_service(command, *args))
+        return spawned[-1]
+
+    s0, _ = await start_stores(nc, spawn, "--capacity-bytes", str(256 * 1024 * 1024), count=2)
+    frozen = spawned[1]
+    large = os.urandom(BUFFER_BYTES * 3)  # past the chain's buffer and both sockets' kernel buffers
+    for step, data, why in ((1, large, "its backlog held"), (2, DATA, "did not answer the seal")):
+        await known_to_each_other(nc, ["s0", "s1"])  # frozen below: listed for 5 s more
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            chained = await asyncio.to_thread(chained_upload, s0, step, ["s1"], data)
+            took_s = time.monotonic() - started
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        assert chained.sealed == [] and why in chained.stopped, chained
+        assert took_s < SOCKET_TIMEOUT_S, f"the member was held {took_s:.1f} s"
+        assert (await asyncio.to_thread(fetch, s0, JOB, 0, step))[0] == data
 
 
 async def known_to_each_other(nc: Client, stores: list[str]) -> None:

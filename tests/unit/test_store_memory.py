@@ -120,6 +120,20 @@ def test_a_finished_job_frees_its_run_and_leaves_other_jobs_and_a_newer_run_alon
     assert memory.used_bytes == 8 + 3 * 8
 
 
+def test_an_upload_of_an_ended_run_that_comes_after_its_end_is_refused_and_a_newer_run_is_not() -> None:
+    """Seen in CI: a run's last step streamed after the store heard the run end, and stayed."""
+    memory = SnapshotMemory(capacity_bytes=10_000)
+    memory.finished("j", 2)
+    for generation in (1, 2):
+        with pytest.raises(StoreError, match="ended in generation 2"):
+            upload(memory, 40, b"late!", generation=generation)
+    assert memory.used_bytes == 0 and not _has(memory, 40)
+    memory.finished("j", 1)  # a late notice of an older end
+    upload(memory, 1, b"newerrun", generation=3)
+    assert _has(memory, 1), "the name's next run stores"
+    upload(memory, 1, b"other", job="other")
+
+
 def test_uncommitted_snapshots_per_rank_are_bounded_and_the_next_commit_candidate_stays() -> None:
     memory = SnapshotMemory(capacity_bytes=10_000, uncommitted_max=2)
     for step in range(1, 5):
@@ -247,7 +261,7 @@ def test_one_jobs_uploads_in_progress_hold_at_most_its_share_and_give_it_back() 
     assert bytes(memory.get("j", 0, 5).data) == b"a" * 40 and "j" not in memory.unsealed_bytes
     memory.finished("hog", 1)  # dropped: the share is free again
     assert "hog" not in memory.unsealed_bytes and memory.used_bytes == 40
-    upload(memory, 6, b"b" * 50, job="hog")
+    upload(memory, 6, b"b" * 50, job="hog", generation=2)  # the name's next run
     assert "hog" not in memory.unsealed_bytes and memory.used_bytes == 90
 
 

@@ -205,6 +205,9 @@ class SnapshotWorker:
         self._captured.set()
         self._cancel_below_generation = 0
         self._connections: dict[str, StoreConnection] = {}
+        self._placed: tuple[int, frozenset[str]] | None = None
+        """The stores the newest placement of a generation names for this rank: a snapshot of that
+        generation taken before it goes to no other (`drop_stores`)."""
         self.store_token = b""
         self.seal_key = b""
         """The job's seal key: every upload's seal is signed with it."""
@@ -421,10 +424,14 @@ class SnapshotWorker:
         except OSError as exc:
             self.log.warning("host-local copy not written", step=key.step, error=str(exc))
 
-    def drop_stores(self, keep: set[str]) -> None:
+    def drop_stores(self, keep: set[str], generation: int | None = None) -> None:
         """Abandon the uploads to every store not in `keep` (from any thread): lost, or placed elsewhere.
-        An upload blocked on one fails at once and the stream goes on with the next store."""
+        An upload blocked on one fails at once and the stream goes on with the next store. With the
+        `generation` whose placement `keep` is, a snapshot of that generation still streaming skips
+        the stores not in it (a lost store is not waited for a connect timeout again)."""
         with self._lock:
+            if generation is not None:
+                self._placed = (generation, frozenset(keep))
             dropped = [name for name in self._connections if name not in keep]
             connections = [self._connections.pop(name) for name in dropped]
         for conn in connections:
@@ -673,7 +680,9 @@ class SnapshotWorker:
         for position, address in enumerate(request.stores):
             if address.store in request.sealed_on:
                 continue  # a copy the chain made
-            rest = request.stores[position + 1 :] if self.chain else []
+            if not self._still_placed(key, address.store):
+                continue  # placed elsewhere since the snapshot was taken: lost, most likely
+            rest = [a for a in request.stores[position + 1 :] if self._still_placed(key, a.store)] if self.chain else []
             with self._lock:
                 conn = self._connections.get(address.store)
                 if conn is None or conn.address != address:
@@ -697,6 +706,10 @@ class SnapshotWorker:
             except StoreClientError as exc:
                 self.log.warning("snapshot not stored", step=key.step, store=address.store, reason=str(exc))
         return len(data)
+
+    def _still_placed(self, key: UploadKey, store: str) -> bool:
+        placed = self._placed
+        return placed is None or placed[0] != key.generation or store in placed[1]
 
 
 def _pick(items: Sequence[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:

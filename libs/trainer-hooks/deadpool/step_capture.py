@@ -241,7 +241,7 @@ class StepCapture:
         rank = self.rank
         if rank is None or placement.generation != self.generation or rank >= len(placement.placement):
             return
-        self.worker.drop_stores(keep=set(placement.placement[rank]))
+        self.worker.drop_stores(keep=set(placement.placement[rank]), generation=placement.generation)
 
     def _partition(self) -> Partition:
         """Snapshot only a share of the parameters when they are replicated (data parallelism)."""

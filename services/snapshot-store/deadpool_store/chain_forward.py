@@ -11,8 +11,10 @@ every chunk against them itself, and reports its own copy complete.
 
 The next store is found by its name among the stores' own announcements (`StoreDirectory`), never at
 an address a client gave: a member cannot make a store connect anywhere else. Every step is bounded:
-the connection (`CONNECT_TIMEOUT_S`), the write buffer (`BUFFER_BYTES`), the reply (`reply_wait_s`),
-the reply's size (`HEADER_BYTES_MAX`). A chain that stops (the next store unknown, unreachable,
+the connection (`CONNECT_TIMEOUT_S`), the write buffer (`BUFFER_BYTES`), how long the member may
+be held back by it (`BACKLOG_WAIT_S`: a next store lost mid-stream takes no more bytes and answers
+nothing), the reply (`reply_wait_s` per store still down the chain), the reply's size
+(`HEADER_BYTES_MAX`). A chain that stops (the next store unknown, unreachable,
 refusing, or too slow) stops quietly: the reply to the member says so (`forward_error`), and the
 member uploads to the stores the chain missed itself.
 """
@@ -36,11 +38,16 @@ from deadpool_protocol.dataplane import (
     encode_frame,
 )
 
-__all__ = ["BUFFER_BYTES", "CONNECT_TIMEOUT_S", "ChainForward", "StoreDirectory"]
+__all__ = ["BACKLOG_WAIT_S", "BUFFER_BYTES", "CONNECT_TIMEOUT_S", "ChainForward", "StoreDirectory"]
 
 CONNECT_TIMEOUT_S = 2.0
 BUFFER_BYTES = 16 * 1024 * 1024
 """Bytes waiting in the forward connection's buffer past which the member's connection is held back."""
+BACKLOG_WAIT_S = 3.0
+"""The longest the member's connection is held back for one backlog: the next store must take the
+buffer down to its low mark (a quarter) by then, 12 MiB at 4 MiB/s, or the chain stops here and the
+member goes on (it uploads to the stores the chain missed itself). A store lost mid-stream takes no
+bytes at all, and without this bound it would hold the member until its socket's timeout."""
 PEER_STORE_TTL_S = 5.0
 """A store not heard announcing itself for this long is not forwarded to (it announces every 0.5 s)."""
 
@@ -86,6 +93,7 @@ class ChainForward(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._inbound = bytearray()
         self._reply: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._backlog_due: asyncio.TimerHandle | None = None
 
     async def open(self, tls: ssl.SSLContext | None) -> None:
         """Connect to the next store (bounded); on failure `failed` says why."""
@@ -108,14 +116,16 @@ class ChainForward(asyncio.Protocol):
         self.transport.write(data)  # sent now or copied into the transport's buffer: `data` may be reused
 
     async def finish(self, seal: Seal, reply_wait_s: float) -> tuple[list[str], str]:
-        """Send the Seal and wait for the next store's reply: the stores down the chain that sealed
-        their copy, and why the chain stopped short ('' if it did not)."""
+        """Send the Seal and wait for the next store's reply (`reply_wait_s` for each store from the
+        next to the chain's end: each waits for its own next before it answers): the stores down the
+        chain that sealed their copy, and why the chain stopped short ('' if it did not)."""
         if not self.failed and self.transport is not None:
             self.transport.write(encode_frame(replace(seal, token=self.token)))
+            wait_s = reply_wait_s * (1 + len(self.rest))
             try:
-                reply = await asyncio.wait_for(asyncio.shield(self._reply), reply_wait_s)
+                reply = await asyncio.wait_for(asyncio.shield(self._reply), wait_s)
             except TimeoutError:
-                self._fail(f"store {self.target.store} did not answer the seal within {reply_wait_s} s")
+                self._fail(f"store {self.target.store} did not answer the seal within {wait_s} s")
             except ConnectionError:
                 pass  # `failed` says why
             else:
@@ -128,6 +138,7 @@ class ChainForward(asyncio.Protocol):
         return [], self.failed
 
     def close(self) -> None:
+        self._stop_backlog_clock()
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
@@ -165,11 +176,24 @@ class ChainForward(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.backlogged = True
+        self._stop_backlog_clock()
+        self._backlog_due = asyncio.get_running_loop().call_later(BACKLOG_WAIT_S, self._backlog_too_long)
 
     def resume_writing(self) -> None:
         self._drained()
 
+    def _backlog_too_long(self) -> None:
+        self._backlog_due = None
+        if self.backlogged:
+            self._fail(f"store {self.target.store} took too few bytes: its backlog held for {BACKLOG_WAIT_S} s")
+
+    def _stop_backlog_clock(self) -> None:
+        if self._backlog_due is not None:
+            self._backlog_due.cancel()
+            self._backlog_due = None
+
     def _drained(self) -> None:
+        self._stop_backlog_clock()
         if self.backlogged:
             self.backlogged = False
             self.on_drained()

@@ -106,7 +106,7 @@ class DataPlaneServer:
         tls: ssl.SSLContext | None = None,
         directory: StoreDirectory | None = None,
         client_tls: ssl.SSLContext | None = None,
-        forward_reply_wait_s: float = 20.0,
+        forward_reply_wait_s: float = 5.0,
     ) -> None:
         self.memory = memory
         self.directory = directory
@@ -114,8 +114,9 @@ class DataPlaneServer:
         self.client_tls = client_tls
         """What this store verifies the next store of a chain with (None: TLS off)."""
         self.forward_reply_wait_s = forward_reply_wait_s
-        """How long the answer to a chained upload's Seal waits for the next store's (then the member
-        uploads to the rest itself)."""
+        """How long the answer to a chained upload's Seal waits for the next store's, for each store
+        from there to the chain's end (then the member uploads to the rest itself). A few seconds: the
+        next store holds the chunks already, bar the last buffer's worth, and only checks and seals."""
         self.tls = tls
         """With a context, connections speak TLS (`deadpool_runtime.tls`); a handshake that has not ended
         `first_frame_s` after connecting is dropped, before the connection takes a slot."""

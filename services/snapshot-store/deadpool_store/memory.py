@@ -53,6 +53,8 @@ RANKS_SEEN_MAX = 65_536
 """(job, rank, size) remembered as having uploaded here (each asks for its pool buffers once)."""
 PREFAULT_QUEUE_MAX = 1024
 """Pool buffers waiting to be faulted in, at most (past it a new rank's are not asked for)."""
+FINISHED_RUNS_KEPT_MAX = 65_536
+"""Ended runs remembered (job -> the generation it ended in), the oldest forgotten past it."""
 
 
 class StoreError(DeadPoolError):
@@ -116,6 +118,9 @@ class SnapshotMemory:
         """job -> committed steps, ascending, at most keep_committed of them."""
         self._committed_generation: dict[str, int] = {}
         """job -> the generation of its newest commit: a commit of an older one is stale."""
+        self._ended_in: dict[str, int] = {}
+        """job -> the generation its last run ended in (`finished`): an upload of it or an older one
+        comes late, and is refused (it would stay, as nothing of that run commits or ends again)."""
         self.used_bytes = 0
         self._pool: dict[int, list[mmap.mmap]] = defaultdict(list)
         self.pooled_bytes = 0
@@ -275,15 +280,23 @@ class SnapshotMemory:
         """`job` ended in `generation`: free every snapshot of it of that generation or an older one.
         Returns the freed keys. A repeated or late notice frees nothing more, and a newer run's snapshots
         (a newer generation) stay; the commit bookkeeping stays too, so a late commit of the ended run is
-        still ignored as before."""
+        still ignored as before. An upload of the ended run that comes after (its last steps' streams
+        race the notice) is refused: nothing would ever free it."""
         freed = [key for key, snap in self._snapshots.items() if key[0] == job and snap.generation <= generation]
         for key in freed:
             self._drop(key)
+        ended_in = max(generation, self._ended_in.pop(job, 0))  # re-inserted: the newest end is forgotten last
+        self._ended_in[job] = ended_in
+        if len(self._ended_in) > FINISHED_RUNS_KEPT_MAX:
+            del self._ended_in[next(iter(self._ended_in))]
         self._ranks_seen = {seen for seen in self._ranks_seen if seen[0] != job}  # a new run asks again
         return freed
 
     def _entry_for(self, chunk: PutChunk) -> StoredSnapshot:
         key = (chunk.job, chunk.rank, chunk.step)
+        ended_in = self._ended_in.get(chunk.job)
+        if ended_in is not None and chunk.generation <= ended_in:
+            raise StoreError(f"job {chunk.job}'s run ended in generation {ended_in}: it stores no more snapshots")
         snap = self._snapshots.get(key)
         if snap is not None:
             if chunk.generation < snap.generation:
