@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 from torch import nn
@@ -74,3 +75,18 @@ def test_a_missing_share_is_refused_rather_than_leaving_weights_stale() -> None:
     own, _ = snapshot(model, optimizer, Partition(0, 2))
     with pytest.raises(ValueError, match="missing"):
         load_module(trained(1)[0], [own])
+
+
+def test_a_partition_says_in_its_metadata_whether_it_is_over_the_group_or_a_shards_replicas() -> None:
+    model, optimizer = trained(0)
+    for part in (Partition(), Partition(1, 3), Partition(1, 2, within_shard=True)):
+        _, meta = snapshot(model, optimizer, part)
+        assert SnapshotMeta.decode(meta.encode()).partition == part
+    _, meta = snapshot(model, optimizer, Partition(1, 3))
+    fields = msgpack.unpackb(meta.encode(), raw=False, strict_map_key=False)
+    fields["partition"] = [1, 3]  # written before HSDP: over the group
+    assert SnapshotMeta.decode(msgpack.packb(fields)).partition == Partition(1, 3)
+    for forged in ([1, 3, 1], [1, 3, True, False], [1, 3, "yes"]):
+        fields["partition"] = forged
+        with pytest.raises(ValueError, match="malformed snapshot metadata"):
+            SnapshotMeta.decode(msgpack.packb(fields))

@@ -54,7 +54,7 @@ from deadpool.member_config import MemberConfig
 from deadpool.member_state import MemberState, RebuildResult
 from deadpool.process_group import GenerationGroup, Rendezvous, RendezvousUnreachableError
 from deadpool.replica_exchange import ReplicaMismatchError, exchange_device, exchange_partitions
-from deadpool.sharded_module import is_fully_sharded
+from deadpool.sharded_module import is_fully_sharded, replica_group
 from deadpool.snapshot_layout import FlatBuffer
 from deadpool.snapshot_worker import SnapshotWorker
 from deadpool.step_agreement import agree_on_newest
@@ -243,7 +243,7 @@ class MemberRebuild:
     def _take(self, snapshot: FlatBuffer, meta: SnapshotMeta, source: RestoreSource) -> None:
         """Use this snapshot of the rank's state, once it is checked to be this rank's partition."""
         command = self.command
-        if meta.partitioned and meta.partition != Partition(self.rank, command.world_size):
+        if _over_group(meta) and meta.partition != Partition(self.rank, command.world_size):
             raise MemberCannotContinueError(
                 MemberErrorCause.REPLICAS_DISAGREE,
                 f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition}, "
@@ -259,16 +259,9 @@ class MemberRebuild:
             self._resume_from_durable()
         elif self.command.local:
             self._restore_newest_own()
-        if self.snapshot is not None and self.meta is not None:
-            try:
-                self.replicas = exchange_partitions(
-                    self.snapshot, self.meta, self.rank, self.command.world_size, self.group
-                )
-            except ReplicaMismatchError as exc:
-                raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
-            except RuntimeError as exc:  # the new group broke under the exchange
-                self.parts.waits.check(self.generation)
-                raise RendezvousFailedError(f"replica exchange of generation {self.generation}: {exc}") from exc
+        if self.snapshot is not None and self.meta is not None and not self.meta.partition.within_shard:
+            # HSDP's partitions go over the replica groups of the mesh the wrapper builds (apply).
+            self.replicas = self._exchange(self.snapshot, self.meta, self.rank, self.command.world_size, self.group)
             if self.meta.partitioned:
                 load_module(self.parts.objects.module, [self.snapshot, *self.replicas])
         self.marks = replace(self.marks, rendezvous=time.time())
@@ -337,7 +330,7 @@ class MemberRebuild:
             raise MemberCannotContinueError(
                 MemberErrorCause.REPLICAS_DISAGREE, f"{directory} step {step} does not fit this model: {exc}"
             ) from exc
-        if meta.partitioned and meta.partition != Partition(self.rank, world):
+        if _over_group(meta) and meta.partition != Partition(self.rank, world):
             raise MemberCannotContinueError(
                 MemberErrorCause.REPLICAS_DISAGREE,
                 f"{directory} step {step} rank {self.rank} is partition {meta.partition}, not of {world} ranks",
@@ -350,7 +343,8 @@ class MemberRebuild:
     def apply(self) -> None:
         parts, objects, command = self.parts, self.parts.objects, self.command
         try:
-            model, optimizer = objects.build(self.group, self._load_into_fresh)
+            with parts.group.wrapping():  # the subgroups it makes are this generation's to abort
+                model, optimizer = objects.build(self.group, self._load_into_fresh)
         except (MemberCannotContinueError, RendezvousFailedError):
             raise
         except Exception as exc:
@@ -487,10 +481,37 @@ class MemberRebuild:
             )
         device = self.parts.objects.param_device
         module.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device)
+        if self.meta is not None and self.meta.partition.within_shard:
+            self.replicas = self._exchange_within_shard(module, self.snapshot, self.meta)
         try:
             load_module(module, [self.snapshot, *self.replicas])
         except ValueError as exc:
             raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, f"shards do not fit: {exc}") from exc
+
+    def _exchange_within_shard(
+        self, module: torch.nn.Module, snapshot: FlatBuffer, meta: SnapshotMeta
+    ) -> list[FlatBuffer]:
+        """HSDP: the other partitions of this rank's shards, from the ranks of its replica group in the
+        mesh the wrapper just built (the same world and rank give the same groups)."""
+        replicas = replica_group(module)
+        partition = None if replicas is None else Partition(replicas.index, replicas.size, within_shard=True)
+        if replicas is None or partition != meta.partition:
+            raise MemberCannotContinueError(
+                MemberErrorCause.REPLICAS_DISAGREE,
+                f"snapshot of rank {self.rank} step {meta.step} is partition {meta.partition} of a replica group; "
+                f"the model as wrapped now is {partition or 'not replicated by HSDP'}",
+            )
+        return self._exchange(snapshot, meta, replicas.index, replicas.size, replicas.group)
+
+    def _exchange(self, snapshot: FlatBuffer, meta: SnapshotMeta, rank: int, size: int, group: Any) -> list[FlatBuffer]:
+        """The other ranks' partitions of `group` (rank `rank` of `size` in it)."""
+        try:
+            return exchange_partitions(snapshot, meta, rank, size, group)
+        except ReplicaMismatchError as exc:
+            raise MemberCannotContinueError(MemberErrorCause.REPLICAS_DISAGREE, str(exc)) from exc
+        except RuntimeError as exc:  # the new group broke under the exchange
+            self.parts.waits.check(self.generation)
+            raise RendezvousFailedError(f"replica exchange of generation {self.generation}: {exc}") from exc
 
     def _send_ack(self, source: RestoreSource, restore_step: int, last_completed: int) -> None:
         config = self.parts.config
@@ -541,3 +562,8 @@ def _at(mark: float | None) -> float:
     """A mark the rebuild has passed by now (`run` sets `begin`, `restore` `restored`, `_send_ack` `ready`)."""
     assert mark is not None
     return mark
+
+
+def _over_group(meta: SnapshotMeta) -> bool:
+    """Whether the snapshot is a partition over the whole group (DDP), which names the rank it is."""
+    return meta.partitioned and not meta.partition.within_shard

@@ -14,12 +14,13 @@ error handling is set, and why.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -250,6 +251,9 @@ class GenerationGroup:
         self._retired: list[tuple[float, Any]] = []
         """(monotonic time dropped, process group) of earlier generations, oldest first."""
         self._sockets: dict[int, str] = {}
+        self._service_ports: set[int] = set()
+        self._subgroups: list[Any] = []
+        """Groups the user's wrapper made from this generation's (`wrapping`): NCCL aborts them too."""
         self._forming: tuple[int, dict[int, str], set[int], dict[int, str]] | None = None
         """(generation, sockets before, service ports, rendezvous client sockets) while creating a group."""
 
@@ -303,8 +307,29 @@ class GenerationGroup:
         }
         with self._lock:
             self._generation, self._backend, self._sockets = generation, backend, created
-            self._group = dist.group.WORLD
+            self._group, self._service_ports, self._subgroups = dist.group.WORLD, service_ports, []
         return dist.group.WORLD
+
+    @contextlib.contextmanager
+    def wrapping(self) -> Iterator[None]:
+        """Around the user's wrapper (training thread): the groups it makes from this generation's
+        (HSDP's and TP's meshes: `new_group` connects each at once) and their peer connections are
+        this generation's too, and `abort()` breaks them with the group's own. Without it a rank
+        waiting in a subgroup for a peer that left the collective (its own group broke) is woken by
+        nothing until its collective timeout."""
+        before, groups_before = _socket_fds(), set(_registered_groups())
+        try:
+            yield
+        finally:
+            opened = {
+                fd: link
+                for fd, link in _socket_fds().items()
+                if before.get(fd) != link and _is_peer_connection(fd, self._service_ports)
+            }
+            made = [g for g in _registered_groups() if g not in groups_before]
+            with self._lock:
+                self._sockets.update(opened)
+                self._subgroups += made
 
     def forming_generation(self) -> int | None:
         """The generation whose group is being created right now, if any (any thread)."""
@@ -334,7 +359,8 @@ class GenerationGroup:
             if self._backend == "nccl":
                 if self._aborted is self._group:
                     return False
-                _abort_group(self._group)  # this generation's communicator, whatever WORLD is by now
+                for group in (self._group, *self._subgroups):  # this generation's, whatever WORLD is now
+                    _abort_group(group)
                 self._aborted = self._group
                 return True
             if not self._sockets:
@@ -441,6 +467,13 @@ def _shutdown_connected(fd: int, link: str) -> None:
         pass
     finally:
         sock.detach()  # the descriptor stays gloo's to close
+
+
+def _registered_groups() -> list[Any]:
+    """The process groups torch has registered (the default one and every `new_group`): torch keeps
+    them in its private `_world`, and has no public listing; none if that changes."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}) or {})
 
 
 def _abort_group(group: Any) -> None:

@@ -88,20 +88,22 @@ def broadcast_bytes(
     staging_device: torch.device | None,
     chunk_bytes: int = EXCHANGE_CHUNK_BYTES,
 ) -> None:
-    """Broadcast the first `nbytes` of the host uint8 tensor `host` from `src` to every rank's `host`.
+    """Broadcast the first `nbytes` of the host uint8 tensor `host` from `src` (a rank of `group`, and
+    `rank` this one's there) to every rank's `host`.
     With `staging_device`, the bytes go through one buffer of at most `chunk_bytes` there, a chunk at a
     time (NCCL moves device tensors only); without, the host tensor is broadcast as it is."""
     if nbytes == 0:
         return
+    root = dist.get_global_rank(group, src) if group is not None else src  # `src` is a rank of `group`
     if staging_device is None:
-        dist.broadcast(host[:nbytes], src=src, group=group)
+        dist.broadcast(host[:nbytes], src=root, group=group)
         return
     stage = torch.empty(min(chunk_bytes, nbytes), dtype=torch.uint8, device=staging_device)
     for offset, size in chunk_spans(nbytes, chunk_bytes):
         piece = stage[:size]
         if rank == src:
             piece.copy_(host[offset : offset + size])
-        dist.broadcast(piece, src=src, group=group)
+        dist.broadcast(piece, src=root, group=group)
         if rank != src:
             host[offset : offset + size].copy_(piece)
 

@@ -10,18 +10,34 @@ over the new group, `to_empty` gives it local shards, and the snapshot's shards 
 Each rank's snapshot holds its own shards (the DTensors' local tensors) of the parameters and of
 the optimizer state, so a spare that takes rank r loads rank r's shards: the same world size and the
 same rank give the same sharding.
+
+HSDP (`fully_shard` on a 2-D mesh: replicate by shard) keeps each shard on every rank of its replica
+group (`replica_group`): those ranks snapshot a partition of it each, and exchange the partitions over
+that group when a rebuild loads them.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["fresh_copy", "is_fully_sharded", "meta_template"]
+__all__ = ["ReplicaGroup", "fresh_copy", "is_fully_sharded", "meta_template", "replica_group"]
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks that hold the same shards as this one (HSDP's replicate dimension): this rank is
+    `index` of `size`, and `group` is their process group."""
+
+    index: int
+    size: int
+    group: Any
 
 
 def is_fully_sharded(module: nn.Module) -> bool:
@@ -44,3 +60,20 @@ def fresh_copy(template: nn.Module) -> nn.Module:
     """A new module to shard, from `meta_template`'s template (still on the meta device)."""
     fresh: nn.Module = copy.deepcopy(template)
     return fresh
+
+
+def replica_group(module: nn.Module) -> ReplicaGroup | None:
+    """This rank's replica group if `module` is sharded by HSDP: every parameter a DTensor on one 2-D
+    mesh, replicated on its first dimension (of more than one rank) and sharded on its second. None
+    otherwise (plain FSDP, DDP, a single replica, or a layout DeadPool does not partition)."""
+    meshes = {id(p.device_mesh): p for p in module.parameters() if isinstance(p, DTensor)}
+    params = list(module.parameters())
+    if len(meshes) != 1 or not all(isinstance(p, DTensor) for p in params):
+        return None
+    (sample,) = meshes.values()
+    mesh = sample.device_mesh
+    if mesh.ndim != 2 or mesh.size(0) < 2:
+        return None
+    if not all(isinstance(p, DTensor) and isinstance(p.placements[0], Replicate) for p in params):
+        return None
+    return ReplicaGroup(mesh.get_local_rank(0), mesh.size(0), mesh.get_group(0))

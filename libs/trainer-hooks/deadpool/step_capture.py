@@ -20,6 +20,7 @@ from deadpool.durable_tier import DurableWriter
 from deadpool.errors import MemberCannotContinueError
 from deadpool.host_copy import HostCopy
 from deadpool.member_config import MemberConfig
+from deadpool.sharded_module import replica_group
 from deadpool.snapshot_cadence import ANNOUNCE_EVERY_S, SnapshotCadence
 from deadpool.snapshot_layout import SnapshotLayout, plan_layout
 from deadpool.snapshot_worker import SnapshotWorker
@@ -244,11 +245,14 @@ class StepCapture:
         self.worker.drop_stores(keep=set(placement.placement[rank]), generation=placement.generation)
 
     def _partition(self) -> Partition:
-        """Snapshot only a share of the parameters when they are replicated (data parallelism)."""
-        replicated = find_ddp(self.objects.model) is not None and self.config.snapshot_partition
-        if not replicated or self.rank is None or self.world_size < 2:
+        """Snapshot only a share of the parameters when they are replicated: across the group (DDP),
+        or across the replicas of this rank's shards (HSDP)."""
+        if not self.config.snapshot_partition or self.rank is None or self.world_size < 2:
             return WHOLE
-        return Partition(self.rank, self.world_size)
+        if find_ddp(self.objects.model) is not None:
+            return Partition(self.rank, self.world_size)
+        replicas = replica_group(self.objects.module)
+        return WHOLE if replicas is None else Partition(replicas.index, replicas.size, within_shard=True)
 
     def _sources(self, tree: StateTree) -> tuple[SnapshotSources, SnapshotLayout]:
         """The snapshot's plan: made again whenever the optimizer's state tensors are other tensors

@@ -11,6 +11,10 @@ optimizer's shard. The union of the W snapshots of a step holds everything once.
 partition comes first in the layout (`SnapshotMeta.shared_bytes`), so on recovery each rank sends its
 partition to the others over the new process group (see `replica_exchange`).
 
+Under HSDP (`fully_shard` on a 2-D mesh, replicas by shards) the ranks of one replica group hold the
+same shards: each snapshots its partition of them (`Partition.within_shard`), so the bytes per rank are
+the shard's divided by the replicas, and the partitions travel over the mesh's replicate dimension.
+
 The **state tree** (`state_tree`): everything that is not a top-level optimizer state tensor, read
 afresh at every capture: the optimizer's param groups (a tensor learning rate included), its
 non-tensor and nested state (SparseAdam's integer `step`, LBFGS's history lists), and the state of
@@ -91,6 +95,9 @@ class Partition:
 
     rank: int = 0
     world_size: int = 1
+    within_shard: bool = False
+    """Among the replicas of this rank's shards (HSDP: its coordinate on the mesh's replicate
+    dimension), not among all ranks of the group (DDP)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -346,7 +353,7 @@ class SnapshotMeta:
                 "rng": self.rng,
                 "tree": self.tree,
                 "extra": self.extra,
-                "partition": [self.partition.rank, self.partition.world_size],
+                "partition": [self.partition.rank, self.partition.world_size, self.partition.within_shard],
                 "shared_count": self.shared_count,
             },
             use_bin_type=True,
@@ -357,14 +364,16 @@ class SnapshotMeta:
     def decode(cls, data: bytes) -> SnapshotMeta:
         try:
             m = msgpack.unpackb(data, raw=False, strict_map_key=False)
-            rank, world_size = (int(v) for v in m["partition"])
+            rank, world_size, *flag = m["partition"]  # [rank, world] before HSDP's
+            if len(flag) > 1 or not all(isinstance(f, bool) for f in flag):
+                raise ValueError(f"partition {m['partition']!r}")
             meta = cls(
                 step=int(m["step"]),
                 layout=SnapshotLayout.unpack(m["layout"]),
                 rng=dict(m["rng"]),
                 tree=bytes(m["tree"]),
                 extra=dict(m["extra"]),
-                partition=Partition(rank, world_size),
+                partition=Partition(int(rank), int(world_size), bool(flag) and flag[0]),
                 shared_count=int(m["shared_count"]),
             )
         except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
