@@ -300,3 +300,24 @@ def test_a_rank_whose_snapshots_grow_asks_again_for_the_new_size() -> None:
     assert memory.prefault_wanted() == [4, 4]
     upload(memory, 1, b"0123456789ab")  # the optimizer's state appeared
     assert memory.prefault_wanted() == [12, 12]
+
+
+def test_a_fresh_buffer_the_host_cannot_give_is_refused_whatever_the_capacity() -> None:
+    """Seen in bench/scale.py: two stores with 8 GiB each on a 23 GB host, and the OOM killer ended one."""
+    available = [100]
+    memory = SnapshotMemory(capacity_bytes=10_000, host_available=lambda: available[0], host_reserve_bytes=20)
+    memory.chunk_target(PutChunk("j", 1, 0, "m0", 1, 0, CHUNK, 40))  # 36 still promised: 100 - 36 - 20 = 44
+    with pytest.raises(StoreError, match="host memory"):
+        memory.chunk_target(PutChunk("j", 1, 1, "m0", 1, 0, CHUNK, 45))
+    assert memory.unfilled_bytes == 40 - CHUNK, "the chunk received is taken from the host, not promised"
+    memory.abandon(("j", 0, 1), None)
+    memory.finished("j", 1)
+    assert memory.unfilled_bytes == 0 and memory.host_room_for(80) and not memory.host_room_for(81)
+    upload(memory, 1, b"x" * 40, generation=2)
+    available[0] = 50  # the upload's 40 bytes are the host's now: a fresh 40 would not fit
+    memory.commit("j", 1, generation=2)
+    memory.finished("j", 2)  # its buffer goes to the pool: a next upload of that size takes no fresh memory
+    upload(memory, 2, b"y" * 40, generation=3)
+    assert memory.unfilled_bytes == 0
+    memory = SnapshotMemory(capacity_bytes=10_000, host_available=lambda: None, host_reserve_bytes=20)
+    upload(memory, 1, b"z" * 400)  # where the host's memory is unknown, only the capacity counts

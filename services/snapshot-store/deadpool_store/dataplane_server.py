@@ -175,8 +175,8 @@ class DataPlaneServer:
     async def _fault_in_pool(self) -> None:
         while self._prefault_sizes:
             nbytes = self._prefault_sizes.pop(0)
-            if not self.memory.room_for_pooled(nbytes):
-                continue
+            if not self.memory.room_for_pooled(nbytes) or not self.memory.host_room_for(nbytes):
+                continue  # the capacity, or the host's memory, is taken
             started = time.monotonic()
             data = await asyncio.to_thread(_faulted_in, nbytes)
             kept = self.memory.offer_pooled(data)

@@ -40,10 +40,12 @@ from __future__ import annotations
 import mmap
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deadpool_protocol.dataplane import PutChunk, Seal, chunk_checksum, chunk_spans
 from deadpool_protocol.errors import DeadPoolError
+from deadpool_store import host_memory
 
 __all__ = ["SnapshotKey", "SnapshotMemory", "StoreError", "StoredSnapshot"]
 
@@ -91,6 +93,8 @@ class StoredSnapshot:
     writer: object = None
     """The connection whose chunks are being received into it (unsealed only): when that connection
     closes, or starts another upload, this one is freed at once (`abandon`)."""
+    unfilled: int = 0
+    """Bytes of a fresh buffer (not from the pool) no chunk has touched yet: memory the host still owes."""
 
     @property
     def key(self) -> SnapshotKey:
@@ -99,13 +103,26 @@ class StoredSnapshot:
 
 class SnapshotMemory:
     def __init__(
-        self, capacity_bytes: int, keep_committed: int = 2, uncommitted_max: int = 4, job_unsealed_share: float = 0.5
+        self,
+        capacity_bytes: int,
+        keep_committed: int = 2,
+        uncommitted_max: int = 4,
+        job_unsealed_share: float = 0.5,
+        host_available: Callable[[], int | None] = host_memory.available_bytes,
+        host_reserve_bytes: int | None = None,
     ) -> None:
         if capacity_bytes <= 0 or keep_committed < 1 or uncommitted_max < 1:
             raise ValueError("capacity_bytes, keep_committed and uncommitted_max must be positive")
         if not 0 < job_unsealed_share <= 1:
             raise ValueError("job_unsealed_share is a share of the capacity: above 0, at most 1")
         self.capacity_bytes = capacity_bytes
+        self.host_available = host_available
+        """The host's memory still available (None: unknown, not checked): a fresh buffer must fit it."""
+        self.host_reserve_bytes = host_memory.reserve_bytes() if host_reserve_bytes is None else host_reserve_bytes
+        """What the store leaves free on the host for everything else."""
+        self.unfilled_bytes = 0
+        """Bytes of fresh buffers of uploads in progress not received yet: not yet taken from the host's
+        available memory, but promised."""
         self.job_unsealed_max_bytes = int(capacity_bytes * job_unsealed_share)
         """The bytes one job's unsealed uploads may hold. A store sized for its jobs (2 committed steps
         and one in flight per rank) has a job's in-flight step within a third of its capacity."""
@@ -172,6 +189,9 @@ class SnapshotMemory:
                 )
             snap.charged_offsets.add(chunk.offset)
             snap.charged += chunk.nbytes
+            filled = min(snap.unfilled, chunk.nbytes)
+            snap.unfilled -= filled
+            self.unfilled_bytes -= filled
             self.used_bytes += chunk.nbytes
             self.unsealed_bytes[chunk.job] += chunk.nbytes
         snap.writer = writer
@@ -319,6 +339,13 @@ class SnapshotMemory:
                 f"a snapshot of {chunk.total_bytes} bytes can never fit the capacity of {self.capacity_bytes}; "
                 "start the store with a larger --capacity-bytes"
             )
+        fresh = not self._pool.get(chunk.total_bytes)
+        if fresh and not self.host_room_for(chunk.total_bytes):
+            raise StoreError(
+                f"host memory: a snapshot of {chunk.total_bytes} bytes would leave less than "
+                f"{self.host_reserve_bytes} bytes free on this store's host ({self.host_available()} available, "
+                f"{self.unfilled_bytes} promised to uploads in progress), whatever its capacity"
+            )
         snap = StoredSnapshot(
             job=chunk.job,
             rank=chunk.rank,
@@ -328,7 +355,9 @@ class SnapshotMemory:
             total_bytes=chunk.total_bytes,
             data=self._allocate(chunk.total_bytes),
             started_t=time.monotonic(),
+            unfilled=chunk.total_bytes if fresh else 0,
         )
+        self.unfilled_bytes += snap.unfilled
         self._snapshots[key] = snap
         seen = (chunk.job, chunk.rank, chunk.total_bytes)
         if seen not in self._ranks_seen:
@@ -343,6 +372,12 @@ class SnapshotMemory:
         """The buffer sizes to fault in for the pool (each once: the list is handed over and emptied)."""
         wanted, self._prefault = self._prefault, []
         return wanted
+
+    def host_room_for(self, nbytes: int) -> bool:
+        """Whether the host can give `nbytes` more of fresh memory and keep its reserve, beside what the
+        uploads in progress will still take."""
+        available = self.host_available()
+        return available is None or nbytes <= available - self.unfilled_bytes - self.host_reserve_bytes
 
     def room_for_pooled(self, nbytes: int) -> bool:
         """Whether a buffer of `nbytes` more would fit in the pool now (stored + pooled within capacity)."""
@@ -367,7 +402,10 @@ class SnapshotMemory:
             self._drop(key)
 
     def _release_unsealed(self, snap: StoredSnapshot) -> None:
-        """`snap` is sealed or dropped: its bytes no longer count against its job's unsealed share."""
+        """`snap` is sealed or dropped: its bytes no longer count against its job's unsealed share,
+        nor as memory the host still owes it."""
+        self.unfilled_bytes -= snap.unfilled
+        snap.unfilled = 0
         self.unsealed_bytes[snap.job] -= snap.charged
         if self.unsealed_bytes[snap.job] <= 0:
             del self.unsealed_bytes[snap.job]

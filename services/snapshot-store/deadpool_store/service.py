@@ -84,6 +84,14 @@ class StoreService:
         self.log = log
         self._refusals = RefusalLog(log)
         self.memory = SnapshotMemory(config.capacity_bytes)
+        available = self.memory.host_available()
+        if available is not None and config.capacity_bytes > available - self.memory.host_reserve_bytes:
+            log.warning(
+                "capacity past the host's available memory: uploads past that are refused",
+                capacity_bytes=config.capacity_bytes,
+                available_bytes=available,
+                reserve_bytes=self.memory.host_reserve_bytes,
+            )
         self.metrics = Metrics("deadpool-store")
         store = {"store": config.store_id}
         self.metrics.gauge(
