@@ -66,14 +66,12 @@ def replica_group(module: nn.Module) -> ReplicaGroup | None:
     """This rank's replica group if `module` is sharded by HSDP: every parameter a DTensor on one 2-D
     mesh, replicated on its first dimension (of more than one rank) and sharded on its second. None
     otherwise (plain FSDP, DDP, a single replica, or a layout DeadPool does not partition)."""
-    meshes = {id(p.device_mesh): p for p in module.parameters() if isinstance(p, DTensor)}
-    params = list(module.parameters())
-    if len(meshes) != 1 or not all(isinstance(p, DTensor) for p in params):
+    params = [p for p in module.parameters() if isinstance(p, DTensor)]
+    if not params or len(params) != sum(1 for _ in module.parameters()):
         return None
-    (sample,) = meshes.values()
-    mesh = sample.device_mesh
-    if mesh.ndim != 2 or mesh.size(0) < 2:
+    mesh = params[0].device_mesh
+    if mesh.ndim != 2 or mesh.size(0) < 2 or any(p.device_mesh is not mesh for p in params):
         return None
-    if not all(isinstance(p, DTensor) and isinstance(p.placements[0], Replicate) for p in params):
+    if not all(isinstance(p.placements[0], Replicate) for p in params):
         return None
     return ReplicaGroup(mesh.get_local_rank(0), mesh.size(0), mesh.get_group(0))

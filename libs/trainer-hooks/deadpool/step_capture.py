@@ -114,6 +114,8 @@ class StepCapture:
         self._unprotected: tuple[int, float] | None = None
         """(first step, when it was last said) while no store receives this rank's snapshots."""
         self._plan: tuple[PlanKey, SnapshotSources, SnapshotLayout] | None = None
+        self._partition_of: tuple[int, Partition] | None = None
+        """(generation, this rank's partition in it): the model is wrapped once per generation."""
         self.cadence = SnapshotCadence(config.snapshot_budget, config.snapshot_every or None)
         """Which steps are streamed: every K-th, K agreed with the peers (`snapshot_cadence`)."""
         self._streams_seen = -1
@@ -246,13 +248,18 @@ class StepCapture:
 
     def _partition(self) -> Partition:
         """Snapshot only a share of the parameters when they are replicated: across the group (DDP),
-        or across the replicas of this rank's shards (HSDP)."""
+        or across the replicas of this rank's shards (HSDP). Found once per generation."""
+        if self._partition_of is not None and self._partition_of[0] == self.generation:
+            return self._partition_of[1]
+        partition = WHOLE
         if not self.config.snapshot_partition or self.rank is None or self.world_size < 2:
-            return WHOLE
-        if find_ddp(self.objects.model) is not None:
-            return Partition(self.rank, self.world_size)
-        replicas = replica_group(self.objects.module)
-        return WHOLE if replicas is None else Partition(replicas.index, replicas.size, within_shard=True)
+            pass
+        elif find_ddp(self.objects.model) is not None:
+            partition = Partition(self.rank, self.world_size)
+        elif (replicas := replica_group(self.objects.module)) is not None:
+            partition = Partition(replicas.index, replicas.size, within_shard=True)
+        self._partition_of = (self.generation, partition)
+        return partition
 
     def _sources(self, tree: StateTree) -> tuple[SnapshotSources, SnapshotLayout]:
         """The snapshot's plan: made again whenever the optimizer's state tensors are other tensors
