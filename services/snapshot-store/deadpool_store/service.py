@@ -84,12 +84,11 @@ class StoreService:
         self.log = log
         self._refusals = RefusalLog(log)
         self.memory = SnapshotMemory(config.capacity_bytes)
-        available = self.memory.host_available()
-        if available is not None and config.capacity_bytes > available - self.memory.host_reserve_bytes:
+        if not self.memory.host_room_for(config.capacity_bytes):
             log.warning(
                 "capacity past the host's available memory: uploads past that are refused",
                 capacity_bytes=config.capacity_bytes,
-                available_bytes=available,
+                available_bytes=self.memory.host_available(),
                 reserve_bytes=self.memory.host_reserve_bytes,
             )
         self.metrics = Metrics("deadpool-store")
