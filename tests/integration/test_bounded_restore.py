@@ -46,6 +46,7 @@ JOB, RANK, STEP, GENERATION, MEMBER = "bounded-restore", 0, 3, 2, "member-1"
 CHUNK_BYTES = 64 * 1024
 """A snapshot of `make_model` (3 MiB) in about 50 chunks."""
 DEADLINE = FetchDeadline(base_s=2.0)
+LANDING_WAIT_S = 30.0
 """Short, so the trickle tests take seconds; the bound, not its size, is what they check."""
 MARGIN_S = 2.0
 """Past the deadline: the abandoned fetch's close and the honest store's fetch."""
@@ -316,6 +317,9 @@ async def test_a_warm_spare_lands_in_its_buffer_and_after_a_copy_failing_midway_
     landing = SpareLanding(snapshot_bytes_max(fresh_model()), pin=False, log=get_logger(test="bounded-restore"))
     landing.want(meta.layout.total_bytes)
     landing.start()
+    # A spare's restore comes after its landing is warm; without this wait a busy machine let the
+    # restore ask before the faulting thread had made the buffer (CI: nothing was taken).
+    assert landing.wait_faulted(meta.layout.total_bytes, LANDING_WAIT_S), "the landing was not faulted in"
     taken: list[torch.Tensor] = []
 
     def take(nbytes: int) -> torch.Tensor | None:
