@@ -54,7 +54,7 @@ class WatchedCore(SwapperCore):
         return super().tick_job(job, now)
 
     def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
-        self.seen.append((sc.step, sc.rank))
+        self.seen.append((sc.step, sc.ranks[0]))
         return super().on_snapshot_complete(sc, now)
 
 
@@ -107,7 +107,7 @@ async def test_a_worker_reads_every_event_in_order_with_deadlines_past_and_rules
         sent = [(step, rank) for step in range(1, 21) for rank in range(W)]
         for step, rank in sent:
             stored = await events.publish(
-                subjects.snapshot_complete_by("store0"), SnapshotComplete(JOB, 1, "store0", rank, f"r{rank}", step, 10)
+                subjects.snapshot_complete_by("store0"), SnapshotComplete(JOB, 1, "store0", step, [rank], [10])
             )
             assert stored
         await until(lambda: len(core.seen) == len(sent), "every snapshot report handled")

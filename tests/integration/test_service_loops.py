@@ -89,7 +89,7 @@ async def test_an_event_that_waited_long_in_the_inbox_is_logged_when_its_wait_is
     now = time.monotonic()
     with capture_logs() as logs:
         for seq, waited_s in ((1, 1.0), (2, 0.8), (3, 0.1), (4, 1.5)):
-            complete = SnapshotComplete("waits", 1, "store0", 0, "r0", seq, 10)
+            complete = SnapshotComplete("waits", 1, "store0", seq, [0], [10])
             worker._decide(Event(complete, seq, received=now - waited_s), now)
     waits = [
         (line["kind"], line["seq"], line["waited_s"]) for line in logs if line["event"] == "event waited in the inbox"

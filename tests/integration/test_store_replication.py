@@ -92,7 +92,7 @@ async def test_a_snapshot_is_copied_store_to_store_with_its_generation_member_an
     await nc.publish(store_replicate("s0"), encode(request))
     await nc.publish(store_replicate("s0"), encode(request))  # asked twice (a retransmission): one copy
     complete = await asyncio.wait_for(next_from(completes, "s1"), WAIT_S)
-    assert (complete.store, complete.rank, complete.step, complete.generation) == ("s1", 1, 9, 4)
+    assert (complete.store, complete.ranks, complete.step, complete.generation) == ("s1", [1], 9, 4)
     copied, generation, member = await asyncio.to_thread(fetch, target, "j", 1, 9)
     assert copied == data and generation == 4 and member == "member-a"
 

@@ -64,7 +64,7 @@ async def test_a_streamed_snapshot_is_sealed_announced_and_served_back(nc: Clien
 
     await asyncio.to_thread(upload)
     complete = await asyncio.wait_for(completes.get(), 10)
-    assert (complete.rank, complete.step, complete.nbytes, complete.store) == (3, 7, len(data), "s0")
+    assert (complete.ranks, complete.step, complete.nbytes, complete.store) == ([3], 7, [len(data)], "s0")
 
     received = bytearray()
 

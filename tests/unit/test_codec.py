@@ -74,7 +74,7 @@ EXAMPLES: list[Message] = [
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
-    SnapshotComplete("j", 1, "s0", 0, "m0", 5, 1024),
+    SnapshotComplete("j", 1, "s0", 5, [0], [1024]),
     Commit("j", 1, 5),
     JobFinished("j", 1, 100),
     Incident("j", 2, "j-1", 0, "m0", "m2", "exit", 1.0, 1.1, 1.2, 2.0, 7, 0, {"detect": 0.1}, {"pid": "1"}),

@@ -131,17 +131,17 @@ def test_the_detector_forgets_finished_and_silent_jobs_and_watches_a_bounded_num
 
 
 def test_a_snapshot_of_a_step_far_beyond_the_committed_one_never_commits() -> None:
-    core, formation = formed_core(stores=1)
+    core, _formation = formed_core(stores=1)
     state = core.jobs["j"]
     for rank in range(2):
-        core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", rank, formation.ranks[rank], 0, 10), 2.0)
+        core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", 0, [rank], [10]), 2.0)
     assert state.committed_step == 0
     for rank in range(2):
-        decision = core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", rank, "m", HUGE, 10), 2.1)
+        decision = core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", HUGE, [rank], [10]), 2.1)
         assert "beyond the committed step" in decision.reason
     assert state.committed_step == 0
     for rank in range(2):  # real steps still commit
-        core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", rank, formation.ranks[rank], 1, 10), 2.2)
+        core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", 1, [rank], [10]), 2.2)
     assert state.committed_step == 1
 
 

@@ -109,8 +109,7 @@ def held_job(hold_s: float) -> tuple[SwapperCore, Rebuild]:
     (formation,) = [m for d in decisions for m in published(d, Rebuild)]
     for rank, member in enumerate(formation.ranks):
         core.on_ack(RebuildAck("j", 1, member, rank, -1, -1, RestoreSource.FRESH, RebuildMarks(), 0.0), 0.0)
-    for rank, member in enumerate(formation.ranks):
-        core.on_snapshot_complete(SnapshotComplete("j", 1, "s0", rank, member, 4, 100), 0.5)
+    core.on_snapshot_complete(SnapshotComplete("j", 1, "s0", 4, list(range(W)), [100] * W), 0.5)
     assert core.jobs["j"].committed_step == 4
     return core, formation
 

@@ -107,7 +107,7 @@ EXAMPLES: list[Message] = [
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
     GenerationVoid("j", 1, "rank 0 failed", 1.0),
-    SnapshotComplete("j", 1, "s0", 0, "m0", 5, 1024),
+    SnapshotComplete("j", 1, "s0", 5, [0], [1024]),
     Commit("j", 1, 5),
     JobFinished("j", 1, 100, True, "the swapper ended it"),
     Incident("j", 2, "j-1", 0, "m0", "m2", "exit", 1.0, 1.1, 1.2, 2.0, 7, 0, {"detect": 0.1}, {"pid": "1"}),

@@ -59,7 +59,7 @@ def complete(core: SwapperCore, step: int, stores_of: list[list[str]], now: floa
     commits: list[Commit] = []
     for rank, stores in enumerate(stores_of):
         for store in stores:
-            sc = SnapshotComplete("j", core.jobs["j"].generation, store, rank, f"r{rank}", step, 1000)
+            sc = SnapshotComplete("j", core.jobs["j"].generation, store, step, [rank], [1000])
             commits += published(core.on_snapshot_complete(sc, now), Commit)
     return commits
 
@@ -91,7 +91,7 @@ def test_a_lost_store_gets_a_new_placement_and_its_committed_copies_are_made_aga
     assert core.replicas_short("j", 1.6) == len(short)
 
     for replica in replicas:  # the target seals the copy and says so
-        sc = SnapshotComplete("j", 1, replica.target.store, replica.rank, f"r{replica.rank}", 4, 1000)
+        sc = SnapshotComplete("j", 1, replica.target.store, 4, [replica.rank], [1000])
         assert published(core.on_snapshot_complete(sc, 1.8), Commit) == []
     assert core.replicas_short("j", 1.8) == 0
     announce(core, 3.0, survivors)
@@ -214,7 +214,7 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
     assert core.jobs["j"].open_incidents[0].evidence["restore_link"] == "durable"
     assert "no copy of rank(s) [1] to be had" in core.jobs["j"].open_incidents[0].evidence["restore_reason"]
 
-    sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 0, "r0", 3, 1000)
+    sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 3, [0], [1000])
     core.on_snapshot_complete(sc, 2.2)  # the resumed step, sealed before the acks
     ack_all(core, rebuild, RestoreSource.DURABLE, 3, 2.3)
     (incident,) = published(first_steps(core, rebuild, 2.5), Incident)

@@ -42,7 +42,7 @@ def test_a_stores_announcement_and_reports_are_taken_on_its_own_subjects_only() 
     status = StoreStatus("store-1", "127.0.0.1", 7001, 0, 100, 0, time.time())
     assert subject_refusal(store_announce("store-1"), status) == ""
     assert "another store's subject" in subject_refusal(store_announce("store-0"), status)
-    report = SnapshotComplete("job-a", 1, "store-1", 0, "m-0", 5, 10)
+    report = SnapshotComplete("job-a", 1, "store-1", 5, [0], [10])
     assert subject_refusal(A.snapshot_complete_by("store-1"), report) == ""
     assert "another store's subject" in subject_refusal(A.snapshot_complete_by("store-0"), report)
     assert "another job's subject" in subject_refusal(B.snapshot_complete_by("store-1"), report)

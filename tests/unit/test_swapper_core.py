@@ -120,11 +120,11 @@ def test_a_hello_with_another_world_size_is_refused() -> None:
 
 
 def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_committed_step() -> None:
-    core, formation = formed_core(spares=("same-host", "other-host"))
+    core, _formation = formed_core(spares=("same-host", "other-host"))
     core.jobs["j"].members["same-host"].host = "h0"
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 4, [rank], [10]), 2.0)
     decision = fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02)
     (rebuild,) = published(decision, Rebuild)
     assert rebuild.generation == 2
@@ -137,11 +137,11 @@ def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_co
 def crash_copy_core() -> SwapperCore:
     """Ranks r0, r1 on host h0 (launcher l-h0), step 4 committed on both stores; spares "here" on h0
     and "there" on h1."""
-    core, formation = formed_core(spares=("there",))
+    core, _formation = formed_core(spares=("there",))
     core.on_hello(hello("here", -1, host="h0"), 0.3)
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 4, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 4, [rank], [10]), 2.0)
     return core
 
 
@@ -294,10 +294,10 @@ def test_without_a_spare_the_generation_stays_void_until_one_registers() -> None
 
 
 def test_an_incident_ends_at_every_ranks_first_step_with_its_phases_and_lost_steps() -> None:
-    core, formation = formed_core()
+    core, _formation = formed_core()
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 3, [rank], [10]), 2.0)
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
     early = StepResumed("j", rebuild.generation, "r0", 0, 4, 5.9)  # may be stored before the last ack
     assert published(core.on_step_resumed(early, 5.65), Incident) == []
@@ -319,10 +319,10 @@ def test_an_incident_ends_at_every_ranks_first_step_with_its_phases_and_lost_ste
 def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
     """A survivor whose own buffers no longer hold the restore step fetches it: its completed steps
     are lost all the same (this once reported 0 lost steps for a recovery that went back 6)."""
-    core, formation = formed_core()
+    core, _formation = formed_core()
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 1, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 1, [rank], [10]), 2.0)
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.6, source=RestoreSource.STORE, last=7), 5.6)
     core.on_ack(ack(rebuild, "s", 5.7, source=RestoreSource.STORE), 5.7)
@@ -334,7 +334,7 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
     core, formation = formed_core()
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 5, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 5, [rank], [10]), 2.0)
     broken = GroupBroken("j", 1, ["r1", "r0"], {"first_to_leave": "r1"}, 5.0, 7.0)
     (rebuild,) = published(core.on_group_broken(broken, 7.0), Rebuild)
     assert rebuild.generation == 2 and rebuild.ranks == formation.ranks and rebuild.spares == ["s"]
@@ -396,23 +396,23 @@ def test_an_incident_whose_first_steps_never_come_is_published_after_the_bound_w
 
 
 def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
-    core, formation = formed_core()
+    core, _formation = formed_core()
     events = [(r, s) for r in range(W) for s in ("store0", "store1")]
     for rank, store in events[:-1]:
-        decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+        decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
         assert published(decision, Commit) == []
     rank, store = events[-1]
-    decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+    decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
     (commit,) = published(decision, Commit)
     assert commit.step == 6 and core.jobs["j"].committed_step == 6
 
 
 def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
-    core, formation = formed_core()
+    core, _formation = formed_core()
     fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # restore step 0
     for rank in range(W):
         for store in ("store0", "store1"):
-            late = SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 3, 10)
+            late = SnapshotComplete("j", 1, store, 3, [rank], [10])
             assert "stale" in core.on_snapshot_complete(late, 5.5).reason
     assert core.jobs["j"].committed_step == -1
 
@@ -433,10 +433,10 @@ def test_a_done_counts_only_from_the_ranks_own_member_at_the_jobs_last_step() ->
     for a rank its sender does not hold, or below the committed step, is refused; ranks done at different
     steps finish nothing, until each says the step the others did (a member's later done replaces its
     earlier one)."""
-    core, formation = formed_core()
+    core, _formation = formed_core()
     for rank in range(W):
         for store in ("store0", "store1"):
-            core.on_snapshot_complete(SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 6, 10), 2.0)
+            core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
     assert core.jobs["j"].committed_step == 6
     assert "does not hold" in core.on_done(MemberDone("j", 1, "r0", 1, 40), 3.0).reason
     assert "below the committed step" in core.on_done(MemberDone("j", 1, "r1", 1, 5), 3.0).reason
@@ -587,11 +587,9 @@ def test_a_rank_lost_during_formation_starts_the_next_generation_fresh_again() -
 def test_a_snapshot_report_from_a_store_the_rank_is_not_placed_on_counts_for_nothing() -> None:
     """Forged completions once committed step 5,000 while the job was at step 48: a report counts only
     from a store the rank's placement names."""
-    core, formation = formed_core()
+    core, _formation = formed_core()
     for rank in range(W):
         for store in ("rogue-0", "rogue-1"):
-            decision = core.on_snapshot_complete(
-                SnapshotComplete("j", 1, store, rank, formation.ranks[rank], 50, 10), 2.0
-            )
+            decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 50, [rank], [10]), 2.0)
             assert "not placed there" in decision.reason
     assert core.jobs["j"].committed_step == -1 and core.jobs["j"].completes == {}

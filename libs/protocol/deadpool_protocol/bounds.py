@@ -32,6 +32,8 @@ __all__ = [
     "INCIDENT_IDS_CHARS_MAX",
     "MEMBERS_PER_JOB_MAX",
     "MEMBER_ENTRIES",
+    "SEALED",
+    "SEALED_PER_REPORT_MAX",
     "SECTION_CHARS_MAX",
     "STORES",
     "STORES_PER_MESSAGE_MAX",
@@ -50,6 +52,7 @@ __all__ = [
     "Members",
     "Name",
     "Placements",
+    "Sealed",
     "Section",
     "Tag",
     "Text",
@@ -108,6 +111,9 @@ TIME_MARKS_MAX = 32
 """Named times or durations of one rebuild (a member's marks, an incident's phases)."""
 HEARTBEATS_PER_BATCH_MAX = 1024
 """Heartbeats in one launcher's batch (its members on one host)."""
+SEALED_PER_REPORT_MAX = 8192
+"""Ranks one store's report of sealed snapshots names (a store sealing more in one batch sends several):
+at most about 100 kB of message."""
 INCIDENT_ID_CHARS_MAX = NAME_MAX_CHARS + 32
 """An incident's id: its job's name and a counter."""
 ENTRIES_DEFAULT_MAX = 64
@@ -131,6 +137,7 @@ STORES = Bound(STORES_PER_MESSAGE_MAX, "STORES_PER_MESSAGE_MAX", "items")
 EVIDENCE = Bound(EVIDENCE_ENTRIES_MAX, "EVIDENCE_ENTRIES_MAX", "entries")
 MARKS = Bound(TIME_MARKS_MAX, "TIME_MARKS_MAX", "entries")
 BEATS = Bound(HEARTBEATS_PER_BATCH_MAX, "HEARTBEATS_PER_BATCH_MAX", "items")
+SEALED = Bound(SEALED_PER_REPORT_MAX, "SEALED_PER_REPORT_MAX", "items")
 
 DEFAULT_BOUNDS: dict[Any, Bound] = {
     str: TEXT,
@@ -154,6 +161,8 @@ IncidentIds = Annotated[str, INCIDENT_IDS]
 Members = Annotated[list[Name], MEMBERS]
 Evidence = Annotated[dict[Tag, Text], EVIDENCE]
 Marks = Annotated[dict[Tag, float], MARKS]
+Sealed = Annotated[list[int], SEALED]
+"""Per rank a store sealed, one number (its rank, its snapshot's size)."""
 Placements = Annotated[list[Annotated[list[Name], STORES]], MEMBERS]
 """Per rank, the stores its snapshots go to."""
 

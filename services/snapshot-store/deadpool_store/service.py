@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, SnapshotComplete, StoreStatus, Subjects
+from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
 from deadpool_protocol.subjects import STORE_STATUS, service_inbox, store_announce, store_replicate
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated, tls
@@ -40,6 +40,7 @@ from deadpool_store.chain_forward import StoreDirectory
 from deadpool_store.dataplane_server import DataPlaneServer
 from deadpool_store.memory import SnapshotMemory, StoredSnapshot, StoreError
 from deadpool_store.replicator import ReplicaRefusedError, push_snapshot
+from deadpool_store.sealed_reports import SealedReports
 
 __all__ = ["StoreConfig", "main"]
 
@@ -116,6 +117,7 @@ class StoreService:
             client_tls=self.tls,
         )
         self.events = EventPublisher(nc, log)
+        self.sealed = SealedReports(config.store_id, self.events.publish_soon)
         self.port = 0
         self.node = config.node or os.environ.get("DEADPOOL_HOST", "") or host_name()
         self.incarnation = secrets.token_hex(6)
@@ -137,18 +139,7 @@ class StoreService:
         )
 
     async def _on_sealed(self, snap: StoredSnapshot) -> None:
-        self.events.publish_soon(
-            Subjects.for_job(snap.job).snapshot_complete_by(self.config.store_id),
-            SnapshotComplete(
-                job=snap.job,
-                generation=snap.generation,
-                store=self.config.store_id,
-                rank=snap.rank,
-                member=snap.member,
-                step=snap.step,
-                nbytes=snap.total_bytes,
-            ),
-        )
+        self.sealed.sealed(snap.job, snap.generation, snap.step, snap.rank, snap.total_bytes)
 
     async def _on_store_status(self, status: StoreStatus, _msg: Msg) -> None:
         self.directory.heard(status, time.monotonic())
@@ -244,6 +235,7 @@ class StoreService:
         for task in list(self._replicating.values()):
             task.cancel()
         await self.server.stop()
+        self.sealed.flush()
         await self.events.drain(2.0)
         self.server.tracing.shutdown()
         self.metrics.shutdown()

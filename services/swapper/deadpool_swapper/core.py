@@ -64,6 +64,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX, INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
 from deadpool_protocol.subjects import Subjects, store_replicate
+from deadpool_swapper.commit_progress import CommitProgress
 from deadpool_swapper.placement import (
     MemberInfo,
     StoreInfo,
@@ -352,6 +353,8 @@ class JobState:
     """Since when training is held for want of a store (None: it is not)."""
     local_failed: bool = False
     """A restore from the ranks' own buffers was reported impossible since the last generation formed."""
+    commit_progress: CommitProgress = field(default_factory=CommitProgress, repr=False, compare=False)
+    """Derived from `completes` (not in the record): how many ranks each step has complete."""
 
     def started(self) -> bool:
         """A generation of this run was published (formation went out)."""
@@ -543,6 +546,7 @@ class SwapperCore:
                 for by_rank in state.completes.values():
                     for stores in by_rank.values():
                         stores.discard(status.store)
+                state.commit_progress.invalidate()
         self.stores[status.store] = StoreInfo(
             status.store,
             status.host,
@@ -1099,33 +1103,52 @@ class SwapperCore:
     # ---------------------------------------------------------------- commits and completion
 
     def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
+        """A store's report of the ranks it sealed of one step: each rank counted where its placement
+        puts it, then the newest complete step committed. O(ranks named + stores), never O(ranks)."""
         state = self.jobs.get(sc.job)
         if state is None or not state.started():
             return Decision([], f"snapshot of unknown or unformed job {sc.job}")
         if sc.generation < state.generation and sc.step > state.restore_step:
             return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
-        if sc.rank >= state.world_size:
-            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: no such rank")
         pending = state.pending
-        if not self._placed(state, sc.rank, sc.store):
-            return Decision([], f"snapshot step {sc.step} rank {sc.rank} on {sc.store}: the rank is not placed there")
-        if pending is not None and pending.command.durable and sc.generation == pending.command.generation:
-            state.durable_completes.setdefault(sc.rank, set()).add(sc.store)  # the resumed step, sealed
-            return Decision([Persist(state.job)], f"resumed step {sc.step} rank {sc.rank} on {sc.store}")
-        if sc.step == state.committed_step and sc.generation == state.committed_generation:
-            holders = state.committed_holders.setdefault(sc.rank, set())  # a replica made again, or a late copy
-            if sc.store in holders:
-                return Decision([], f"committed step {sc.step} rank {sc.rank} on {sc.store}: already counted")
-            holders.add(sc.store)
-            return Decision([Persist(state.job)], f"committed step {sc.step} rank {sc.rank} now also on {sc.store}")
-        if sc.step <= state.committed_step:
-            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: already committed")
-        lead = sc.step - max(state.committed_step, state.restore_step, 0)
-        if lead > self.config.snapshot_step_lead_max:
-            return Decision([], f"snapshot step {sc.step} rank {sc.rank}: {lead} steps beyond the committed step")
-        state.rank_bytes[sc.rank] = sc.nbytes
-        state.completes.setdefault(sc.step, {}).setdefault(sc.rank, set()).add(sc.store)
-        return self._commit_newest(state, now) or Decision([], f"step {sc.step}: rank {sc.rank} complete on {sc.store}")
+        durable = pending is not None and pending.command.durable and sc.generation == pending.command.generation
+        committed_again = sc.step == state.committed_step and sc.generation == state.committed_generation
+        if not durable and not committed_again:
+            if sc.step <= state.committed_step:
+                return Decision([], f"snapshot step {sc.step} on {sc.store}: already committed")
+            lead = sc.step - max(state.committed_step, state.restore_step, 0)
+            if lead > self.config.snapshot_step_lead_max:
+                return Decision([], f"snapshot step {sc.step} on {sc.store}: {lead} steps beyond the committed step")
+        live = frozenset(self._live_names(now))
+        refused: list[str] = []
+        changed = False
+        for rank, nbytes in zip(sc.ranks, sc.nbytes, strict=True):
+            if rank >= state.world_size:
+                refused.append(f"rank {rank}: no such rank")
+            elif not self._placed(state, rank, sc.store):
+                refused.append(f"rank {rank}: not placed there")
+            elif durable:
+                state.durable_completes.setdefault(rank, set()).add(sc.store)  # the resumed step, sealed
+                changed = True
+            elif committed_again:
+                holders = state.committed_holders.setdefault(rank, set())  # a replica made again, or a late copy
+                changed = changed or sc.store not in holders
+                holders.add(sc.store)
+            else:
+                state.rank_bytes[rank] = nbytes
+                state.commit_progress.add(
+                    state.completes, sc.step, rank, sc.store, live, state.placement, state.world_size
+                )
+        what = f"snapshot step {sc.step} on {sc.store}: {len(sc.ranks) - len(refused)} rank(s)"
+        if refused:
+            what += f", {len(refused)} refused ({'; '.join(refused[:4])})"
+        if durable or committed_again:
+            kind = "resumed" if durable else "committed"
+            return Decision([Persist(state.job)] if changed else [], f"{kind} {what}")
+        committed = self._commit_newest(state, now)
+        if committed is None:
+            return Decision([], what)  # not saved: replayed from the stream if this leader stops
+        return Decision(committed.actions, f"{what}; {committed.reason}")
 
     @staticmethod
     def _placed(state: JobState, rank: int, store: str) -> bool:
@@ -1140,8 +1163,8 @@ class SwapperCore:
         """Commit the newest step every rank has complete on its live stores, if any is newer than the
         committed one. Also asked before a restore is chosen: a complete read while its store's status
         was stale (after a pause) did not count then, and its store may have been heard since."""
-        live = self._live_names(now)
-        newly = [s for s in sorted(state.completes) if self._is_complete(state, s, live)]
+        live = frozenset(self._live_names(now))
+        newly = state.commit_progress.complete_steps(state.completes, live, state.placement, state.world_size)
         if not newly:
             return None
         step = newly[-1]
@@ -1152,19 +1175,9 @@ class SwapperCore:
         state.committed_generation = state.generation
         state.committed_holders = {rank: set(stores) for rank, stores in state.completes[step].items()}
         state.placement_confirmed = True
-        state.completes = {s: v for s, v in state.completes.items() if s > step}
+        state.commit_progress.drop_through(state.completes, step)
         commit = Commit(state.job, state.generation, step, state.snapshot_bytes_max())
         return Decision([Persist(state.job), Publish(commit)], f"step {step} committed")
-
-    def _is_complete(self, state: JobState, step: int, live: set[str]) -> bool:
-        """Every rank's snapshot of `step` is sealed on as many live stores as its placement names
-        (stores that were lost since do not count: their copies are gone)."""
-        by_rank = state.completes.get(step, {})
-        for rank in range(state.world_size):
-            needed = len(state.placement[rank]) if rank < len(state.placement) else 1
-            if len(by_rank.get(rank, set()) & live) < max(1, needed):
-                return False
-        return True
 
     # ---------------------------------------------------------------- store loss, without a rebuild
 
