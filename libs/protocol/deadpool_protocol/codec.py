@@ -344,6 +344,20 @@ def _resolved(hint: Any) -> tuple[Any, Bound | None, type]:
     return base, bound, typing.get_origin(base) or base
 
 
+def _plain_items(values: list[Any], hint: Any) -> bool:
+    """Whether every item of `values` is, at a glance, a valid `hint` (an int, or a str within its
+    bound in characters): a list of thousands (a store's sealed ranks, a rebuild's members) is checked
+    in one pass; any other list, or one with an item that is not, is checked item by item (which says
+    which item is wrong)."""
+    base, bound, _ = _resolved(hint)
+    if base is int:
+        return all(type(v) is int for v in values)
+    if base is str and bound is not None and bound.unit == "characters":
+        most = bound.most
+        return all(type(v) is str and len(v) <= most for v in values)
+    return False
+
+
 def _check_base(value: Any, hint: Any, where: str) -> Any:
     origin = typing.get_origin(hint)
     if hint is float:
@@ -362,6 +376,8 @@ def _check_base(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         (item,) = typing.get_args(hint)
+        if _plain_items(value, item):
+            return list(value)
         return [_check_type(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):

@@ -5,12 +5,19 @@ with a revision check. Its private part (the rebuild in flight, incidents, commi
 swapper's own; the `summary` part is the contract other services read, e.g. a detector that restarts
 loads each job's ranks from it. Readers validate it like any message off the bus.
 
-How it is stored (`encode_stored`, `decode_stored`): the record is compressed; when it still does not
-fit in one NATS message (the server's max payload: a record grows with the job's members, and passes
-1 MiB near 3,000 ranks uncompressed), it is split into parts under keys of their own
-(`part_key(job, tag, i)`), written before the head that names them (its `tag`, count and digest), so a
-reader that reads the head finds parts that match it or none (then it reads again). The head is the
-key under the revision check. A record larger than `RECORD_BYTES_MAX` is refused, never retried.
+How the swapper stores it (`split_record`, `pack_head`): by field. A field whose packed value is small
+(`SECTION_INLINE_BYTES`: the generation, the committed step, the timers) goes in the head; a large one
+(the members, the placement, the holders of the committed step) is a *section*, compressed and stored
+in parts of at most `RECORD_PART_BYTES_MAX` under keys named by its content's digest
+(`part_key(job, digest, i)`). A section already stored is not written again, so a save costs what
+changed: a commit writes the head (a few kB) and the sections that moved, never the membership of a
+job of 16,384 ranks (about 2 MB). Parts are written before the head that names them (by digest and
+count), so a reader that reads the head finds parts that match it or none (then it reads again). The
+head is the key under the revision check; no head or part is larger than `RECORD_PART_BYTES_MAX`.
+
+The earlier stored form (`encode_stored`, `decode_stored`: the whole record compressed, split into
+parts under one tag when large) is still read. A record larger than `RECORD_BYTES_MAX` is refused,
+never retried.
 """
 
 from __future__ import annotations
@@ -30,16 +37,25 @@ from deadpool_protocol.names import is_valid_name
 __all__ = [
     "JOBS_BUCKET",
     "RECORD_BYTES_MAX",
+    "RECORD_PART_BYTES_MAX",
     "RECORD_VERSION",
     "JobSummary",
+    "Section",
+    "SectionRef",
     "StoredRecord",
     "archive_key",
     "decode_stored",
     "encode_stored",
     "is_record_key",
     "join_parts",
+    "join_sections",
+    "pack_head",
     "pack_record",
     "part_key",
+    "section_parts",
+    "section_value",
+    "sections_of",
+    "split_record",
     "unpack_record",
 ]
 
@@ -49,6 +65,15 @@ RECORD_BYTES_MAX = 64 * 1024 * 1024
 """The largest record, uncompressed (a job of 16,384 ranks with long names is about 6 MB)."""
 STORED_VERSION = 2
 """The stored form: a head, compressed, with its parts under keys of their own when it is large."""
+SECTIONED_VERSION = 3
+"""The stored form by field: small fields in the head, large ones in sections named by digest."""
+SECTION_INLINE_BYTES = 2048
+"""A field whose packed value is larger is stored as a section of its own."""
+RECORD_PART_BYTES_MAX = 256 * 1024
+"""No head or part of a record is larger, at any rank count."""
+DIGEST_CHARS = 32
+"""A section's name: the first 128 bits of its packed value's SHA-256, in hex."""
+RECORD_GROUPS = ("summary", "swapper")
 PARTS_MAX = 256
 PART_SEPARATOR = ".part."
 COMPRESS_LEVEL = 1
@@ -129,6 +154,109 @@ def join_parts(head: bytes, parts: list[bytes]) -> bytes:
     if not isinstance(body, dict) or hashlib.sha256(packed).digest() != body.get("sha256"):
         raise ProtocolError("job record parts do not match their head (a newer record replaced them)")
     return _inflate(packed)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A large field of a record, packed, and the digest that names its parts."""
+
+    group: str
+    field: str
+    packed: bytes
+    digest: str
+
+
+def split_record(summary: JobSummary, private: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Section]]:
+    """The record's fields by group: the small ones (for the head) and the large ones as sections.
+    Raises ProtocolError when the record exceeds `RECORD_BYTES_MAX`."""
+    inline: dict[str, dict[str, Any]] = {group: {} for group in RECORD_GROUPS}
+    sections: list[Section] = []
+    total = 0
+    for group, fields in zip(RECORD_GROUPS, (to_fields(summary), private), strict=True):
+        for name, value in fields.items():
+            packed: bytes = msgpack.packb(value, use_bin_type=True)
+            total += len(packed)
+            if len(packed) <= SECTION_INLINE_BYTES:
+                inline[group][name] = value
+            else:
+                digest = hashlib.sha256(packed).hexdigest()[:DIGEST_CHARS]
+                sections.append(Section(group, name, packed, digest))
+    if total > RECORD_BYTES_MAX:
+        raise ProtocolError(f"job record of {total} bytes exceeds {RECORD_BYTES_MAX}")
+    return inline, sections
+
+
+def section_parts(section: Section, part_bytes: int) -> list[bytes]:
+    """A section's stored parts: compressed, in pieces of at most `part_bytes`."""
+    packed = zlib.compress(section.packed, COMPRESS_LEVEL)
+    parts = [packed[i : i + part_bytes] for i in range(0, len(packed), part_bytes)] or [b""]
+    if len(parts) > PARTS_MAX:
+        raise ProtocolError(f"record field {section.field} needs {len(parts)} parts (at most {PARTS_MAX})")
+    return parts
+
+
+SectionRef = tuple[str, str, str, int]
+"""(group, field, digest, parts) of a section, as its head names it."""
+
+
+def pack_head(inline: dict[str, dict[str, Any]], refs: list[SectionRef]) -> bytes:
+    if sum(count for *_, count in refs) > PARTS_MAX:
+        raise ProtocolError(f"job record needs more than {PARTS_MAX} parts")
+    head: bytes = msgpack.packb(
+        {"v": SECTIONED_VERSION, "inline": inline, "sections": [list(ref) for ref in refs]}, use_bin_type=True
+    )
+    return head
+
+
+def sections_of(head: bytes) -> tuple[dict[str, dict[str, Any]], list[SectionRef]] | None:
+    """A sectioned head's inline fields and the sections it names, checked; None for a head of an
+    earlier form (`decode_stored` reads those). Raises ProtocolError."""
+    if len(head) > RECORD_BYTES_MAX:
+        raise ProtocolError(f"job record head of {len(head)} bytes")
+    try:
+        body = msgpack.unpackb(head, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"job record is not msgpack: {exc}") from exc
+    if not isinstance(body, dict) or body.get("v") != SECTIONED_VERSION:
+        return None
+    inline, raw_refs = body.get("inline"), body.get("sections")
+    if not isinstance(inline, dict) or set(inline) != set(RECORD_GROUPS) or not isinstance(raw_refs, list):
+        raise ProtocolError("sectioned job record head is malformed")
+    refs: list[SectionRef] = []
+    for ref in raw_refs:
+        if not (isinstance(ref, list) and len(ref) == 4 and ref[0] in RECORD_GROUPS):
+            raise ProtocolError("sectioned job record head names a malformed section")
+        group, field, digest, count = ref
+        valid_digest = isinstance(digest, str) and len(digest) == DIGEST_CHARS and digest.isalnum()
+        if not (isinstance(field, str) and len(field) <= 64 and valid_digest):
+            raise ProtocolError("sectioned job record head names a malformed section")
+        if not (isinstance(count, int) and 0 < count <= PARTS_MAX):
+            raise ProtocolError("sectioned job record head names a section of no valid part count")
+        refs.append((group, field, digest, count))
+    if sum(count for *_, count in refs) > PARTS_MAX:
+        raise ProtocolError(f"job record names more than {PARTS_MAX} parts")
+    return inline, refs
+
+
+def section_value(digest: str, parts: list[bytes]) -> Any:
+    """A section's value from its parts, checked against its digest. Raises ProtocolError."""
+    packed = _inflate(b"".join(parts))
+    if hashlib.sha256(packed).hexdigest()[:DIGEST_CHARS] != digest:
+        raise ProtocolError("job record section does not match its digest (a newer record replaced it)")
+    try:
+        return msgpack.unpackb(packed, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"job record section is not msgpack: {exc}") from exc
+
+
+def join_sections(inline: dict[str, dict[str, Any]], values: dict[tuple[str, str], Any]) -> bytes:
+    """The whole record (as `pack_record` makes it) from a head's inline fields and its sections'
+    values by (group, field)."""
+    groups = {group: dict(fields) for group, fields in inline.items()}
+    for (group, field), value in values.items():
+        groups[group][field] = value
+    data: bytes = msgpack.packb({"v": RECORD_VERSION, **groups}, use_bin_type=True)
+    return data
 
 
 def _inflate(packed: object) -> bytes:

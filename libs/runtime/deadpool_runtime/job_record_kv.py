@@ -1,9 +1,10 @@
 """Reading a job record out of the `deadpool-jobs` KV bucket, parts included.
 
-A large record is stored as a head under the job's key and parts under keys of their own
-(`deadpool_protocol.job_record`). The swapper writes the parts before the head and deletes the old
-parts after it, so a reader can meet a head whose parts were just replaced by a newer record: it reads
-the head again (at most `RECORD_READ_ATTEMPTS` times). Every KV call is bounded.
+A record is stored as a head under the job's key and, for its large fields, parts under keys of their
+own (`deadpool_protocol.job_record`). The swapper writes the parts before the head and deletes the
+parts no head names any more after it, so a reader can meet a head whose parts were just replaced by
+a newer record: it reads the head again (at most `RECORD_READ_ATTEMPTS` times). Every KV call is
+bounded.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ from typing import Any
 from nats.js.errors import KeyNotFoundError
 
 from deadpool_protocol import ProtocolError
-from deadpool_protocol.job_record import decode_stored, join_parts, part_key
+from deadpool_protocol.job_record import (
+    decode_stored,
+    join_parts,
+    join_sections,
+    part_key,
+    section_value,
+    sections_of,
+)
 
 __all__ = ["RECORD_READ_ATTEMPTS", "StoredHead", "read_record"]
 
@@ -22,15 +30,17 @@ RECORD_READ_ATTEMPTS = 3
 
 
 class StoredHead:
-    """What a read found under the job's key: the record, the head's revision and bytes, and the tag
-    of the parts it names ('' when the record is inline)."""
+    """What a read found under the job's key: the record, the head's revision and bytes, and the keys
+    of the parts it names; for a sectioned head, also its sections' digests and part counts."""
 
-    def __init__(self, record: bytes, revision: int, head: bytes, tag: str, parts: int) -> None:
+    def __init__(
+        self, record: bytes, revision: int, head: bytes, part_keys: list[str], sections: dict[str, int] | None = None
+    ) -> None:
         self.record = record
         self.revision = revision
         self.head = head
-        self.tag = tag
-        self.parts = parts
+        self.part_keys = part_keys
+        self.sections = sections or {}
 
 
 async def read_record(kv: Any, job: str, timeout_s: float) -> StoredHead | None:
@@ -43,15 +53,29 @@ async def read_record(kv: Any, job: str, timeout_s: float) -> StoredHead | None:
             return None
         if entry.value is None or entry.revision is None:
             return None
-        inline, tag, count = decode_stored(entry.value)
-        if inline is not None:
-            return StoredHead(inline, entry.revision, entry.value, "", 0)
+        sectioned = sections_of(entry.value)
         try:
-            parts = [
-                (await asyncio.wait_for(kv.get(part_key(job, tag, i)), timeout_s)).value or b"" for i in range(count)
-            ]
-            return StoredHead(join_parts(entry.value, parts), entry.revision, entry.value, tag, count)
+            if sectioned is not None:
+                fields, refs = sectioned
+                values = {}
+                for group, field, digest, count in refs:
+                    parts = [await _part(kv, part_key(job, digest, i), timeout_s) for i in range(count)]
+                    values[(group, field)] = section_value(digest, parts)
+                keys = [part_key(job, digest, i) for _, _, digest, count in refs for i in range(count)]
+                digests = {digest: count for _, _, digest, count in refs}
+                return StoredHead(join_sections(fields, values), entry.revision, entry.value, keys, digests)
+            inline, tag, count = decode_stored(entry.value)
+            if inline is not None:
+                return StoredHead(inline, entry.revision, entry.value, [])
+            keys = [part_key(job, tag, i) for i in range(count)]
+            parts = [await _part(kv, key, timeout_s) for key in keys]
+            return StoredHead(join_parts(entry.value, parts), entry.revision, entry.value, keys)
         except (KeyNotFoundError, ProtocolError):
             if attempt == RECORD_READ_ATTEMPTS - 1:
                 raise ProtocolError(f"job {job}: the parts its record names cannot be read") from None
     return None
+
+
+async def _part(kv: Any, key: str, timeout_s: float) -> bytes:
+    value: bytes | None = (await asyncio.wait_for(kv.get(key), timeout_s)).value
+    return value or b""

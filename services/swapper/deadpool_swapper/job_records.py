@@ -12,8 +12,14 @@ against a revision someone else changed is refused by the server. `save` then ra
 
 The record carries no instant of this host's clock for another host to read with its own: timers (the
 last call, retransmissions, how long a job has been finished or waiting) are saved as ages or time
-left, taken at the save, and become instants again on the loader's monotonic clock. A large record
-is compressed and split into parts (`deadpool_protocol.job_record`); one too large even so is refused
+left, taken at the save, and become instants again on the loader's monotonic clock.
+
+A save writes what changed (`deadpool_protocol.job_record`): the small fields go in the head, each
+large field is a section stored under its digest and written only when its content is new. So the
+large fields are encoded to stay equal while the job does not change: members' registration instants
+relative to the oldest one (one age in the head), holders sorted by rank, the rebuild in flight's
+command apart from its acks and its age. A commit of a job of 16,384 ranks writes a head of a few kB;
+its membership and placement are written when they change. A record too large even so is refused
 (`RecordTooLargeError`), never retried for ever.
 """
 
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -36,12 +42,16 @@ from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.job_record import (
     JOBS_BUCKET,
     PART_SEPARATOR,
+    RECORD_PART_BYTES_MAX,
     JobSummary,
+    SectionRef,
     archive_key,
-    encode_stored,
     is_record_key,
+    pack_head,
     pack_record,
     part_key,
+    section_parts,
+    split_record,
     unpack_record,
 )
 from deadpool_runtime.job_record_kv import read_record
@@ -81,8 +91,34 @@ def _age(now: float, instant: float) -> float:
 
 
 def state_to_record(state: JobState, now: float) -> bytes:
-    """The record of `state` at `now` (this process's monotonic clock): timers travel as ages or time
-    left, never as instants."""
+    """The record of `state` at `now` (this process's monotonic clock), whole."""
+    return pack_record(*state_fields(state, now))
+
+
+def _member_row(i: MemberInfo, oldest: float) -> list[Any]:
+    """A member in the record: its fields, then its registration instant as the time after the
+    oldest member's (so the row stays the same from save to save)."""
+    return [
+        i.member,
+        i.host,
+        i.pid,
+        i.launcher,
+        i.rank_hint,
+        i.rendezvous_host,
+        i.rendezvous_port,
+        i.registered_at - oldest,
+    ]
+
+
+def _holders(holders: dict[int, set[str]]) -> list[list[Any]]:
+    return [[rank, sorted(stores)] for rank, stores in sorted(holders.items())]
+
+
+def state_fields(state: JobState, now: float) -> tuple[JobSummary, dict[str, Any]]:
+    """The record of `state` at `now` (this process's monotonic clock), as its summary and the
+    swapper's private fields: timers travel as ages or time left, never as instants, and a large field
+    is the same while what it says is (see the module's docstring)."""
+    oldest = min((info.registered_at for info in state.members.values()), default=now)
     summary = JobSummary(
         job=state.job,
         world_size=state.world_size,
@@ -97,21 +133,16 @@ def state_to_record(state: JobState, now: float) -> bytes:
     )
     pending = state.pending
     private = {
-        "members": {
-            m: to_fields(info) | {"registered_at": -_age(now, info.registered_at)} for m, info in state.members.items()
-        },
+        "members_oldest_age_s": _age(now, oldest),
+        "member_rows": [_member_row(info, oldest) for info in state.members.values()],
         "restore_step": state.restore_step,
         "placement": state.placement,
         "completes": [
             [step, rank, sorted(stores)] for step, ranks in state.completes.items() for rank, stores in ranks.items()
         ],
-        "pending": None
-        if pending is None
-        else {
-            "command": to_fields(pending.command),
-            "sent_age_s": _age(now, pending.t_sent),
-            "acks": [to_fields(a) for a in pending.acks.values()],
-        },
+        "pending_command": None if pending is None else to_fields(pending.command),
+        "pending_sent_age_s": None if pending is None else _age(now, pending.t_sent),
+        "pending_acks": [] if pending is None else [to_fields(a) for a in pending.acks.values()],
         "open_incidents": [to_fields(i) for i in state.open_incidents],
         "incidents": [to_fields(i) for i in state.incidents],
         "done": dict(sorted(state.done.items())),
@@ -128,19 +159,16 @@ def state_to_record(state: JobState, now: float) -> bytes:
         "placement_version": state.placement_version,
         "placement_confirmed": state.placement_confirmed,
         "committed_generation": state.committed_generation,
-        "committed_holders": [[rank, sorted(stores)] for rank, stores in state.committed_holders.items()],
-        "rank_bytes": [[rank, nbytes] for rank, nbytes in state.rank_bytes.items()],
-        "previous_committed": [
-            state.previous_committed.step,
-            state.previous_committed.generation,
-            [[rank, sorted(stores)] for rank, stores in state.previous_committed.holders.items()],
-        ],
+        "committed_holders": _holders(state.committed_holders),
+        "rank_bytes": sorted([rank, nbytes] for rank, nbytes in state.rank_bytes.items()),
+        "previous_committed_step": [state.previous_committed.step, state.previous_committed.generation],
+        "previous_committed_holders": _holders(state.previous_committed.holders),
         "unavailable": sorted([rank, step] for rank, step in state.unavailable),
         "durable_failed": state.durable_failed,
-        "durable_completes": [[rank, sorted(stores)] for rank, stores in state.durable_completes.items()],
+        "durable_completes": _holders(state.durable_completes),
         "awaiting_first_step": state.awaiting_first_step,
         "awaiting_age_s": _age(now, state.awaiting_since),
-        "first_steps": [[rank, t] for rank, t in state.first_steps.items()],
+        "first_steps": sorted([rank, t] for rank, t in state.first_steps.items()),
         "announced_stores": {name: list(address) for name, address in state.announced_stores.items()},
         "unprotected_age_s": None if state.unprotected_since is None else _age(now, state.unprotected_since),
         "unprotected_step": state.unprotected_step,
@@ -150,7 +178,7 @@ def state_to_record(state: JobState, now: float) -> bytes:
         "held_age_s": None if state.held_since is None else _age(now, state.held_since),
         "local_failed": state.local_failed,
     }
-    return pack_record(summary, private)
+    return summary, private
 
 
 def state_from_record(data: bytes, now: float) -> JobState:
@@ -169,7 +197,7 @@ def state_from_record(data: bytes, now: float) -> JobState:
         generation=summary.generation,
         ranks=list(summary.ranks),
         spares=list(summary.spares),
-        members={m: MemberInfo(**(i | {"registered_at": now + i["registered_at"]})) for m, i in p["members"].items()},
+        members=_members(p, now),
         failed=list(summary.failed),
         committed_step=summary.committed_step,
         restore_step=p.get("restore_step", defaults.restore_step),
@@ -209,18 +237,23 @@ def state_from_record(data: bytes, now: float) -> JobState:
         held_since=None if p.get("held_age_s") is None else now - float(p["held_age_s"]),
         local_failed=bool(p.get("local_failed", False)),
     )
-    if "previous_committed" in p:
+    if "previous_committed_step" in p:
+        step, generation = p["previous_committed_step"]
+        holders = p.get("previous_committed_holders", [])
+        state.previous_committed = CommittedCopies(int(step), int(generation), {int(r): set(s) for r, s in holders})
+    elif "previous_committed" in p:  # a record written before the holders were a field of their own
         step, generation, holders = p["previous_committed"]
-        state.previous_committed = CommittedCopies(
-            int(step), int(generation), {int(rank): set(stores) for rank, stores in holders}
-        )
+        state.previous_committed = CommittedCopies(int(step), int(generation), {int(r): set(s) for r, s in holders})
     for step, rank, stores in p.get("completes", []):
         state.completes.setdefault(int(step), {})[int(rank)] = set(stores)
-    if p.get("pending") is not None:
-        command = from_fields(Rebuild, p["pending"]["command"], "pending.command")
+    old_pending = p.get("pending") or {}  # a record written before the command was a field of its own
+    raw_command = p.get("pending_command", old_pending.get("command"))
+    if raw_command is not None:
+        command = from_fields(Rebuild, raw_command, "pending.command")
         command.check()
-        pending = PendingRebuild(command, t_sent=now - p["pending"].get("sent_age_s", 0.0))
-        for raw in p["pending"]["acks"]:
+        sent_age_s = p.get("pending_sent_age_s", old_pending.get("sent_age_s")) or 0.0
+        pending = PendingRebuild(command, t_sent=now - float(sent_age_s))
+        for raw in p.get("pending_acks", old_pending.get("acks", [])):
             ack = from_fields(RebuildAck, raw, "pending.ack")
             pending.acks[ack.member] = ack
         state.pending = pending
@@ -236,13 +269,18 @@ class JobRecords:
     def __init__(self, kv: KeyValue, log: Any, payload_bytes: int = 1024 * 1024) -> None:
         self.kv = kv
         self.log = log
-        self.part_bytes = max(1024, payload_bytes - PAYLOAD_MARGIN_BYTES)
-        """The largest head or part written: the server's max payload, less room for subject and headers."""
+        self.part_bytes = max(1024, min(RECORD_PART_BYTES_MAX, payload_bytes - PAYLOAD_MARGIN_BYTES))
+        """The largest head or part written: 256 kB, or the server's max payload less room for subject
+        and headers where that is smaller."""
         self.revisions: dict[str, int] = {}
-        self._parts: dict[str, tuple[str, int]] = {}
-        """Per job, the tag and count of the parts its stored head names (none: inline)."""
+        self._named: dict[str, set[str]] = {}
+        """Per job, the part keys its stored head names."""
+        self._sections: dict[str, dict[str, int]] = {}
+        """Per job, the sections its stored head names (digest -> parts): already in KV, not written again."""
         self._unconfirmed: dict[str, bytes] = {}
         """Per job, the head of a write that failed without an answer (it may have been stored)."""
+        self.written: list[tuple[str, int]] = []
+        """The keys and sizes of the last save's writes, head last (for tests and benchmarks)."""
 
     @classmethod
     async def open(cls, js: Any, log: Any, replicas: int = 1, payload_bytes: int = 1024 * 1024) -> JobRecords:
@@ -254,7 +292,8 @@ class JobRecords:
 
     async def load_all(self, now: float) -> list[JobState]:
         """Every readable record (an unreadable one is logged by `load` and left alone). Parts that no
-        head names any more (a swapper stopped between writing them and its head) are deleted."""
+        head names any more (a swapper stopped between writing them and its head, or a write refused
+        by the revision check) are deleted."""
         keys = await self._keys()
         states = []
         for key in filter(is_record_key, keys):
@@ -264,7 +303,7 @@ class JobRecords:
                 continue
             if state is not None:
                 states.append(state)
-        named = {part_key(job, tag, i) for job, (tag, count) in self._parts.items() for i in range(count)}
+        named = set().union(*self._named.values())
         for key in keys:
             if not is_record_key(key) and key not in named and key.split(PART_SEPARATOR)[0] in self.revisions:
                 await self._delete(key)
@@ -287,53 +326,69 @@ class JobRecords:
         try:
             stored = await read_record(self.kv, job, KV_TIMEOUT_S)
             if stored is None:
-                self.revisions.pop(job, None)
-                self._parts.pop(job, None)
+                self.forget(job)
                 return None
             state = state_from_record(stored.record, now)
         except (ProtocolError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
             self.log.error("job record unreadable: the job is left alone", job=job, reason=repr(exc))
             raise UnreadableRecordError(f"job {job}: record unreadable ({exc!r})") from exc
         self.revisions[job] = stored.revision
-        self._parts[job] = (stored.tag, stored.parts)
+        self._named[job] = set(stored.part_keys)
+        self._sections[job] = dict(stored.sections)
         return state
 
+    def _encode(self, key: str, state: JobState, now: float, known: dict[str, int]) -> _Encoded:
+        """The head of `state`'s record under `key`, and the parts of its sections not in `known`."""
+        try:
+            inline, sections = split_record(*state_fields(state, now))
+            refs: list[SectionRef] = []
+            parts: dict[str, bytes] = {}
+            for section in sections:
+                count = known.get(section.digest)
+                if count is None:
+                    pieces = section_parts(section, self.part_bytes)
+                    parts |= {part_key(key, section.digest, i): piece for i, piece in enumerate(pieces)}
+                    count = len(pieces)
+                refs.append((section.group, section.field, section.digest, count))
+            head = pack_head(inline, refs)
+        except ProtocolError as exc:
+            raise RecordTooLargeError(f"job {state.job}: {exc}") from exc
+        if len(head) > self.part_bytes:
+            raise RecordTooLargeError(f"job {state.job}: a head of {len(head)} bytes (at most {self.part_bytes})")
+        named = {part_key(key, digest, i) for _, _, digest, count in refs for i in range(count)}
+        return _Encoded(head, parts, named, {digest: count for _, _, digest, count in refs})
+
     async def save(self, state: JobState, now: float) -> None:
-        """Write the record on top of the revision we last read or wrote: its parts first (if it needs
-        any), then its head with the revision check, then the old parts away. Raises RecordConflictError
-        if someone else wrote since, RecordTooLargeError if it cannot be stored at all, and the KV's own
-        errors (a timeout during a leader election) as is.
+        """Write the record on top of the revision we last read or wrote: the parts of its sections
+        that are new first, then its head with the revision check, then the parts no longer named
+        away. Raises RecordConflictError if someone else wrote since, RecordTooLargeError if it cannot
+        be stored at all, and the KV's own errors (a timeout during a leader election) as is.
 
         A write whose acknowledgement was lost may still have landed: the next write then meets a
-        newer revision. If that revision holds exactly the head of our unconfirmed write, it is ours."""
+        newer revision. If that revision holds exactly the head of our unconfirmed write, it is ours.
+        Parts written for a write that was refused stay until the next takeover's `load_all` (their
+        keys are their content's: another swapper's head may name the same)."""
         job = state.job
-        try:
-            stored = encode_stored(state_to_record(state, now), self.part_bytes, secrets.token_hex(6))
-        except ProtocolError as exc:
-            raise RecordTooLargeError(f"job {job}: {exc}") from exc
-        for index, part in enumerate(stored.parts):
-            await asyncio.wait_for(self.kv.put(part_key(job, stored.tag, index), part), KV_TIMEOUT_S)
-        try:
-            await self._write_head(job, stored.head)
-        except RecordConflictError:
-            await self._delete_parts(job, stored.tag, len(stored.parts))
-            raise
-        old_tag, old_count = self._parts.get(job, ("", 0))
-        self._parts[job] = (stored.tag, len(stored.parts))
-        if old_count and old_tag != stored.tag:
-            await self._delete_parts(job, old_tag, old_count)
+        encoded = self._encode(job, state, now, self._sections.get(job, {}))
+        self.written = []
+        for key, part in encoded.parts.items():
+            await asyncio.wait_for(self.kv.put(key, part), KV_TIMEOUT_S)
+            self.written.append((key, len(part)))
+        await self._write_head(job, encoded.head)
+        self.written.append((job, len(encoded.head)))
+        gone = self._named.get(job, set()) - encoded.named
+        self._named[job], self._sections[job] = encoded.named, encoded.sections
+        for key in gone:
+            await self._delete(key)
 
     async def archive(self, state: JobState, now: float) -> None:
         """Keep the record of a run that ended under `archive_key` (written whole, parts first; no
         revision check: the key is the run's alone). Raises the KV's errors, RecordTooLargeError."""
         key = archive_key(state.job, state.generation)
-        try:
-            stored = encode_stored(state_to_record(state, now), self.part_bytes, secrets.token_hex(6))
-        except ProtocolError as exc:
-            raise RecordTooLargeError(f"job {state.job}: archive: {exc}") from exc
-        for index, part in enumerate(stored.parts):
-            await asyncio.wait_for(self.kv.put(part_key(key, stored.tag, index), part), KV_TIMEOUT_S)
-        await asyncio.wait_for(self.kv.put(key, stored.head), KV_TIMEOUT_S)
+        encoded = self._encode(key, state, now, {})
+        for part_name, part in encoded.parts.items():
+            await asyncio.wait_for(self.kv.put(part_name, part), KV_TIMEOUT_S)
+        await asyncio.wait_for(self.kv.put(key, encoded.head), KV_TIMEOUT_S)
 
     async def _write_head(self, job: str, head: bytes) -> None:
         for attempt in range(2):
@@ -370,10 +425,6 @@ class JobRecords:
         self.revisions[job] = entry.revision
         return True
 
-    async def _delete_parts(self, job: str, tag: str, count: int) -> None:
-        for index in range(count):
-            await self._delete(part_key(job, tag, index))
-
     async def _delete(self, key: str) -> None:
         """Best effort: a part left behind is deleted at the next takeover."""
         with contextlib.suppress(TimeoutError, nats.errors.Error):
@@ -381,7 +432,30 @@ class JobRecords:
 
     def forget(self, job: str) -> None:
         self.revisions.pop(job, None)
-        self._parts.pop(job, None)
+        self._named.pop(job, None)
+        self._sections.pop(job, None)
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    head: bytes
+    parts: dict[str, bytes]
+    """Part key -> bytes, for the sections not stored yet."""
+    named: set[str]
+    """Every part key the head names."""
+    sections: dict[str, int]
+
+
+def _members(p: dict[str, Any], now: float) -> dict[str, MemberInfo]:
+    """The members of a record, their registration instants on this process's clock."""
+    if "member_rows" in p:
+        oldest = now - float(p.get("members_oldest_age_s", 0.0))
+        rows = [
+            MemberInfo(str(m), str(host), int(pid), str(launcher), int(hint), str(rdv_host), int(rdv_port), oldest + t)
+            for m, host, pid, launcher, hint, rdv_host, rdv_port, t in p["member_rows"]
+        ]
+        return {info.member: info for info in rows}
+    return {m: MemberInfo(**(i | {"registered_at": now + i["registered_at"]})) for m, i in p["members"].items()}
 
 
 def _done(recorded: object) -> dict[str, int]:

@@ -1,0 +1,102 @@
+"""The record of a job of 16,384 ranks in a real JetStream KV: no value stored is larger than 256 kB,
+a commit writes a small head and nothing of the membership or placement, a member who joins writes
+the membership again and not the placement, and what a new leader and a detector read back is what
+was saved.
+
+Before, the whole record (about 6.5 MB packed at this size, 400 B per rank) was compressed and
+written again at every commit, in parts of up to the server's 1 MiB payload."""
+
+from __future__ import annotations
+
+import time
+
+from nats.aio.client import Client
+
+from deadpool_protocol.job_record import JOBS_BUCKET, PART_SEPARATOR, RECORD_PART_BYTES_MAX, sections_of, unpack_record
+from deadpool_runtime.job_record_kv import read_record
+from deadpool_runtime.logs import get_logger
+from deadpool_swapper.core import JobState
+from deadpool_swapper.job_records import JobRecords
+from deadpool_swapper.placement import MemberInfo
+from deadpool_swapper.restore_chain import CommittedCopies
+
+RANKS = 16_384
+SPARES = 64
+STORES = [f"store-{i:02d}" for i in range(32)]
+HEAD_BYTES_MAX = 8 * 1024
+
+
+def member(i: int) -> MemberInfo:
+    name = f"gpu-node-{i // 8:05d}-rank-{i:05d}-a1b2c3d4e5"
+    host = f"gpu-node-{i // 8:05d}.cluster.example"
+    hint = i if i < RANKS else -1
+    return MemberInfo(name, host, 10_000 + i, f"{host}-launcher", hint, host, 29_500, 100.0 + i / 1000)
+
+
+def large_job() -> JobState:
+    members = [member(i) for i in range(RANKS + SPARES)]
+    placement = [[STORES[r % 32], STORES[(r + 1) % 32]] for r in range(RANKS)]
+    state = JobState("big", world_size=RANKS, run="run-1", generation=3, formed=True)
+    state.members = {m.member: m for m in members}
+    state.ranks = [m.member for m in members[:RANKS]]
+    state.spares = [m.member for m in members[RANKS:]]
+    state.placement = placement
+    state.rank_bytes = dict.fromkeys(range(RANKS), 1_650_000_000)
+    state.committed_step, state.committed_generation = 40, 3
+    state.committed_holders = {r: set(placement[r]) for r in range(RANKS)}
+    state.previous_committed = CommittedCopies(39, 3, {r: set(placement[r]) for r in range(RANKS)})
+    return state
+
+
+def commit(state: JobState, step: int) -> None:
+    """What the swapper's commit changes: the step, the previous one, the holders (made afresh, in
+    the order the stores' reports came, not rank order)."""
+    state.previous_committed = state.committed_copies()
+    state.committed_step = step
+    state.committed_holders = {r: set(reversed(state.placement[r])) for r in reversed(range(RANKS))}
+    state.applied_seq += 64
+
+
+async def fields_written(records: JobRecords) -> set[str]:
+    """The fields whose sections the last save wrote, by the stored head's names for them."""
+    head = (await records.kv.get("big")).value
+    assert head is not None
+    sectioned = sections_of(head)
+    assert sectioned is not None
+    written = {key.split(PART_SEPARATOR)[1].split(".")[0] for key, _ in records.written if PART_SEPARATOR in key}
+    return {field for _, field, digest, _ in sectioned[1] if digest in written}
+
+
+async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membership(nc: Client) -> None:
+    js = nc.jetstream(timeout=10.0)
+    records = await JobRecords.open(js, get_logger(), payload_bytes=nc.max_payload)
+    state = large_job()
+    now = time.monotonic()
+
+    await records.save(state, now)
+    first = list(records.written)
+    assert max(size for _, size in first) <= RECORD_PART_BYTES_MAX
+    assert sum(size for _, size in first) > 2 * RECORD_PART_BYTES_MAX, "the job was meant to be large"
+
+    commit(state, 41)
+    await records.save(state, now + 2.0)
+    assert [key for key, _ in records.written] == ["big"], await fields_written(records)  # the head alone
+    assert records.written[0][1] <= HEAD_BYTES_MAX
+
+    joined = member(RANKS + SPARES)
+    state.members[joined.member] = joined
+    state.spares.append(joined.member)
+    await records.save(state, now + 3.0)
+    assert await fields_written(records) == {"hosts", "member_rows", "spares"}  # not the placement, nor the ranks
+
+    loaded = await JobRecords(records.kv, get_logger()).load("big", now + 10.0)
+    assert loaded is not None
+    assert (loaded.committed_step, loaded.previous_committed.step) == (41, 40)
+    assert loaded.placement == state.placement and loaded.committed_holders == state.committed_holders
+    assert loaded.members.keys() == state.members.keys() and loaded.spares == state.spares
+    kv = await js.key_value(JOBS_BUCKET)
+    stored = await read_record(kv, "big", 5.0)  # as a detector reads it
+    assert stored is not None
+    summary, _ = unpack_record(stored.record)
+    assert summary.ranks == state.ranks and summary.hosts[joined.member] == joined.host
+    assert set(await kv.keys()) == {"big", *stored.part_keys}, "the parts no head names are gone"
