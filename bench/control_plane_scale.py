@@ -43,6 +43,7 @@ from measures import cpu_seconds, percentile
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from deadpool.beat_compaction import BeatCompaction
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
     NO_RANK,
@@ -215,26 +216,29 @@ async def worker_main(
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 
     async def beat_host(host: str, members: list[SimulatedMember]) -> None:
-        """A launcher's batching: the beats of its (non-silent) members, one message per period. The
-        batch is encoded again only when what it says changes (a step, a rebuild, a silence): the
-        simulator's own cost, which shares the cores with the services measured. The detector reads
-        no beat's send time (`t`), so a batch re-sent within its step says what a fresh one would."""
+        """A launcher's batching, as `deadpool launch` does it: the beats of its (non-silent) members,
+        one message per period, a member's whole beat only when it changed or every second
+        (`BeatCompaction`), its name otherwise. A member's beat is built again only when its step,
+        rank or generation moved (the simulator's own cost shares the cores with the services)."""
         await asyncio.sleep(random.random() * HEARTBEAT_PERIOD_S)
         started = time.monotonic()
-        said: tuple[tuple[int, int, int], ...] = ()
-        payload = b""
+        compaction = BeatCompaction()
+        last: dict[str, Heartbeat] = {}
         while any(not m.silent_at for m in members):
             now = time.time()
-            live = [m for m in members if not m.silent_at]
             step = int((time.monotonic() - started) / step_s)
-            saying = tuple((m.generation, m.rank, step) for m in live)
-            if saying != said:
-                beats = [next_beat(m, started, now) for m in live]
-                payload, said = encode(HeartbeatBatch(JOB, 0, f"l-{host}", beats)), saying
-            for member in live:
+            beats = []
+            for member in members:
+                if member.silent_at:
+                    continue
+                beat = last.get(member.name)
+                if beat is None or (beat.generation, beat.rank, beat.step) != (member.generation, member.rank, step):
+                    beat = last[member.name] = next_beat(member, started, now)
+                beats.append(beat)
                 member.last_beat = now
                 member.sent += 1
-            await nc.publish(subjects.heartbeat_batch, payload)
+            whole, alive = compaction.split(beats, time.monotonic())
+            await nc.publish(subjects.heartbeat_batch, encode(HeartbeatBatch(JOB, 0, f"l-{host}", whole, alive)))
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 
     if batching:

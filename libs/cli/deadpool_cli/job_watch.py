@@ -101,6 +101,11 @@ class JobWatch:
     async def _on_batch(self, batch: HeartbeatBatch, msg: Msg) -> None:
         for hb in batch.beats:
             await self._on_heartbeat(hb, msg)
+        now = time.time()
+        for member in batch.alive:  # beat again, saying what its last whole beat said
+            view = self.members.get(member)
+            if view is not None:
+                view.beat_t = now
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         view = self.members.setdefault(hb.member, MemberView())

@@ -426,6 +426,10 @@ class HeartbeatBatch(JobMessage):
     KIND: ClassVar[str] = "heartbeat_batch"
     launcher: Name
     beats: Annotated[list[Heartbeat], BEATS]
+    alive: Annotated[list[Name], BEATS] = field(default_factory=list)
+    """Members whose beat of this period said what their last one in `beats` said (its send time
+    aside): named, not repeated. A launcher repeats a member's whole beat when anything in it changes
+    and at least every second (`deadpool.beat_compaction`), so the detector decodes about one beat in ten."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -433,6 +437,8 @@ class HeartbeatBatch(JobMessage):
         for beat in self.beats:
             _need(beat.job == self.job, f"a beat of job {beat.job!r} in a batch of job {self.job!r}")
             beat.check()
+        for member in self.alive:
+            _need_name(member, "member")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from deadpool.beat_compaction import BeatCompaction
 from deadpool.cuda_devices import DevicePlan
 from deadpool.host_copy_dir import SHM_ROOT, make_job_dir, remove_job_dir, sweep_stale
 from deadpool.member_config import ENV, MemberConfig, env_float, host_name
@@ -177,6 +178,7 @@ class Launcher:
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
         self._beats: dict[str, Heartbeat] = {}
+        self._compaction = BeatCompaction()
         self._stopper: asyncio.Task[None] | None = None
         self._stopping = False
         self.host_copy_dir: Path | None = None
@@ -422,7 +424,8 @@ class Launcher:
             if not self._beats:
                 continue
             beats, self._beats = list(self._beats.values()), {}
-            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, beats)
+            whole, alive = self._compaction.split(beats, time.monotonic())
+            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, whole, alive)
             try:
                 await self._nc.publish(self.subjects.heartbeat_batch, encode(batch))
             except Exception as exc:  # an outage must not end the batching

@@ -105,6 +105,7 @@ from deadpool_protocol import (
     FailureReason,
     GroupBroken,
     Heartbeat,
+    HeartbeatBatch,
     JobFinished,
     MemberDone,
     MemberError,
@@ -372,6 +373,31 @@ class DetectorCore:
             if watched.rank != hb.rank:
                 watched.progress_t = now  # a spare that just got a rank: its step clock starts now
             watched.rank = hb.rank
+        return ""
+
+    def on_alive(self, batch: HeartbeatBatch, member: str, now: float) -> str:
+        """`member` beat again, saying what its last whole beat said (`HeartbeatBatch.alive`): alive
+        now, in the state last heard. Refused as a beat would be (a job not heard of, a generation far
+        ahead, another launcher's member); returns why ('' when taken)."""
+        view = self.jobs.get(batch.job)
+        if view is None:
+            return "a beat named alive before any whole beat of its job"
+        if batch.generation > view.announced + self.config.generation_lead_max:
+            return f"generation {batch.generation} is far ahead of the newest announced, {view.announced}"
+        view.heard_t = now
+        if member in view.declared:
+            return ""
+        watched = view.members.get(member)
+        if watched is None:
+            self._note_unnamed(view, member, now)
+            return ""
+        if watched.launcher and batch.launcher != watched.launcher:
+            return f"launcher {batch.launcher} forwards a beat of {member}, run by launcher {watched.launcher}"
+        watched.launcher = batch.launcher
+        watched.last_seen = now
+        if _suspends_hang_rule(watched.section):
+            watched.progress_t = now
+        watched.busy.append(watched.in_step and not watched.waiting)
         return ""
 
     def on_rebuild(self, rebuild: Rebuild, now: float) -> None:

@@ -221,14 +221,19 @@ class DetectorService:
         now = time.monotonic()
         for hb in batch.beats:
             self._refused(hb, self.core.on_heartbeat(hb, now, batch.launcher))
+        for member in batch.alive:
+            self._refused_beat(batch.job, member, self.core.on_alive(batch, member, now))
 
     def _refused(self, hb: Heartbeat, reason: str) -> None:
+        self._refused_beat(hb.job, hb.member, reason)
+
+    def _refused_beat(self, job: str, member: str, reason: str) -> None:
         """Log a refused heartbeat, once per (job, member, reason) so a flood cannot fill the log."""
         if reason and len(self._refusals_logged) < REFUSALS_LOGGED_MAX:
-            key = (hb.job, hb.member, reason)
+            key = (job, member, reason)
             if key not in self._refusals_logged:
                 self._refusals_logged.add(key)
-                self._refusals.warning("heartbeat refused", job=hb.job, member=hb.member, reason=reason)
+                self._refusals.warning("heartbeat refused", job=job, member=member, reason=reason)
 
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         self.core.on_rebuild(rebuild, time.monotonic())

@@ -1,0 +1,48 @@
+"""A launcher's batch names a member whose beat says nothing new, instead of repeating the beat.
+
+Members beat at 10 Hz and a step takes a second or more, so nine beats in ten say what the one before
+said, its send time aside. At 16,384 members the detector decoded 164,000 beats a second, each a
+dozen checked fields: more than a core. A batch now carries a member's whole beat when anything in it
+changed and at least every `HEARTBEAT_REFRESH_S` (so a detector that just started learns every
+member's state within that), and only the member's name otherwise (`HeartbeatBatch.alive`): alive
+now, as it last said.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from deadpool_protocol import Heartbeat
+
+__all__ = ["HEARTBEAT_REFRESH_S", "BeatCompaction"]
+
+HEARTBEAT_REFRESH_S = 1.0
+"""A member's whole beat goes out at least this often, changed or not."""
+
+
+class BeatCompaction:
+    def __init__(self, refresh_s: float = HEARTBEAT_REFRESH_S) -> None:
+        self.refresh_s = refresh_s
+        self._sent: dict[str, tuple[Heartbeat, float]] = {}
+        """member -> its last whole beat sent, and when (monotonic)."""
+
+    def split(self, beats: list[Heartbeat], now: float) -> tuple[list[Heartbeat], list[str]]:
+        """The beats to send whole, and the members to name as alive. Members that sent no beat this
+        period are forgotten (a member that comes back sends its whole beat again)."""
+        whole: list[Heartbeat] = []
+        alive: list[str] = []
+        sent: dict[str, tuple[Heartbeat, float]] = {}
+        for beat in beats:
+            last = self._sent.get(beat.member)
+            if (
+                last is not None
+                and now - last[1] < self.refresh_s
+                and dataclasses.replace(beat, t=last[0].t) == last[0]
+            ):
+                alive.append(beat.member)
+                sent[beat.member] = last
+            else:
+                whole.append(beat)
+                sent[beat.member] = (beat, now)
+        self._sent = sent
+        return whole, alive

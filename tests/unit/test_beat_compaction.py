@@ -1,0 +1,69 @@
+"""Launchers name a member whose beat says nothing new instead of repeating it; the detector takes the
+name as the member alive in the state it last said, and refuses it where it would refuse the beat."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from deadpool.beat_compaction import BeatCompaction
+from deadpool_detector.core import DetectorConfig
+from deadpool_protocol import Heartbeat, HeartbeatBatch, decode, encode
+from tests.unit.test_detector_core import beat, detector, formed
+
+pytestmark = pytest.mark.unit
+
+
+def sent(member: str, t: float, step: int = 3) -> Heartbeat:
+    """A beat sent at `t` by a member in `step` (which started at 0)."""
+    return dataclasses.replace(beat(member, 0.0, step=step), t=t)
+
+
+def test_a_beat_that_repeats_the_last_one_sent_is_named_and_a_change_or_the_refresh_sends_it_whole() -> None:
+    compaction = BeatCompaction(refresh_s=1.0)
+    first = [sent("m0", 0.0), sent("m1", 0.0)]
+    assert compaction.split(first, 0.0) == (first, [])
+    assert compaction.split([sent("m0", 0.1), sent("m1", 0.1)], 0.1) == ([], ["m0", "m1"])  # only `t` moved
+    stepped = sent("m1", 0.2, step=4)
+    assert compaction.split([sent("m0", 0.2), stepped], 0.2) == ([stepped], ["m0"])
+    refreshed = sent("m0", 1.05)
+    assert compaction.split([refreshed, sent("m1", 1.05, step=4)], 1.05) == ([refreshed], ["m1"])
+    assert compaction.split([sent("m1", 1.1, step=4)], 1.1) == ([], ["m1"])
+    back = sent("m0", 1.2)  # m0 sent nothing in the last period: forgotten, so whole again
+    assert compaction.split([back], 1.2) == ([back], [])
+
+
+def test_a_batch_with_names_round_trips_and_a_bad_name_is_refused() -> None:
+    batch = HeartbeatBatch("j", 1, "l0", [beat("m0", 0.0)], ["m1", "m2"])
+    assert decode(encode(batch), HeartbeatBatch) == batch
+    with pytest.raises(Exception, match="not a valid name"):
+        decode(encode(dataclasses.replace(batch, alive=["bad name!"])), HeartbeatBatch)
+
+
+def batch(alive: list[str], launcher: str = "l0", beats: list[Heartbeat] | None = None) -> HeartbeatBatch:
+    return HeartbeatBatch("j", 1, launcher, beats or [], alive)
+
+
+def test_a_member_named_alive_is_not_declared_silent_and_one_not_named_is() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=2))
+    formed(core, 0.0, ranks=("m0", "m1"), spares=())
+    for member, rank in (("m0", 0), ("m1", 1)):
+        core.on_heartbeat(beat(member, 0.0, rank=rank), 0.0, "l0")
+    for t in (1.0, 2.0, 3.0):
+        assert core.on_alive(batch(["m0"]), "m0", t) == ""
+    (failure,) = core.check(3.5)
+    assert failure.member == "m1" and failure.evidence["last_step"] == "3"
+    assert core.check(4.5) == []  # m0 heard at 3.0
+
+
+def test_a_name_is_refused_where_the_beat_would_be() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=2))
+    assert "before any whole beat" in core.on_alive(batch(["m0"]), "m0", 0.0)
+    formed(core, 0.0, ranks=("m0",), spares=())
+    core.on_heartbeat(beat("m0", 0.0), 0.0, "l0")
+    assert "run by launcher l0" in core.on_alive(batch(["m0"], launcher="l9"), "m0", 1.0)
+    far = dataclasses.replace(batch(["m0"]), generation=10_000)
+    assert "far ahead" in core.on_alive(far, "m0", 1.0)
+    assert core.on_alive(batch(["stranger"]), "stranger", 1.0) == ""  # noted as unnamed, not watched
+    assert [f.member for f in core.check(2.5)] == ["m0"]  # neither refused name kept m0 alive
