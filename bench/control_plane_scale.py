@@ -43,7 +43,7 @@ from measures import cpu_seconds, percentile
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from deadpool.beat_compaction import BeatCompaction
+from deadpool.beat_compaction import HEARTBEAT_REFRESH_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
     NO_RANK,
@@ -217,27 +217,35 @@ async def worker_main(
 
     async def beat_host(host: str, members: list[SimulatedMember]) -> None:
         """A launcher's batching, as `deadpool launch` does it: the beats of its (non-silent) members,
-        one message per period, a member's whole beat only when it changed or every second
-        (`BeatCompaction`), its name otherwise. A member's beat is built again only when its step,
-        rank or generation moved (the simulator's own cost shares the cores with the services)."""
+        one message per period, a member's whole beat only when it changed or every
+        HEARTBEAT_REFRESH_S, its name otherwise (what `BeatCompaction` decides; here the simulator
+        knows when a beat changed, since it builds a beat again only when its step, rank or
+        generation moved: its own cost shares the cores with the services measured)."""
         await asyncio.sleep(random.random() * HEARTBEAT_PERIOD_S)
         started = time.monotonic()
-        compaction = BeatCompaction()
-        last: dict[str, Heartbeat] = {}
+        last: dict[str, tuple[Heartbeat, float]] = {}
         while any(not m.silent_at for m in members):
-            now = time.time()
-            step = int((time.monotonic() - started) / step_s)
-            beats = []
+            now, mono = time.time(), time.monotonic()
+            step = int((mono - started) / step_s)
+            whole: list[Heartbeat] = []
+            alive: list[str] = []
             for member in members:
                 if member.silent_at:
                     continue
-                beat = last.get(member.name)
-                if beat is None or (beat.generation, beat.rank, beat.step) != (member.generation, member.rank, step):
-                    beat = last[member.name] = next_beat(member, started, now)
-                beats.append(beat)
+                beat, sent_at = last.get(member.name, (None, 0.0))
+                changed = beat is None or (beat.generation, beat.rank, beat.step) != (
+                    member.generation,
+                    member.rank,
+                    step,
+                )
+                if changed or mono - sent_at >= HEARTBEAT_REFRESH_S:
+                    beat = next_beat(member, started, now) if changed or beat is None else beat
+                    last[member.name] = (beat, mono)
+                    whole.append(beat)
+                else:
+                    alive.append(member.name)
                 member.last_beat = now
                 member.sent += 1
-            whole, alive = compaction.split(beats, time.monotonic())
             await nc.publish(subjects.heartbeat_batch, encode(HeartbeatBatch(JOB, 0, f"l-{host}", whole, alive)))
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 

@@ -519,7 +519,8 @@ class SwapperCore:
         actions: list[Action] = [Persist(state.job)]
         if not state.started():
             decision = self._try_formation(state, now)
-            return reply(True, "registered"), Decision(actions + decision.actions, decision.reason)
+            registered = Decision(actions + decision.actions, decision.reason, routine=decision.routine)
+            return reply(True, "registered"), registered
         state.spares.append(hello.member)
         reason = f"member {hello.member} joins the spare pool ({len(state.spares)} spares)"
         if state.vacant_ranks() and not state.hold_until:  # a vacant rank is filled the moment a spare comes
@@ -569,7 +570,8 @@ class SwapperCore:
 
     def _try_formation(self, state: JobState, now: float) -> Decision:
         if len(state.members) < state.world_size:
-            return Decision([], f"waiting for members: {len(state.members)} of {state.world_size} registered")
+            registered = f"waiting for members: {len(state.members)} of {state.world_size} registered"
+            return Decision([], registered, routine=True)  # one per hello: thousands at formation
         claimed = {m.rank_hint for m in state.members.values() if 0 <= m.rank_hint < state.world_size}
         if len(claimed) < state.world_size and now - state.last_hello_t < self.config.formation_grace_s:
             return Decision([], f"waiting for members asking for ranks: {len(claimed)} of {state.world_size} claimed")
@@ -865,7 +867,9 @@ class SwapperCore:
         state = self.jobs.get(ack.job)
         pending = state.pending if state else None
         if state is None or pending is None or ack.generation != pending.command.generation:
-            return Decision([], f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending")
+            # a member answers every retransmission: at thousands of ranks, a line each would flood the log
+            why = f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending"
+            return Decision([], why, routine=True)
         if ack.member not in pending.rank_members:
             return Decision([], f"ack from {ack.member}, which holds no rank in generation {ack.generation}")
         if ack.restore_source is RestoreSource.UNAVAILABLE:
@@ -873,7 +877,7 @@ class SwapperCore:
         pending.acks[ack.member] = ack
         missing = len(pending.rank_members) - len(pending.acks)  # O(1): thousands of acks per generation
         if missing:
-            return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)")
+            return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)", routine=True)
         state.pending = None
         state.attempts = 0
         state.formed = True
