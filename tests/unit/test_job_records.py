@@ -15,10 +15,16 @@ from deadpool_protocol.job_record import (
     decode_stored,
     encode_stored,
     join_parts,
+    join_sections,
+    pack_head,
+    section_parts,
+    section_value,
+    sections_of,
+    split_record,
     unpack_record,
 )
 from deadpool_swapper.core import JobState
-from deadpool_swapper.job_records import state_from_record, state_to_record
+from deadpool_swapper.job_records import state_fields, state_from_record, state_to_record
 from deadpool_swapper.restore_chain import CommittedCopies
 from tests.unit.test_swapper_core import ack, fail, first_steps, formed_core, published
 
@@ -124,6 +130,31 @@ def test_parts_of_another_record_or_a_record_too_large_are_refused_with_a_reason
         join_parts(first.head, second.parts)
     with pytest.raises(ProtocolError, match="exceeds"):
         encode_stored(b"\0" * (RECORD_BYTES_MAX + 1), 1024 * 1024, "ccc")
+
+
+def test_a_sectioned_record_reads_back_whole_and_a_hostile_head_or_a_swapped_section_is_refused() -> None:
+    core, _ = formed_core(spares=("s1", "s2"))
+    state = core.jobs["j"]
+    state.placement = [[f"store-{r % 7}-" + "x" * 40, f"store-{(r + 1) % 7}"] for r in range(200)]
+    inline, sections = split_record(*state_fields(state, 5.0))
+    assert [s.field for s in sections] == ["placement"] and "committed_step" in inline["summary"]
+    parts = {s.digest: section_parts(s, 1024) for s in sections}
+    head = pack_head(inline, [(s.group, s.field, s.digest, len(parts[s.digest])) for s in sections])
+    fields, refs = sections_of(head) or ({}, [])
+    values = {(group, field): section_value(digest, parts[digest]) for group, field, digest, _ in refs}
+    assert state_from_record(join_sections(fields, values), 5.0).placement == state.placement
+    other = split_record(*state_fields(dataclasses.replace(state, placement=state.placement[::-1]), 5.0))[1][0]
+    with pytest.raises(ProtocolError, match="does not match its digest"):
+        section_value(sections[0].digest, section_parts(other, 1024))
+    for body in (
+        {"v": 3, "inline": {"summary": {}}, "sections": []},  # a group missing
+        {"v": 3, "inline": {"summary": {}, "swapper": {}}, "sections": [["summary", "ranks", "../etc", 1]]},
+        {"v": 3, "inline": {"summary": {}, "swapper": {}}, "sections": [["summary", "ranks", "a" * 32, 10_000]]},
+        {"v": 3, "inline": {"summary": {}, "swapper": {}}, "sections": [["other", "ranks", "a" * 32, 1]]},
+    ):
+        with pytest.raises(ProtocolError):
+            sections_of(msgpack.packb(body))
+    assert sections_of(encode_stored(b"x" * 100, 1024, "abc").head) is None  # an earlier form: read as before
 
 
 def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_incidents_that_decode() -> None:

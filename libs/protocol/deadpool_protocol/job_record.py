@@ -129,12 +129,7 @@ def encode_stored(record: bytes, part_bytes: int, tag: str) -> StoredRecord:
 def decode_stored(head: bytes) -> tuple[bytes | None, str, int]:
     """A stored head: (the record, if it is inline; the parts' tag and count otherwise). A record of
     the first version (written whole, uncompressed) is returned as is. Raises ProtocolError."""
-    if len(head) > RECORD_BYTES_MAX:
-        raise ProtocolError(f"job record head of {len(head)} bytes")
-    try:
-        body = msgpack.unpackb(head, raw=False)
-    except Exception as exc:
-        raise ProtocolError(f"job record is not msgpack: {exc}") from exc
+    body = _unpacked(head)
     if isinstance(body, dict) and body.get("v") == RECORD_VERSION:
         return head, "", 0
     if not isinstance(body, dict) or body.get("v") != STORED_VERSION:
@@ -211,12 +206,7 @@ def pack_head(inline: dict[str, dict[str, Any]], refs: list[SectionRef]) -> byte
 def sections_of(head: bytes) -> tuple[dict[str, dict[str, Any]], list[SectionRef]] | None:
     """A sectioned head's inline fields and the sections it names, checked; None for a head of an
     earlier form (`decode_stored` reads those). Raises ProtocolError."""
-    if len(head) > RECORD_BYTES_MAX:
-        raise ProtocolError(f"job record head of {len(head)} bytes")
-    try:
-        body = msgpack.unpackb(head, raw=False)
-    except Exception as exc:
-        raise ProtocolError(f"job record is not msgpack: {exc}") from exc
+    body = _unpacked(head)
     if not isinstance(body, dict) or body.get("v") != SECTIONED_VERSION:
         return None
     inline, raw_refs = body.get("inline"), body.get("sections")
@@ -257,6 +247,16 @@ def join_sections(inline: dict[str, dict[str, Any]], values: dict[tuple[str, str
         groups[group][field] = value
     data: bytes = msgpack.packb({"v": RECORD_VERSION, **groups}, use_bin_type=True)
     return data
+
+
+def _unpacked(data: bytes) -> Any:
+    """A head or a record, unpacked once its size is within bounds. Raises ProtocolError."""
+    if len(data) > RECORD_BYTES_MAX:
+        raise ProtocolError(f"job record of {len(data)} bytes exceeds {RECORD_BYTES_MAX}")
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"job record is not msgpack: {exc}") from exc
 
 
 def _inflate(packed: object) -> bytes:
@@ -309,12 +309,7 @@ def pack_record(summary: JobSummary, private: dict[str, Any]) -> bytes:
 
 def unpack_record(data: bytes) -> tuple[JobSummary, dict[str, Any]]:
     """The record's summary, validated, and the swapper's private part (raw). Raises ProtocolError."""
-    if len(data) > RECORD_BYTES_MAX:
-        raise ProtocolError(f"job record of {len(data)} bytes exceeds {RECORD_BYTES_MAX}")
-    try:
-        body = msgpack.unpackb(data, raw=False)
-    except Exception as exc:
-        raise ProtocolError(f"job record is not msgpack: {exc}") from exc
+    body = _unpacked(data)
     if not isinstance(body, dict) or body.get("v") != RECORD_VERSION:
         raise ProtocolError("job record of an unknown version")
     summary = from_fields(JobSummary, body.get("summary"), "job_record.summary")
