@@ -15,8 +15,20 @@ from nats.aio.client import Client
 from structlog.testing import capture_logs
 
 from deadpool_detector.core import DetectorConfig
-from deadpool_detector.service import DetectorService, DetectorServiceConfig
-from deadpool_protocol import Commit, HelloReply, MemberHello, SnapshotComplete
+from deadpool_detector.service import BEATS_BACKLOG_MAX, DetectorService, DetectorServiceConfig
+from deadpool_protocol import (
+    Commit,
+    Failure,
+    Heartbeat,
+    HeartbeatBatch,
+    HelloReply,
+    MemberHello,
+    Rebuild,
+    SnapshotComplete,
+    StoreAddress,
+    Subjects,
+    encode,
+)
 from deadpool_runtime import ensure_events_stream
 from deadpool_runtime.events import stream_position
 from deadpool_runtime.logs import get_logger
@@ -96,3 +108,68 @@ async def test_an_event_that_waited_long_in_the_inbox_is_logged_when_its_wait_is
     ]
     assert waits == [("snapshot_complete", 1, 1.0), ("snapshot_complete", 4, 1.5)]  # 0.8 s was not the longest
     assert worker.unheard_s_max == 1.5
+
+
+async def test_a_detector_behind_on_reading_heartbeats_declares_nobody_for_the_beats_it_has_not_read(
+    nc: Client, nats_url: str
+) -> None:
+    """A detector starved of CPU reads beats late; it once declared 576 members, then 5,250, whose
+    beats waited unread (8,192 simulated members on 2 cores). Here its batch handler is held for
+    three heartbeat timeouts while the member keeps beating: the unread beats hold the verdict back,
+    and once they are read nobody is declared."""
+    config = DetectorConfig(heartbeat_timeout_s=1.0)
+    service = DetectorService(DetectorServiceConfig(nats_url, config, check_period_s=0.02), nc, get_logger())
+    reading = asyncio.Event()
+    reading.set()
+    taken = service._on_heartbeat_batch
+
+    async def held(batch: HeartbeatBatch, msg: Any) -> None:
+        await reading.wait()
+        await taken(batch, msg)
+
+    service._on_heartbeat_batch = held  # type: ignore[method-assign, assignment]
+    verdicts: list[Failure] = []
+    real_check = service.core.check
+
+    def check(now: float) -> list[Failure]:
+        found = real_check(now)
+        verdicts.extend(found)
+        return found
+
+    service.core.check = check  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    running = asyncio.create_task(service.run(stop))
+    subjects = Subjects.for_job("j")
+    rebuild = Rebuild(
+        "j", 1, 1, ["m0"], [], "m0", "127.0.0.1", 4000, -1, [StoreAddress("s0", "127.0.0.1", 1)], [["s0"]], "", 0.0
+    )
+
+    async def beat() -> None:
+        now = time.time()
+        batch = HeartbeatBatch("j", 1, "l0", [Heartbeat("j", 1, "m0", 0, 100, 3, True, now, now)])
+        await nc.publish(subjects.heartbeat_batch, encode(batch))
+
+    deadline = time.monotonic() + WAIT_S
+    while "j" not in service.core.jobs or service.core.jobs["j"].members.get("m0") is None:
+        await nc.publish(subjects.rebuild, encode(rebuild))
+        await beat()
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    reading.clear()
+    for _ in range(BEATS_BACKLOG_MAX + 50):  # unread beats: more than the detector's bound
+        await beat()
+    held_until = time.monotonic() + 3 * config.heartbeat_timeout_s
+    while time.monotonic() < held_until:
+        await beat()
+        await asyncio.sleep(0.05)
+    assert not verdicts, [v.member for v in verdicts]
+    assert service._behind_since is not None
+    reading.set()
+    caught_up = time.monotonic() + WAIT_S
+    while service._behind_since is not None:
+        await beat()
+        assert time.monotonic() < caught_up, "the detector never caught up"
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(running, WAIT_S)
+    assert not verdicts, [v.member for v in verdicts]
