@@ -33,6 +33,7 @@ delivered at least once and a new leader replays the ones its predecessor had no
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import typing
@@ -65,6 +66,7 @@ from deadpool_protocol import (
 from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX, INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
 from deadpool_protocol.subjects import Subjects, store_replicate
 from deadpool_swapper.commit_progress import CommitProgress
+from deadpool_swapper.job_phase import check_transition, phase_of
 from deadpool_swapper.placement import (
     MemberInfo,
     StoreInfo,
@@ -372,6 +374,24 @@ class JobState:
         return max(self.rank_bytes.values(), default=0)
 
 
+F = typing.TypeVar("F", bound=Callable[..., typing.Any])
+
+
+def _phased(method: F) -> F:
+    """An entry point whose decision is checked against the legal changes of phase (`job_phase`): the
+    job is its first argument's (a message's `job`, or the name itself)."""
+
+    @functools.wraps(method)
+    def checked(self: SwapperCore, first: typing.Any, *args: typing.Any) -> typing.Any:
+        job = first if isinstance(first, str) else first.job
+        before = phase_of(self.jobs.get(job))
+        result = method(self, first, *args)
+        check_transition(job, before, phase_of(self.jobs.get(job)), method.__name__)
+        return result
+
+    return typing.cast(F, checked)
+
+
 class SwapperCore:
     def __init__(self, config: SwapperConfig, wall_offset: Callable[[], float] = lambda: 0.0) -> None:
         self.config = config
@@ -415,6 +435,7 @@ class SwapperCore:
 
     # ---------------------------------------------------------------- registration and stores
 
+    @_phased
     def on_run_start(self, start: RunStart, now: float) -> tuple[RunReply, Decision]:
         """A launcher starts a run of the job. A name holds one run at a time: the same run again is a
         no-op; a finished run makes way (its record archived, the generations going on from its); a run
@@ -468,6 +489,7 @@ class SwapperCore:
         how = f"after run {state.run or '(undeclared)'}" if state is not None else "a new job"
         return reply(True, "the run is started"), Decision([*actions, Persist(start.job)], f"run {start.run}: {how}")
 
+    @_phased
     def on_hello(self, hello: MemberHello, now: float) -> tuple[HelloReply, Decision]:
         if hello.job not in self.jobs and self.config.runs_required:
             why = f"no run of job {hello.job} was started: members start under `deadpool launch`"
@@ -587,6 +609,7 @@ class SwapperCore:
 
     # ---------------------------------------------------------------- failures and rebuilds
 
+    @_phased
     def on_failure(self, failure: Failure, now: float) -> Decision:
         state = self.jobs.get(failure.job)
         if state is None:
@@ -663,6 +686,7 @@ class SwapperCore:
         """Whether a lost host announced more silent members than failures arrived so far."""
         return any(arrived < announced for arrived, announced in state.silent_hosts.values())
 
+    @_phased
     def on_group_broken(self, broken: GroupBroken, now: float) -> Decision:
         """Every rank left the group (or gave up forming it) and nobody failed: a new generation of the
         same members, restored to the committed step (a regroup). Also when the broken generation is the
@@ -699,6 +723,7 @@ class SwapperCore:
         )
         return Decision(actions + decision.actions, decision.reason)
 
+    @_phased
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
         for incident in state.open_incidents if state else []:
@@ -863,6 +888,7 @@ class SwapperCore:
         ended = JobFinished(state.job, state.generation, max(state.committed_step, 0), failed=True, reason=reason)
         return Decision([Persist(state.job), Publish(ended)], f"job ended: {reason}")
 
+    @_phased
     def on_ack(self, ack: RebuildAck, now: float) -> Decision:
         state = self.jobs.get(ack.job)
         pending = state.pending if state else None
@@ -898,6 +924,7 @@ class SwapperCore:
         what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
         return Decision(actions, f"generation {state.generation} {what}: every rank acked")
 
+    @_phased
     def on_step_resumed(self, resumed: StepResumed, now: float) -> Decision:
         """A rank completed its first step of a generation; with every rank's, its incidents end."""
         state = self.jobs.get(resumed.job)
@@ -1018,6 +1045,7 @@ class SwapperCore:
             next_at = min(next_at, decision.next_at)
         return Decision(actions, "tick", next_at, routine=True)
 
+    @_phased
     def tick_job(self, job: str, now: float) -> Decision:
         """Time-driven work of one job: formation, the end of a last call, a vacant rank to fill, store
         loss, retransmissions. Returns, with the actions, when it next has work (`Decision.next_at`)."""
@@ -1106,6 +1134,7 @@ class SwapperCore:
 
     # ---------------------------------------------------------------- commits and completion
 
+    @_phased
     def on_snapshot_complete(self, sc: SnapshotComplete, now: float) -> Decision:
         """A store's report of the ranks it sealed of one step: each rank counted where its placement
         puts it, then the newest complete step committed. O(ranks named + stores), never O(ranks)."""
@@ -1325,6 +1354,7 @@ class SwapperCore:
             for rank, placed in enumerate(state.placement)
         )
 
+    @_phased
     def on_done(self, done: MemberDone, now: float) -> Decision:
         state = self.jobs.get(done.job)
         if state is not None and state.finished:  # a member retransmits until it hears: tell it again
