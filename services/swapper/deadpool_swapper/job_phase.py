@@ -48,6 +48,7 @@ _ENDED = frozenset({P.FINISHED, P.FAILED})
 LEGAL: frozenset[tuple[JobPhase, JobPhase]] = frozenset(
     {(p, p) for p in P}  # most decisions change no phase
     | {(P.ABSENT, P.UNFORMED), (P.UNFORMED, P.ABSENT)}  # a job is heard of; one that never formed is forgotten
+    | {(P.ABSENT, P.FORMING)}  # a job of one rank, whose first hello forms it
     | {(P.UNFORMED, P.FORMING), (P.FORMING, P.TRAINING), (P.FORMING, P.VOIDED)}
     | {(P.VOIDED, P.FORMING)}  # a formation voided before it formed publishes the next
     | {(a, b) for a in _RUNNING for b in _RUNNING}  # a failure, a rebuild, its acks, a store lost or back
