@@ -106,32 +106,24 @@ _KINDS: dict[str, type[Message]] = {
 }
 
 
-def to_fields(value: Any) -> Any:
-    """A dataclass (recursively) as plain maps and lists that msgpack and JSON can carry."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_fields(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [to_fields(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_fields(v) for k, v in value.items()}
-    return value
-
-
-def _wire_fields(value: Any) -> Any:
-    """`to_fields`, less every field of a dataclass that holds its plain default: a receiver reads a
+def to_fields(value: Any, omit_defaults: bool = False) -> Any:
+    """A dataclass (recursively) as plain maps and lists that msgpack and JSON can carry. With
+    `omit_defaults` (on the wire), less every field that holds its plain default: a receiver reads a
     missing field as its default (`from_fields`), so it means the same in fewer bytes and fewer
     checks. A heartbeat's usual fields (not waiting, no section, no skipped snapshot...) are left
     out: the detector decodes every beat of every member."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            name: _wire_fields(field_value)
-            for name, default in _defaults(type(value))
-            if (field_value := getattr(value, name)) is not default and not _same_scalar(field_value, default)
-        }
+        fields = {}
+        for name, default in _defaults(type(value)):
+            field_value = getattr(value, name)
+            if omit_defaults and (field_value is default or _same_scalar(field_value, default)):
+                continue
+            fields[name] = to_fields(field_value, omit_defaults)
+        return fields
     if isinstance(value, list | tuple):
-        return [_wire_fields(v) for v in value]
+        return [to_fields(v, omit_defaults) for v in value]
     if isinstance(value, dict):
-        return {k: _wire_fields(v) for k, v in value.items()}
+        return {k: to_fields(v, omit_defaults) for k, v in value.items()}
     return value
 
 
@@ -152,7 +144,7 @@ def _same_scalar(value: Any, default: Any) -> bool:
 
 
 def encode(message: Message) -> bytes:
-    body = _wire_fields(message)
+    body = to_fields(message, omit_defaults=True)
     body["v"] = PROTOCOL_VERSION
     body["kind"] = message.KIND
     data: bytes = msgpack.packb(body, use_bin_type=True)

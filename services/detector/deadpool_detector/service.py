@@ -226,19 +226,16 @@ class DetectorService:
         return replace(failure, traceparent=context)
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
-        self._refused(hb, self.core.on_heartbeat(hb, time.monotonic()))
+        self._refused(hb.job, hb.member, self.core.on_heartbeat(hb, time.monotonic()))
 
     async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
         now = time.monotonic()
         for hb in batch.beats:
-            self._refused(hb, self.core.on_heartbeat(hb, now, batch.launcher))
+            self._refused(hb.job, hb.member, self.core.on_heartbeat(hb, now, batch.launcher))
         for member in batch.alive:
-            self._refused_beat(batch.job, member, self.core.on_alive(batch, member, now))
+            self._refused(batch.job, member, self.core.on_alive(batch, member, now))
 
-    def _refused(self, hb: Heartbeat, reason: str) -> None:
-        self._refused_beat(hb.job, hb.member, reason)
-
-    def _refused_beat(self, job: str, member: str, reason: str) -> None:
+    def _refused(self, job: str, member: str, reason: str) -> None:
         """Log a refused heartbeat, once per (job, member, reason) so a flood cannot fill the log."""
         if reason and len(self._refusals_logged) < REFUSALS_LOGGED_MAX:
             key = (job, member, reason)

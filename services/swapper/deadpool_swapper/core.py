@@ -587,8 +587,8 @@ class SwapperCore:
     def live_stores(self, now: float) -> list[StoreInfo]:
         return [s for s in self.stores.values() if now - s.last_seen <= self.config.store_timeout_s]
 
-    def _live_names(self, now: float) -> set[str]:
-        return {s.store for s in self.live_stores(now)}
+    def _live_names(self, now: float) -> frozenset[str]:
+        return frozenset(s.store for s in self.live_stores(now))
 
     def _try_formation(self, state: JobState, now: float) -> Decision:
         if len(state.members) < state.world_size:
@@ -742,7 +742,7 @@ class SwapperCore:
             )
         if not self._stores_known(now):  # the tick tries again once they are
             return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
-        committed = self._commit_newest(state, now)
+        committed = self._commit_newest(state, self._live_names(now))
         failed_hosts = {i.host for i in state.open_incidents}
         newcomers: set[str] = set()
         host_copies = True
@@ -1152,7 +1152,7 @@ class SwapperCore:
             lead = sc.step - max(state.committed_step, state.restore_step, 0)
             if lead > self.config.snapshot_step_lead_max:
                 return Decision([], f"snapshot step {sc.step} on {sc.store}: {lead} steps beyond the committed step")
-        live = frozenset(self._live_names(now))
+        live = self._live_names(now)
         refused: list[str] = []
         changed = False
         for rank, nbytes in zip(sc.ranks, sc.nbytes, strict=True):
@@ -1178,7 +1178,7 @@ class SwapperCore:
         if durable or committed_again:
             kind = "resumed" if durable else "committed"
             return Decision([Persist(state.job)] if changed else [], f"{kind} {what}")
-        committed = self._commit_newest(state, now)
+        committed = self._commit_newest(state, live)
         if committed is None:
             return Decision([], what)  # not saved: replayed from the stream if this leader stops
         return Decision(committed.actions, f"{what}; {committed.reason}")
@@ -1192,11 +1192,10 @@ class SwapperCore:
             placements.append(state.pending.command.placement)
         return any(rank < len(placement) and store in placement[rank] for placement in placements)
 
-    def _commit_newest(self, state: JobState, now: float) -> Decision | None:
-        """Commit the newest step every rank has complete on its live stores, if any is newer than the
+    def _commit_newest(self, state: JobState, live: frozenset[str]) -> Decision | None:
+        """Commit the newest step every rank has complete on the `live` stores, if any is newer than the
         committed one. Also asked before a restore is chosen: a complete read while its store's status
         was stale (after a pause) did not count then, and its store may have been heard since."""
-        live = frozenset(self._live_names(now))
         newly = state.commit_progress.complete_steps(state.completes, live, state.placement, state.world_size)
         if not newly:
             return None
