@@ -71,7 +71,9 @@ from deadpool_protocol import (
 from deadpool_protocol.bounds import SEALED_PER_REPORT_MAX
 from deadpool_protocol.job_record import JOBS_BUCKET
 from deadpool_protocol.subjects import store_announce
+from deadpool_runtime.bus import subscribe_validated
 from deadpool_runtime.credentials import nkey_file
+from deadpool_runtime.logs import get_logger
 
 JOB = "scale"
 RUN = "simulated"
@@ -116,8 +118,7 @@ async def worker_main(
     sim = {name: SimulatedMember(name, hint, launcher) for name, hint in members}
     hosts = {name: f"host-{i // 8}-{index}" for i, name in enumerate(sim)}  # 8 members per simulated host
 
-    async def on_rebuild(msg: Msg) -> None:
-        rebuild = decode(msg.data, Rebuild)
+    async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
         for member in sim.values():
             if member.silent_at or rebuild.generation <= member.generation:
                 continue
@@ -149,7 +150,7 @@ async def worker_main(
             member.silent_at = time.time()
             await nc.publish("bench.silenced", json.dumps({"member": member.name, "t": member.last_beat}).encode())
 
-    await nc.subscribe(subjects.rebuild, cb=on_rebuild)
+    await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())  # in parts when large
     await nc.subscribe(subjects.fence(launcher), cb=on_fence)
     await nc.subscribe("bench.silence", cb=on_silence)
 
@@ -356,13 +357,14 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             if sealed is not None:
                 commit_ms.append((time.time() - sealed) * 1000)
 
-        async def on_placement(msg: Msg) -> None:
-            stores.on_placement(decode(msg.data, Placement))
+        async def on_placement(placement: Placement, _msg: Msg) -> None:
+            stores.on_placement(placement)
 
         def sized(kind: str) -> Any:
             async def note(msg: Msg) -> None:
-                if len(msg.data) > largest[kind][0]:
-                    largest[kind] = (len(msg.data), msg.subject)
+                size = len(msg.data) + sum(len(f"{k}: {v}\r\n") for k, v in (msg.headers or {}).items())
+                if size > largest[kind][0]:
+                    largest[kind] = (size, msg.subject)
 
             return note
 
@@ -370,8 +372,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             failure = decode(msg.data, Failure)
             failures[failure.member] = (failure, time.time())
 
-        async def on_rebuild(msg: Msg) -> None:
-            rebuild = decode(msg.data, Rebuild)
+        async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
             rebuilds.setdefault(rebuild.generation, (rebuild, time.time()))
             stores.on_rebuild(rebuild)
 
@@ -385,16 +386,16 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
         for subject, cb in (
             (subjects.failure, on_failure),
-            (subjects.rebuild, on_rebuild),
             ("bench.silenced", on_silenced),
             ("bench.sent", on_sent),
             (subjects.commit, on_commit),
-            (subjects.placement, on_placement),
             (f"$KV.{JOBS_BUCKET}.>", sized("record")),
             (subjects.snapshot_complete, sized("message")),
             *((s, sized("message")) for s in (subjects.rebuild, subjects.placement, subjects.commit, subjects.void)),
         ):
             await nc.subscribe(subject, cb=cb)
+        await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())  # in parts when large
+        await subscribe_validated(nc, subjects.placement, Placement, on_placement, get_logger())
         background = [asyncio.create_task(stores.announce()), asyncio.create_task(stores.seal_steps())]
         names = [(f"sim-{i:05d}", i if i < world_size else -1) for i in range(members)]
         workers = []

@@ -39,6 +39,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.dataplane import Fetch, PutChunk, Seal, decode_frame_header, encode_frame
+from deadpool_protocol.messages import members_digest
 
 
 def rebuild(**overrides: object) -> Rebuild:
@@ -79,7 +80,7 @@ EXAMPLES: list[Message] = [
     JobFinished("j", 1, 100),
     Incident("j", 2, "j-1", 0, "m0", "m2", "exit", 1.0, 1.1, 1.2, 2.0, 7, 0, {"detect": 0.1}, {"pid": "1"}),
     StoreStatus("s0", "127.0.0.1", 5000, 10, 100, 1, 1.0),
-    GroupBroken("j", 1, ["m0", "m1"], {"first_to_leave": "m0"}, 1.0, 3.0),
+    GroupBroken("j", 1, 2, members_digest(["m0", "m1"]), {"first_to_leave": "m0"}, 1.0, 3.0),
 ]
 
 

@@ -17,6 +17,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol import Rebuild as RebuildMessage
 from deadpool_protocol.job_record import JobSummary
+from deadpool_protocol.messages import members_digest
 
 
 def beat(member: str, t: float, step: int = 3, rank: int = 0, generation: int = 1) -> Heartbeat:
@@ -337,7 +338,8 @@ def test_a_group_every_rank_left_with_nobody_failed_is_reported_broken_and_again
     broken, again = verdicts  # no hang verdict however long they await: they wait on the control plane
     assert isinstance(broken, GroupBroken) and isinstance(again, GroupBroken)
     assert again.generation == 1 and 1.0 <= again.t_detected - broken.t_detected <= 1.1  # one lost report heals
-    assert broken.members == ["m1", "m0"] and broken.evidence["first_to_leave"] == "m1"
+    assert broken.members == 2 and broken.members_digest == members_digest(["m0", "m1"])
+    assert broken.evidence["first_to_leave"] == "m1"
     assert broken.t_broken == 20.1  # m1's first heartbeat awaiting
     assert 21.3 <= broken.t_detected <= 21.4  # the last to leave, m0 (20.3), plus the 1 s heartbeat timeout
 

@@ -21,6 +21,7 @@ from deadpool_protocol import (
     SnapshotComplete,
     StoreStatus,
 )
+from deadpool_protocol.messages import members_digest
 from deadpool_swapper.core import Archive, Persist, SwapperConfig, SwapperCore
 from tests.unit.test_swapper_core import published
 
@@ -119,7 +120,7 @@ def test_a_run_that_holds_training_without_stores_stops_every_rank_and_resumes_f
     lost = core.tick(2.0)  # the store's 1.5 s are over: every store is lost
     (void,) = published(lost, GenerationVoid)
     assert void.generation == 1 and "held" in void.reason and core.jobs["j"].held_since == 2.0
-    broken = GroupBroken("j", 1, list(formation.ranks), {}, 3.0, 7.0)
+    broken = GroupBroken("j", 1, len(formation.ranks), members_digest(formation.ranks), {}, 3.0, 7.0)
     assert core.on_group_broken(broken, 7.0).actions == []  # awaiting, as held: no regroup yet
     assert published(core.tick(30.0), Rebuild) == []
     core.on_store_status(StoreStatus("s1", "127.0.0.1", 5001, 0, 10**9, 0, 31.0), 31.0)  # a store is back

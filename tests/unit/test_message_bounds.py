@@ -79,6 +79,7 @@ from deadpool_protocol.dataplane import (
     decode_frame_header,
 )
 from deadpool_protocol.job_record import JobSummary, pack_record, unpack_record
+from deadpool_protocol.messages import members_digest
 from deadpool_protocol.names import NAME_MAX_CHARS
 from tests.unit.fuzz_properties import oversized
 
@@ -99,7 +100,7 @@ EXAMPLES: list[Message] = [
     Straggler("j", 1, "m0", 0, {"busy_share": "0.9"}, 1.0),
     ChildExit("j", 1, "l0", "m0", 42, -9, 1.0),
     Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
-    GroupBroken("j", 1, ["m0", "m1"], {"first_to_leave": "m0"}, 1.0, 3.0),
+    GroupBroken("j", 1, 2, members_digest(["m0", "m1"]), {"first_to_leave": "m0"}, 1.0, 3.0),
     Rebuild("j", 2, 2, ["m0", "m1"], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], [["s0"], ["s0"]], "j-1", 12.5),
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),

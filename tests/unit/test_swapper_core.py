@@ -25,6 +25,7 @@ from deadpool_protocol import (
     StepResumed,
     StoreStatus,
 )
+from deadpool_protocol.messages import members_digest
 from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
 
 W = 2
@@ -335,7 +336,7 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, 5, [rank], [10]), 2.0)
-    broken = GroupBroken("j", 1, ["r1", "r0"], {"first_to_leave": "r1"}, 5.0, 7.0)
+    broken = GroupBroken("j", 1, 2, members_digest(["r1", "r0"]), {"first_to_leave": "r1"}, 5.0, 7.0)
     (rebuild,) = published(core.on_group_broken(broken, 7.0), Rebuild)
     assert rebuild.generation == 2 and rebuild.ranks == formation.ranks and rebuild.spares == ["s"]
     assert rebuild.restore_step == 5
@@ -350,7 +351,7 @@ def test_a_broken_group_with_every_rank_alive_is_regrouped_without_a_spare() -> 
 def test_a_broken_group_waits_for_a_failure_rebuild_that_is_coming() -> None:
     core, _ = formed_core(spares=())
     fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # no spare: rank 1 stays vacant
-    late = GroupBroken("j", 1, ["r0"], {}, 5.0, 7.0)
+    late = GroupBroken("j", 1, 1, members_digest(["r0"]), {}, 5.0, 7.0)
     decision = core.on_group_broken(late, 7.0)
     assert decision.actions == [] and "under way" in decision.reason
 
@@ -358,7 +359,7 @@ def test_a_broken_group_waits_for_a_failure_rebuild_that_is_coming() -> None:
 def test_a_rebuild_whose_members_all_gave_up_forming_it_is_superseded_by_a_regroup() -> None:
     core, _ = formed_core()
     (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
-    broken = GroupBroken("j", 2, list(first.ranks), {"first_to_leave": first.ranks[0]}, 6.0, 8.0)
+    broken = GroupBroken("j", 2, 2, members_digest(first.ranks), {"first_to_leave": first.ranks[0]}, 6.0, 8.0)
     (regroup,) = published(core.on_group_broken(broken, 8.0), Rebuild)
     assert regroup.generation == 3 and regroup.ranks == first.ranks
     assert regroup.rendezvous_member != first.rendezvous_member or len(set(first.ranks) - {"s"}) == 1
@@ -512,7 +513,7 @@ def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
     (formation,) = published(core.on_hello(hello("r1", 1), 0.0)[1], Rebuild)
     generation, ended = formation.generation, []
     for t in range(1, 10):  # every attempt breaks before it forms, every rank alive
-        broken = GroupBroken("j", generation, ["r0", "r1"], {}, float(t), float(t))
+        broken = GroupBroken("j", generation, 2, members_digest(["r0", "r1"]), {}, float(t), float(t))
         decision = core.on_group_broken(broken, float(t))
         ended = published(decision, JobFinished)
         if ended:
@@ -526,7 +527,7 @@ def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
 def test_a_rendezvous_host_is_not_named_twice_in_a_row_when_generations_fail() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
     (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
-    broken = GroupBroken("j", first.generation, list(first.ranks), {}, 6.0, 8.0)
+    broken = GroupBroken("j", first.generation, 2, members_digest(first.ranks), {}, 6.0, 8.0)
     (second,) = published(core.on_group_broken(broken, 8.0), Rebuild)
     assert first.rendezvous_member == "r0" and second.rendezvous_member == first.ranks[1]
 
@@ -546,7 +547,7 @@ def test_a_host_whose_rendezvous_address_fails_is_left_for_another_host_before_i
     named = [formation.rendezvous_member]
     generation = formation.generation
     for t in (30.0, 60.0):  # each generation's group breaks before it forms
-        broken = GroupBroken("j", generation, list(formation.ranks), {}, t, t)
+        broken = GroupBroken("j", generation, 2, members_digest(formation.ranks), {}, t, t)
         (rebuild,) = published(core.on_group_broken(broken, t), Rebuild)
         named.append(rebuild.rendezvous_member)
         generation = rebuild.generation

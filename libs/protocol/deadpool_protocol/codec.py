@@ -151,9 +151,10 @@ def encode(message: Message) -> bytes:
     return data
 
 
-def decode(data: bytes, expected: type[M]) -> M:
-    """Decode one message that must be of type `expected`."""
-    message = decode_any(data)
+def decode(data: bytes, expected: type[M], bytes_max: int = MESSAGE_BYTES_MAX) -> M:
+    """Decode one message that must be of type `expected` (of at most `bytes_max`: one frame's bound,
+    or a message put together from parts, `message_parts`)."""
+    message = decode_any(data, bytes_max)
     if not isinstance(message, expected):
         raise ProtocolError(f"expected a {expected.KIND} message, got {message.KIND}")
     return message
@@ -232,19 +233,19 @@ def _subject_kind(subject: str) -> type[Message] | None:
     return None
 
 
-def decode_on(subject: str, data: bytes, expected: type[M]) -> M:
+def decode_on(subject: str, data: bytes, expected: type[M], bytes_max: int = MESSAGE_BYTES_MAX) -> M:
     """Decode one message of type `expected` that arrived on `subject`, and check that it may arrive
     there (`subject_refusal`)."""
-    message = decode(data, expected)
+    message = decode(data, expected, bytes_max)
     refused = subject_refusal(subject, message)
     if refused:
         raise ProtocolError(refused)
     return message
 
 
-def decode_any(data: bytes) -> Message:
-    if len(data) > MESSAGE_BYTES_MAX:
-        raise ProtocolError(f"message of {len(data)} bytes exceeds {MESSAGE_BYTES_MAX}")
+def decode_any(data: bytes, bytes_max: int = MESSAGE_BYTES_MAX) -> Message:
+    if len(data) > bytes_max:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {bytes_max}")
     try:
         body = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage

@@ -1,11 +1,14 @@
 """NATS plumbing with DeadPool's policy: reconnect forever, validate every message, never crash on one.
 
 A handler that raises is logged and the subscription goes on: one bad message or one bug in a handler
-must not take a service down. Refused messages are logged at a bounded rate (`RefusalLog`).
+must not take a service down. Refused messages are logged at a bounded rate (`RefusalLog`). A message
+larger than one frame's payload goes out in keyed parts and is put together before it is decoded
+(`deadpool_protocol.message_parts`): no frame is larger than `MESSAGE_PART_BYTES_MAX`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -15,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from deadpool_protocol import Message, ProtocolError, decode_on, encode
+from deadpool_protocol.message_parts import ASSEMBLED_MESSAGE_BYTES_MAX, PART_HEADER, PartAssembler, split_message
 from deadpool_runtime import tls
 from deadpool_runtime.log_limit import RefusalLog
 
@@ -71,7 +75,9 @@ def tls_options() -> dict[str, Any]:
 
 
 async def publish(nc: Client, subject: str, message: Message) -> None:
-    await nc.publish(subject, encode(message))
+    """Publish `message`, in keyed parts when it is larger than a part's payload."""
+    for header, payload in split_message(encode(message)):
+        await nc.publish(subject, payload, headers={PART_HEADER: header} if header else None)
 
 
 async def subscribe_validated(
@@ -85,13 +91,22 @@ async def subscribe_validated(
     """Subscribe; each message is decoded and validated before `handler` sees it.
 
     A message that fails validation is dropped with a log line giving the reason (rate-limited: a
-    flood of them writes a few lines and a count).
+    flood of them writes a few lines and a count). A message's parts are gathered first (one
+    `PartAssembler` per subscription), and the whole is decoded once the last one arrives.
     """
     refusals = RefusalLog(log)
+    assembler = PartAssembler()
 
     async def on_msg(msg: Msg) -> None:
+        part = msg.headers.get(PART_HEADER) if msg.headers else None
         try:
-            message = decode_on(msg.subject, msg.data, expected)
+            if part is None:
+                message = decode_on(msg.subject, msg.data, expected)
+            else:
+                whole = assembler.add(part, msg.data, time.monotonic())
+                if whole is None:
+                    return
+                message = decode_on(msg.subject, whole, expected, ASSEMBLED_MESSAGE_BYTES_MAX)
         except ProtocolError as exc:
             refusals.warning("rejected message", subject=msg.subject, reason=str(exc))
             return

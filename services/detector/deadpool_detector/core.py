@@ -114,6 +114,7 @@ from deadpool_protocol import (
     Straggler,
 )
 from deadpool_protocol.job_record import JobSummary
+from deadpool_protocol.messages import members_digest
 
 __all__ = ["DetectorConfig", "DetectorCore", "JobView", "Unanswered", "Watched", "wall_minus_monotonic"]
 
@@ -662,10 +663,15 @@ class DetectorCore:
                 "first_rank": str(first.rank),
                 "awaiting_s": f"{now - first.awaiting_since:.3f}",
             }
-            members = [w.member for w in ranked]
             found.append(
                 GroupBroken(
-                    view.job, view.generation, members, evidence, self._wall(first.awaiting_since), self._wall(now)
+                    view.job,
+                    view.generation,
+                    len(ranked),
+                    members_digest(w.member for w in ranked),
+                    evidence,
+                    self._wall(first.awaiting_since),
+                    self._wall(now),
                 )
             )
         return found

@@ -64,6 +64,7 @@ from deadpool_protocol import (
     StoreStatus,
 )
 from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX, INCIDENT_IDS_CHARS_MAX, MEMBERS_PER_JOB_MAX, clip_text
+from deadpool_protocol.messages import members_digest
 from deadpool_protocol.subjects import Subjects, store_replicate
 from deadpool_swapper.commit_progress import CommitProgress
 from deadpool_swapper.job_phase import check_transition, phase_of
@@ -699,9 +700,9 @@ class SwapperCore:
             return Decision([], f"group of generation {broken.generation} broken: a rebuild is already under way")
         if state.held_since is not None:
             return Decision([], f"group of generation {broken.generation} broken: held until a store returns")
-        if set(broken.members) != set(state.ranks) or any(m not in state.members for m in state.ranks):
+        if broken.members_digest != members_digest(state.ranks) or any(m not in state.members for m in state.ranks):
             return Decision([], f"group of generation {broken.generation} broken: its members differ from the ranks")
-        first = broken.evidence.get("first_to_leave", broken.members[0])
+        first = broken.evidence.get("first_to_leave", "")
         rank = state.ranks.index(first) if first in state.ranks else 0
         state.incident_seq += 1
         state.open_incidents.append(

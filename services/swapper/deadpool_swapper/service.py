@@ -47,6 +47,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode_on, to_fields
 from deadpool_protocol.dataplane import job_token, seal_key
+from deadpool_protocol.message_parts import MESSAGE_PART_BYTES_MAX
 from deadpool_protocol.subjects import STORE_STATUS, service_inbox
 from deadpool_runtime import ensure_events_stream, publish, run_nats_service, stopped_within, subscribe_validated
 from deadpool_runtime.events import stream_position
@@ -499,8 +500,16 @@ class SwapperService:
             "unheard_s_max": round(worker.unheard_s_max, 4) if worker is not None else 0.0,
         }
         data = json.dumps(body).encode()
-        if len(data) > self.nc.max_payload - STATUS_MARGIN_BYTES:  # a job of thousands: the details go
-            body |= {"members": {}, "placement": [], "open_incidents": [], "truncated": True}
+        if len(data) > MESSAGE_PART_BYTES_MAX - STATUS_MARGIN_BYTES:  # a job of thousands: the details go
+            details: dict[str, Any] = {
+                "members": {},
+                "placement": [],
+                "ranks": [],
+                "spares": [],
+                "open_incidents": [],
+                "incidents": [],
+            }
+            body |= details | {"truncated": True}
             data = json.dumps(body).encode()
         try:
             await self.nc.publish(msg.reply, data)
