@@ -19,8 +19,9 @@ measurement window), heartbeat messages per second, formation seconds (workers s
 formation's rebuild), commit latency (a step's last store report sent -> its commit received) p50/p99,
 and the largest job record part written to KV and the largest message on the job's swapper subjects
 and store reports, in bytes. By default the members' heartbeats travel in batches of their
-(simulated) host's 8 members, one message per period, as `deadpool launch` sends them; `--no-batching`
-has every member publish its own. The last line is one JSON object.
+(simulated) host's 8 members, one message every `--batch-s` (default 0.25 s, each member's newest beat
+with its age), as `deadpool launch` sends them; `--no-batching` has every member publish its own. The
+last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from deadpool.beat_compaction import HEARTBEAT_REFRESH_S
+from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
     NO_RANK,
@@ -110,12 +112,21 @@ class SimulatedMember:
 
 
 async def worker_main(
-    url: str, nkey: str, index: int, members: list[tuple[str, int]], world_size: int, batching: bool, step_s: float
+    url: str,
+    nkey: str,
+    index: int,
+    members: list[tuple[str, int]],
+    world_size: int,
+    batching: bool,
+    step_s: float,
+    batch_s: float,
 ) -> None:
     nc = await nats.connect(url, max_reconnect_attempts=-1, nkeys_seed=nkey or None)
     subjects = Subjects.for_job(JOB)
     launcher = f"worker-{index}"
     sim = {name: SimulatedMember(name, hint, launcher) for name, hint in members}
+    messages = [0]
+    """Heartbeat messages this worker sent."""
     hosts = {name: f"host-{i // 8}-{index}" for i, name in enumerate(sim)}  # 8 members per simulated host
 
     async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
@@ -214,6 +225,7 @@ async def worker_main(
             await nc.publish(subjects.heartbeat, encode(next_beat(member, started, now)))
             member.last_beat = now
             member.sent += 1
+            messages[0] += 1
             await asyncio.sleep(HEARTBEAT_PERIOD_S)
 
     async def beat_host(host: str, members: list[SimulatedMember]) -> None:
@@ -221,15 +233,19 @@ async def worker_main(
         one message per period, a member's whole beat only when it changed or every
         HEARTBEAT_REFRESH_S, its name otherwise (what `BeatCompaction` decides; here the simulator
         knows when a beat changed, since it builds a beat again only when its step, rank or
-        generation moved: its own cost shares the cores with the services measured)."""
-        await asyncio.sleep(random.random() * HEARTBEAT_PERIOD_S)
+        generation moved: its own cost shares the cores with the services measured). A batch goes every
+        `batch_s` with each member's newest beat and its age: members beat every HEARTBEAT_PERIOD_S,
+        each at its own phase, so a beat is 0 to 100 ms old when its batch goes."""
+        await asyncio.sleep(random.random() * batch_s)
         started = time.monotonic()
         last: dict[str, tuple[Heartbeat, float]] = {}
+        phases = {m.name: random.random() * HEARTBEAT_PERIOD_S for m in members}
         while any(not m.silent_at for m in members):
             now, mono = time.time(), time.monotonic()
             step = int((mono - started) / step_s)
             whole: list[Heartbeat] = []
             alive: list[str] = []
+            ages: dict[str, int] = {}
             for member in members:
                 if member.silent_at:
                     continue
@@ -245,10 +261,15 @@ async def worker_main(
                     whole.append(beat)
                 else:
                     alive.append(member.name)
-                member.last_beat = now
-                member.sent += 1
-            await nc.publish(subjects.heartbeat_batch, encode(HeartbeatBatch(JOB, 0, f"l-{host}", whole, alive)))
-            await asyncio.sleep(HEARTBEAT_PERIOD_S)
+                age = (mono - phases[member.name]) % HEARTBEAT_PERIOD_S if batch_s > HEARTBEAT_PERIOD_S else 0.0
+                ages[member.name] = round(age * 1000)
+                member.last_beat = now - age
+                member.sent += max(1, round(batch_s / HEARTBEAT_PERIOD_S))  # the beats this batch stands for
+            ages_ms = [ages[m] for m in [*(b.member for b in whole), *alive]]
+            batch = HeartbeatBatch(JOB, 0, f"l-{host}", whole, alive, ages_ms)
+            await nc.publish(subjects.heartbeat_batch, encode(batch))
+            messages[0] += 1
+            await asyncio.sleep(batch_s)
 
     if batching:
         by_host: dict[str, list[SimulatedMember]] = {}
@@ -262,7 +283,8 @@ async def worker_main(
         while True:
             await asyncio.sleep(1.0)
             sent = sum(m.sent for m in sim.values())
-            await nc.publish("bench.sent", json.dumps({"worker": index, "sent": sent}).encode())
+            body = {"worker": index, "sent": sent, "messages": messages[0]}
+            await nc.publish("bench.sent", json.dumps(body).encode())
 
     tasks.append(asyncio.create_task(report()))
     await asyncio.gather(*tasks)
@@ -347,6 +369,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         rebuilds: dict[int, tuple[Rebuild, float]] = {}
         silenced: dict[str, float] = {}
         sent: dict[int, int] = {}
+        sent_messages: dict[int, int] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
@@ -383,6 +406,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         async def on_sent(msg: Msg) -> None:
             body = json.loads(msg.data)
             sent[body["worker"]] = body["sent"]
+            sent_messages[body["worker"]] = body["messages"]
 
         for subject, cb in (
             (subjects.failure, on_failure),
@@ -419,6 +443,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         spec,
                         "--step-s",
                         str(args.step_s),
+                        "--batch-s",
+                        str(args.batch_s),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
@@ -446,7 +472,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
             cpu0 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others0 = others()
-            sent0 = sum(sent.values())
+            sent0, messages0 = sum(sent.values()), sum(sent_messages.values())
             victims: list[str] = []
             for _ in range(args.failures):
                 latest = rebuilds[max(rebuilds)][0]
@@ -460,7 +486,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(args.gap_s)
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
-            sent1 = sum(sent.values())
+            sent1, messages1 = sum(sent.values()), sum(sent_messages.values())
         finally:
             for task in background:
                 task.cancel()
@@ -499,7 +525,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "nats_cpu_pct": round(100 * (others1[0] - others0[0]) / window, 1),
         "simulator_cpu_pct": round(100 * (others1[1] - others0[1]) / window, 1),
         "heartbeats_per_s": round((sent1 - sent0) / window),
-        "heartbeat_messages_per_s": round((sent1 - sent0) / window / (1 if args.no_batching else 8)),
+        "heartbeat_messages_per_s": round((messages1 - messages0) / window),
+        "batch_s": args.batch_s,
         "batching": not args.no_batching,
         "window_s": round(window, 1),
         "formation_s": round(formation_s, 1),
@@ -599,6 +626,12 @@ def main() -> None:
     parser.add_argument("--stores", type=int, default=0, help=f"simulated stores (0: one per {MEMBERS_PER_STORE})")
     parser.add_argument("--replication", type=int, default=2, help="copies of each rank's snapshot")
     parser.add_argument(
+        "--batch-s",
+        type=float,
+        default=HEARTBEAT_BATCH_PERIOD_S,
+        help="how often a simulated launcher sends its batch (deadpool launch --heartbeat-batch-s)",
+    )
+    parser.add_argument(
         "--no-batching", action="store_true", help="every member publishes its own heartbeats (no launcher batching)"
     )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
@@ -610,7 +643,9 @@ def main() -> None:
     if args.worker >= 0:
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
         batching = not args.no_batching
-        asyncio.run(worker_main(args.url, args.nkey, args.worker, members, args.world_size, batching, args.step_s))
+        asyncio.run(
+            worker_main(args.url, args.nkey, args.worker, members, args.world_size, batching, args.step_s, args.batch_s)
+        )
         return
     result = asyncio.run(main_async(args))
     print(json.dumps(result))

@@ -67,3 +67,36 @@ def test_a_name_is_refused_where_the_beat_would_be() -> None:
     assert "far ahead" in core.on_alive(far, "m0", 1.0)
     assert core.on_alive(batch(["stranger"]), "stranger", 1.0) == ""  # noted as unnamed, not watched
     assert [f.member for f in core.check(2.5)] == ["m0"]  # neither refused name kept m0 alive
+
+
+def test_a_batch_dates_each_beat_by_its_age_so_a_silence_is_timed_from_the_last_beat() -> None:
+    """A launcher gathers beats for a quarter second: a member's last beat came 240 ms before the batch
+    went. The verdict comes a timeout after that beat, not after the batch arrived."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0", "m1"), spares=())
+    first = HeartbeatBatch("j", 1, "l0", [beat("m0", 0.0), beat("m1", 0.0, rank=1)], [], [0, 0])
+    assert core.on_batch(first, 0.0) == []
+    assert core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0", "m1"], [240, 10]), 2.0) == []
+    assert core.check(2.759) == []  # m0's last beat was at 1.76: a timeout has not passed
+    (failure,) = core.check(2.77)
+    assert failure.member == "m0" and failure.t_detected - failure.t_fault == pytest.approx(1.01, abs=1e-6)
+    assert core.check(2.9) == []  # m1 beat at 1.99
+
+
+def test_an_older_beat_never_moves_a_members_last_beat_back() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0",), spares=())
+    assert core.on_batch(HeartbeatBatch("j", 1, "l0", [beat("m0", 0.0)], [], [0]), 5.0) == []
+    assert core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [3000]), 5.1) == []  # dated 2.1
+    assert core.check(5.9) == []
+
+
+@pytest.mark.parametrize(
+    ("ages", "why"),
+    [([0], "ages_ms does not match"), ([0, 0, 0], "ages_ms does not match"), ([0, -1], "past"), ([0, 60_001], "past")],
+)
+def test_a_batch_whose_ages_do_not_fit_is_refused(ages: list[int], why: str) -> None:
+    batch = HeartbeatBatch("j", 1, "l0", [beat("m0", 0.0)], ["m1"], ages)
+    with pytest.raises(Exception, match=why):
+        decode(encode(batch), HeartbeatBatch)
+    assert decode(encode(dataclasses.replace(batch, ages_ms=[5, 7])), HeartbeatBatch).age_s(1) == 0.007

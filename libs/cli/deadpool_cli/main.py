@@ -253,6 +253,13 @@ def _parser() -> argparse.ArgumentParser:
         help=f"how long a collective may block (default {MemberConfig.pg_timeout_s:g})",
     )
     launch.add_argument(
+        "--heartbeat-batch-s",
+        type=float,
+        default=LaunchConfig.heartbeat_batch_s,
+        help="how often the members' heartbeats go to the detector, in one message (default %(default)g; "
+        "keep it within a quarter of the detector's --heartbeat-timeout-s)",
+    )
+    launch.add_argument(
         "--durable-dir",
         default=MemberConfig.durable_dir,
         help="persist snapshots there as torch.distributed.checkpoint files",
@@ -662,6 +669,7 @@ def _launch(args: argparse.Namespace) -> int:
                 rendezvous_host=args.rendezvous_host,
                 respawns=args.respawns,
                 collective_timeout_s=args.collective_timeout_s,
+                heartbeat_batch_s=args.heartbeat_batch_s,
                 extra_env=member_env,
                 devices=devices,
                 nkey_file=nkey,

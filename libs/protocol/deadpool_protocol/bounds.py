@@ -23,6 +23,9 @@ from deadpool_protocol.names import NAME_MAX_CHARS
 
 __all__ = [
     "BEATS",
+    "BEAT_AGES",
+    "BEAT_AGES_MAX",
+    "BEAT_AGE_MS_MAX",
     "CLIPPED_MARK",
     "DEFAULT_BOUNDS",
     "EVIDENCE_ENTRIES_MAX",
@@ -111,6 +114,11 @@ TIME_MARKS_MAX = 32
 """Named times or durations of one rebuild (a member's marks, an incident's phases)."""
 HEARTBEATS_PER_BATCH_MAX = 1024
 """Heartbeats in one launcher's batch (its members on one host)."""
+BEAT_AGES_MAX = 2 * HEARTBEATS_PER_BATCH_MAX
+"""Ages in one batch: one per beat and per name."""
+BEAT_AGE_MS_MAX = 60_000
+"""A beat's age in its launcher's batch (`HeartbeatBatch.ages_ms`): a batch goes every fraction of a
+second; a launcher that says older only makes its own members look silent, which it can do anyway."""
 SEALED_PER_REPORT_MAX = 8192
 """Ranks one store's report of sealed snapshots names (a store sealing more in one batch sends several):
 at most about 100 kB of message."""
@@ -138,6 +146,7 @@ EVIDENCE = Bound(EVIDENCE_ENTRIES_MAX, "EVIDENCE_ENTRIES_MAX", "entries")
 MARKS = Bound(TIME_MARKS_MAX, "TIME_MARKS_MAX", "entries")
 BEATS = Bound(HEARTBEATS_PER_BATCH_MAX, "HEARTBEATS_PER_BATCH_MAX", "items")
 SEALED = Bound(SEALED_PER_REPORT_MAX, "SEALED_PER_REPORT_MAX", "items")
+BEAT_AGES = Bound(BEAT_AGES_MAX, "BEAT_AGES_MAX", "items")
 
 DEFAULT_BOUNDS: dict[Any, Bound] = {
     str: TEXT,

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from deadpool_protocol.bounds import (
+    BEAT_AGE_MS_MAX,
+    BEAT_AGES,
     BEATS,
     HEARTBEATS_PER_BATCH_MAX,
     MEMBERS_PER_JOB_MAX,
@@ -434,6 +436,12 @@ class HeartbeatBatch(JobMessage):
     """Members whose beat of this period said what their last one in `beats` said (its send time
     aside): named, not repeated. A launcher repeats a member's whole beat when anything in it changes
     and at least every second (`deadpool.beat_compaction`), so the detector decodes about one beat in ten."""
+    ages_ms: Annotated[list[int], BEAT_AGES] = field(default_factory=list)
+    """How long before the batch was sent the launcher received each member's beat, in `beats` then
+    `alive` order, on the launcher's own clock (empty: all just now). The detector dates a beat by
+    its arrival less its age, so a verdict comes a timeout after a member's last beat however long
+    the launcher gathers beats (`deadpool.launcher.HEARTBEAT_BATCH_PERIOD_S`); no two hosts' clocks
+    are compared."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -443,6 +451,12 @@ class HeartbeatBatch(JobMessage):
             beat.check()
         for member in self.alive:
             _need_name(member, "member")
+        _need(len(self.ages_ms) in (0, len(self.beats) + len(self.alive)), "ages_ms does not match the beats and names")
+        _need(all(0 <= age <= BEAT_AGE_MS_MAX for age in self.ages_ms), f"a beat's age past {BEAT_AGE_MS_MAX} ms")
+
+    def age_s(self, i: int) -> float:
+        """The age of the i-th beat (`beats`, then `alive`), in seconds."""
+        return self.ages_ms[i] / 1000 if self.ages_ms else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,8 +55,8 @@ from deadpool_protocol import (
     decode,
     encode,
 )
+from deadpool_protocol.bounds import BEAT_AGE_MS_MAX
 from deadpool_protocol.codec import decode_on
-from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_runtime import EventPublisher, connect, stopped_within, subscribe_validated
 from deadpool_runtime.credentials import CREDENTIALS_ENV
 from deadpool_runtime.host import LOOPBACK, address_towards, interface_of
@@ -80,8 +80,13 @@ RUN_START_WAIT_S = 120.0
 still be starting)."""
 RUN_START_ANSWER_S = 5.0
 RUN_START_RETRY_S = 0.5
-HEARTBEAT_BATCH_PERIOD_S = HEARTBEAT_PERIOD_S_DEFAULT
-"""As the members' heartbeat period: a beat waits at most this long in the launcher."""
+HEARTBEAT_BATCH_PERIOD_S = 0.25
+"""How often the launcher sends its members' beats, each member's newest with its age
+(`HeartbeatBatch.ages_ms`): the detector dates each beat by it, so a verdict still comes a timeout
+after a member's last beat, and a detector reads a host's message 4 times a second, not 10 (at 16,384
+members, 8 per host: 8,200 messages a second instead of 20,500, where the detector's cost is per
+message). An alive member looks at most this much older to the detector: keep it within a quarter of
+the heartbeat timeout (`LaunchConfig.heartbeat_batch_s`)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +112,8 @@ class LaunchConfig:
     extra_env: dict[str, str] = field(default_factory=dict)
     batch_heartbeats: bool = True
     """Members send heartbeats to this launcher, which forwards them in one message per period."""
+    heartbeat_batch_s: float = HEARTBEAT_BATCH_PERIOD_S
+    """How often the members' beats go out in one batch (see `HEARTBEAT_BATCH_PERIOD_S`)."""
     devices: DevicePlan | None = None
     """Each slot's GPU (`cuda_devices`); None for a CPU job."""
     nkey_file: str = ""
@@ -125,10 +132,16 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares == 0:
             raise ValueError("launch at least one process (--nproc and --spares)")
+        if not 0 < self.heartbeat_batch_s <= BEAT_AGE_MS_MAX / 1000:
+            raise ValueError(f"--heartbeat-batch-s {self.heartbeat_batch_s} is out of range")
         if not self.command:
             raise ValueError("no training script given")
         if self.devices is not None and len(self.devices.devices) < self.nproc + self.spares:
             raise ValueError("the device plan needs a device for every rank and spare")
+
+
+def _age_ms(now: float, received: float) -> int:
+    return min(BEAT_AGE_MS_MAX, max(0, round((now - received) * 1000)))
 
 
 def _die_with_parent() -> None:
@@ -177,7 +190,8 @@ class Launcher:
         self._nc: Client | None = None
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
-        self._beats: dict[str, Heartbeat] = {}
+        self._beats: dict[str, tuple[Heartbeat, float]] = {}
+        """member -> its newest beat since the last batch, and when it came (monotonic)."""
         self._compaction = BeatCompaction()
         self._stopper: asyncio.Task[None] | None = None
         self._stopping = False
@@ -414,18 +428,20 @@ class Launcher:
 
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         if hb.member in self.children:  # only our own members' beats travel in our batches
-            self._beats[hb.member] = hb
+            self._beats[hb.member] = (hb, time.monotonic())
 
     async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
         """Every heartbeat period, the beats received since the last batch, in one message."""
         assert self._nc is not None
         while not stop.is_set():
-            await asyncio.sleep(HEARTBEAT_BATCH_PERIOD_S)
+            await asyncio.sleep(self.config.heartbeat_batch_s)
             if not self._beats:
                 continue
-            beats, self._beats = list(self._beats.values()), {}
-            whole, alive = self._compaction.split(beats, time.monotonic())
-            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, whole, alive)
+            received, self._beats = self._beats, {}
+            now = time.monotonic()
+            whole, alive = self._compaction.split([hb for hb, _ in received.values()], now)
+            ages = [_age_ms(now, received[m][1]) for m in [*(hb.member for hb in whole), *alive]]
+            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, whole, alive, ages)
             try:
                 await self._nc.publish(self.subjects.heartbeat_batch, encode(batch))
             except Exception as exc:  # an outage must not end the batching

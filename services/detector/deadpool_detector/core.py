@@ -341,7 +341,7 @@ class DetectorCore:
             self._note_unnamed(view, hb.member, now)
             return ""  # a spare not yet named, or a member nobody accepted: not watched
         watched.launcher = watched.launcher or launcher
-        watched.last_seen = now
+        watched.last_seen = max(watched.last_seen, now)  # `now`: when the beat was sent (its age less)
         if hb.step != watched.last_step:
             if hb.rank >= 0 and watched.last_step >= 0 and hb.step > watched.last_step:
                 view.step_times.append((now - watched.progress_t) / (hb.step - watched.last_step))
@@ -376,6 +376,17 @@ class DetectorCore:
             watched.rank = hb.rank
         return ""
 
+    def on_batch(self, batch: HeartbeatBatch, now: float) -> list[tuple[str, str]]:
+        """A launcher's batch, arrived at `now`: each beat and name dated by `now` less its age in the
+        launcher (`HeartbeatBatch.ages_ms`), so a silence is timed from a member's last beat however
+        long the launcher gathered beats. Returns (member, why) for each one refused."""
+        refused = [
+            (hb.member, self.on_heartbeat(hb, now - batch.age_s(i), batch.launcher)) for i, hb in enumerate(batch.beats)
+        ]
+        whole = len(batch.beats)
+        refused += [(m, self.on_alive(batch, m, now - batch.age_s(whole + i))) for i, m in enumerate(batch.alive)]
+        return [(member, why) for member, why in refused if why]
+
     def on_alive(self, batch: HeartbeatBatch, member: str, now: float) -> str:
         """`member` beat again, saying what its last whole beat said (`HeartbeatBatch.alive`): alive
         now, in the state last heard. Refused as a beat would be (a job not heard of, a generation far
@@ -395,7 +406,7 @@ class DetectorCore:
         if watched.launcher and batch.launcher != watched.launcher:
             return f"launcher {batch.launcher} forwards a beat of {member}, run by launcher {watched.launcher}"
         watched.launcher = batch.launcher
-        watched.last_seen = now
+        watched.last_seen = max(watched.last_seen, now)
         if _suspends_hang_rule(watched.section):
             watched.progress_t = now
         watched.busy.append(watched.in_step and not watched.waiting)

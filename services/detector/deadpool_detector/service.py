@@ -229,11 +229,8 @@ class DetectorService:
         self._refused(hb.job, hb.member, self.core.on_heartbeat(hb, time.monotonic()))
 
     async def _on_heartbeat_batch(self, batch: HeartbeatBatch, _msg: Msg) -> None:
-        now = time.monotonic()
-        for hb in batch.beats:
-            self._refused(hb.job, hb.member, self.core.on_heartbeat(hb, now, batch.launcher))
-        for member in batch.alive:
-            self._refused(batch.job, member, self.core.on_alive(batch, member, now))
+        for member, reason in self.core.on_batch(batch, time.monotonic()):
+            self._refused(batch.job, member, reason)
 
     def _refused(self, job: str, member: str, reason: str) -> None:
         """Log a refused heartbeat, once per (job, member, reason) so a flood cannot fill the log."""
