@@ -100,3 +100,17 @@ def test_a_batch_whose_ages_do_not_fit_is_refused(ages: list[int], why: str) -> 
     with pytest.raises(Exception, match=why):
         decode(encode(batch), HeartbeatBatch)
     assert decode(encode(dataclasses.replace(batch, ages_ms=[5, 7])), HeartbeatBatch).age_s(1) == 0.007
+
+
+def test_a_straggler_window_spans_the_same_time_whether_beats_come_one_by_one_or_in_batches() -> None:
+    """A member's newest beat of a quarter-second batch stands for the beats before it: 10 seconds of
+    batches fill as many busy samples as 10 seconds of beats at 10 Hz."""
+    direct, batched = detector(DetectorConfig()), detector(DetectorConfig())
+    for core in (direct, batched):
+        formed(core, 0.0, ranks=("m0",), spares=())
+    for i in range(1, 101):
+        direct.on_heartbeat(beat("m0", i * 0.1), i * 0.1)
+    for i in range(1, 41):
+        batched.on_batch(HeartbeatBatch("j", 1, "l0", [beat("m0", i * 0.25)], [], [0]), i * 0.25)
+    assert len(direct.jobs["j"].members["m0"].busy) == 100
+    assert len(batched.jobs["j"].members["m0"].busy) in range(98, 103)

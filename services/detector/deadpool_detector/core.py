@@ -115,11 +115,14 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.job_record import JobSummary
 from deadpool_protocol.messages import members_digest
+from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 
 __all__ = ["DetectorConfig", "DetectorCore", "JobView", "Unanswered", "Watched", "wall_minus_monotonic"]
 
 STEP_TIMES_KEPT = 64
 BUSY_KEPT = 1024
+BUSY_SAMPLES_PER_BEAT_MAX = 10
+"""The most heartbeat periods one beat stands for in `busy` (a second at 10 Hz)."""
 DECLARED_KEPT = 4096
 """Verdicts remembered per job (to drop repeats and to publish again one the swapper missed); the
 unanswered ones, repeated until a rebuild answers them, are among these, so they are bounded too."""
@@ -250,7 +253,9 @@ class Watched:
     snapshot_every: int = 1
     """The job's snapshot interval as it knows it, for `deadpool status`."""
     busy: deque[bool] = field(default_factory=lambda: deque(maxlen=BUSY_KEPT))
-    """Per heartbeat: was the training thread in a step and not waiting on peers?"""
+    """Per heartbeat period: was the training thread in a step and not waiting on peers?"""
+    sampled_t: float = 0.0
+    """When `busy` was last sampled (`_sample_busy`)."""
     named_rank: int = NO_RANK
     """The rank the newest rebuild (or the job record) named it to; NO_RANK: a spare, or not named."""
     named_in: int = 0
@@ -369,7 +374,7 @@ class DetectorCore:
         watched.host = hb.host
         watched.in_step = hb.in_step
         watched.beat_generation = hb.generation
-        watched.busy.append(hb.in_step and not watched.waiting)
+        _sample_busy(watched, hb.in_step and not watched.waiting, now)
         if hb.generation >= view.generation:
             if watched.rank != hb.rank:
                 watched.progress_t = now  # a spare that just got a rank: its step clock starts now
@@ -409,7 +414,7 @@ class DetectorCore:
         watched.last_seen = max(watched.last_seen, now)
         if _suspends_hang_rule(watched.section):
             watched.progress_t = now
-        watched.busy.append(watched.in_step and not watched.waiting)
+        _sample_busy(watched, watched.in_step and not watched.waiting, now)
         return ""
 
     def on_rebuild(self, rebuild: Rebuild, now: float) -> None:
@@ -926,6 +931,19 @@ class DetectorCore:
             del view.declared[oldest]
             view.unanswered.pop(oldest, None)
         return failure
+
+
+def _sample_busy(watched: Watched, busy: bool, now: float) -> None:
+    """One busy sample per heartbeat period since the last one: a launcher's batch carries a member's
+    newest beat of a quarter second, which stands for the beats before it, so a straggler's window of
+    `straggler_window` beats spans the same time whatever the batch period."""
+    period = HEARTBEAT_PERIOD_S_DEFAULT
+    if not watched.sampled_t:
+        watched.sampled_t = now - period
+    since = min(now - watched.sampled_t, BUSY_SAMPLES_PER_BEAT_MAX * period)
+    periods = int(since / period + 0.5)  # the rest carries over to the next beat
+    watched.sampled_t = now - since + periods * period
+    watched.busy.extend([busy] * periods)
 
 
 def _suspends_hang_rule(section: str) -> bool:
