@@ -198,6 +198,7 @@ def test_the_hang_verdict_carries_its_threshold_and_where_the_thread_is() -> Non
     core.on_heartbeat(Heartbeat("j", 1, "m0", 0, 100, 50, True, 10.0, 13.2, where="train.py:88 load"), 13.2)
     core.on_heartbeat(Heartbeat("j", 1, "m1", 1, 100, 50, True, 10.0, 13.2, waiting=True), 13.2)
     core.on_heartbeat(Heartbeat("j", 1, "m2", -1, 100, -1, False, 0.0, 13.2), 13.2)
+    assert core.check(13.2, hang_rules=False) == []  # a pass of the heartbeat timeout alone
     (failure,) = core.check(13.2)  # 3 s floor (10 x 0.2 s = 2 s is below it)
     assert (failure.member, failure.reason) == ("m0", "hang")
     assert failure.evidence["hang_threshold_s"] == "3.000" and failure.evidence["where"] == "train.py:88 load"

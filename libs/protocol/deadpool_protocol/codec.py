@@ -293,7 +293,7 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
     plan, names = _plan(cls)  # type: ignore[arg-type]  # classes are hashable
     values: dict[str, Any] = {}
-    for name, hint, scalar, most, counted, required, named, items in plan:
+    for name, hint, scalar, most, counted, required, named, items, nested in plan:
         if name in body:
             value = body[name]
             kind = type(value)
@@ -301,6 +301,8 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
                 values[name] = named[value]  # a StrEnum's value (or None where the field may be None)
             elif items is not None and kind is list:
                 values[name] = _checked_list(value, items, f"{where}.{name}")
+            elif nested is not None and kind is dict:
+                values[name] = from_fields(nested, value, f"{where}.{name}")
             elif scalar is None:
                 values[name] = _check_type(value, hint, f"{where}.{name}")
             elif kind is scalar and (
@@ -331,14 +333,29 @@ _Items = tuple[Bound | None, Any, type | None]
 """A list field's bound, its items' type hint, and their dataclass where they are one (`_checked_list`)."""
 
 
+class _Field(typing.NamedTuple):
+    """How `from_fields` checks one field of a class, resolved once (`_plan`)."""
+
+    name: str
+    hint: Any
+    scalar: type | None
+    """The exact scalar type, or None."""
+    most: int
+    """The most a str or bytes of it may hold (-1 for other scalars)."""
+    counted: bool
+    """Whether `len()` measures that (not for a str bounded in UTF-8 bytes)."""
+    required: bool
+    named: dict[Any, Any] | None
+    """A `StrEnum` field's members by value (None among them where the field may be None)."""
+    items: _Items | None
+    """A list field's items."""
+    nested: type | None
+    """A field that is a dataclass (unbounded, not optional): its class."""
+
+
 @functools.cache
-def _plan(
-    cls: type,
-) -> tuple[list[tuple[str, Any, type | None, int, bool, bool, dict[Any, Any] | None, _Items | None]], frozenset[str]]:
-    """Per field: its name, its type hint, the exact scalar type or None, the most a str or bytes of
-    it may hold (-1 for other scalars), whether `len()` measures that (not for a str bounded in UTF-8
-    bytes), whether it is required, for a `StrEnum` field its members by value (None among them
-    where the field may be None), and for a list field its `_Items`; and the field names."""
+def _plan(cls: type) -> tuple[list[_Field], frozenset[str]]:
+    """Each field's `_Field`, and the field names."""
     hints = typing.get_type_hints(cls, include_extras=True)
     plan = []
     for f in dataclasses.fields(cls):
@@ -348,7 +365,8 @@ def _plan(
         most = bound.most if bound is not None and scalar in (str, bytes) else -1
         counted = scalar is bytes or (bound is not None and bound.unit != "bytes")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        plan.append((f.name, hint, scalar, most, counted, required, _named(base), _items(hint)))
+        nested = base if bound is None and isinstance(base, type) and dataclasses.is_dataclass(base) else None
+        plan.append(_Field(f.name, hint, scalar, most, counted, required, _named(base), _items(hint), nested))
     return plan, frozenset(f.name for f in dataclasses.fields(cls))
 
 

@@ -743,15 +743,15 @@ class DetectorCore:
                     events.append(Straggler(view.job, view.generation, w.member, w.rank, evidence, self._wall(now)))
         return events
 
-    def check(self, now: float) -> list[Failure]:
-        """Heartbeat timeouts, then ranks stuck in their rebuild, then hangs (see the module docstring)."""
+    def check(self, now: float, hang_rules: bool = True) -> list[Failure]:
+        """Heartbeat timeouts, then (with `hang_rules`) ranks stuck in their rebuild, then hangs (see the
+        module docstring)."""
         failures: list[Failure] = []
+        silent_before = now - self.config.heartbeat_timeout_s
         for view in self.jobs.values():
             if view.finished:
                 continue
-            silent = [
-                w for w in view.members.values() if not w.done and now - w.last_seen > self.config.heartbeat_timeout_s
-            ]
+            silent = [w for w in view.members.values() if w.last_seen < silent_before and not w.done]
             silent += self._silent_host_mates(view, silent, now)
             for w in silent:
                 del view.members[w.member]
@@ -773,6 +773,8 @@ class DetectorCore:
                         lost_host=(w.host, len(lost_host)) if len(lost_host) > 1 else ("", 0),
                     )
                 )
+            if not hang_rules:
+                continue
             failures += self._stuck_in_rebuild(view, now)
             threshold = self.hang_threshold_s(view)
             stalled = self._stalled(view, now, threshold)

@@ -70,6 +70,10 @@ from deadpool_runtime.tracing import Tracing
 __all__ = ["DetectorServiceConfig", "main"]
 
 VERSION = "0.1.0"
+HANG_RULES_PERIOD_S = 0.25
+"""The rules that wait seconds (hangs, a rank stuck in its rebuild, a broken group: `hang_floor_s`,
+`rebuild_lag_s`, `regroup_wait_s`) run this often; the heartbeat timeout every check period. Each is
+a scan of every member: at 4,096 members they were a sixth of the detector's CPU at 20 passes a second."""
 REVIEW_PERIOD_S = 1.0
 """Stragglers and culprit-less stalls are reviewed this often (verdicts run every check period)."""
 START_RETRY_S = 0.5
@@ -121,6 +125,7 @@ class DetectorService:
         self._behind_since: float | None = None
         self._stalls_logged: dict[str, list[str]] = {}
         self._last_review = 0.0
+        self._hang_rules_t = 0.0
         self._refusals_logged: set[tuple[str, str, str]] = set()
         self._refusals = RefusalLog(log)
         self.tracing = Tracing("deadpool-detector", config.trace_file)
@@ -145,12 +150,15 @@ class DetectorService:
             return
         if self._behind(now):
             return
-        self._emit(self.core.check(now))
+        hang_rules = now - self._hang_rules_t >= HANG_RULES_PERIOD_S
+        if hang_rules:
+            self._hang_rules_t = now
+        self._emit(self.core.check(now, hang_rules))
         self._emit_again(self.core.repeats(now))
         for job in self.core.records_wanted(now):
             if job not in self._naming:
                 self._naming[job] = asyncio.create_task(self._naming_task(job))
-        for broken in self.core.broken_groups(now):
+        for broken in self.core.broken_groups(now) if hang_rules else []:
             self.log.warning(
                 "process group broken, every rank alive and awaiting a rebuild",
                 job=broken.job,
