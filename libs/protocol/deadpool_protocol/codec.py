@@ -112,6 +112,11 @@ def to_fields(value: Any, omit_defaults: bool = False) -> Any:
     missing field as its default (`from_fields`), so it means the same in fewer bytes and fewer
     checks. A heartbeat's usual fields (not waiting, no section, no skipped snapshot...) are left
     out: the detector decodes every beat of every member."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return value
+    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in value):
+        return list(value)  # a rank map, a member list: thousands of items, each as it is
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {}
         for name, default in _defaults(type(value)):
@@ -127,6 +132,8 @@ def to_fields(value: Any, omit_defaults: bool = False) -> Any:
     return value
 
 
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
+"""Types `to_fields` carries as they are (not their subclasses: an enum member goes the long way)."""
 _NO_DEFAULT = object()
 
 

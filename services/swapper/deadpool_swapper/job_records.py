@@ -111,7 +111,8 @@ def _member_row(i: MemberInfo, oldest: float) -> list[Any]:
 
 
 def _holders(holders: dict[int, set[str]]) -> list[list[Any]]:
-    return [[rank, sorted(stores)] for rank, stores in sorted(holders.items())]
+    """Per rank in order, its stores in order (a set of one is its own order: most are one or two)."""
+    return [[rank, sorted(stores) if len(stores) > 1 else list(stores)] for rank, stores in sorted(holders.items())]
 
 
 def state_fields(state: JobState, now: float) -> tuple[JobSummary, dict[str, Any]]:
