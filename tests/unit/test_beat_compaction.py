@@ -114,3 +114,13 @@ def test_a_straggler_window_spans_the_same_time_whether_beats_come_one_by_one_or
         batched.on_batch(HeartbeatBatch("j", 1, "l0", [beat("m0", i * 0.25)], [], [0]), i * 0.25)
     assert len(direct.jobs["j"].members["m0"].busy) == 100
     assert len(batched.jobs["j"].members["m0"].busy) in range(98, 103)
+
+
+def test_a_launchers_batch_gives_each_beat_its_age_in_the_order_of_beats_then_names() -> None:
+    compaction = BeatCompaction(refresh_s=1.0)
+    compaction.split([sent("m0", 0.0), sent("m1", 0.0)], 0.0)
+    stepped = sent("m1", 0.2, step=4)
+    received = {"m0": (sent("m0", 0.2), 0.21), "m1": (stepped, 0.13)}
+    batch = compaction.batch("j", 1, "l0", received, 0.25)
+    assert (batch.beats, batch.alive, batch.ages_ms) == ([stepped], ["m0"], [120, 40])
+    assert decode(encode(batch), HeartbeatBatch) == batch

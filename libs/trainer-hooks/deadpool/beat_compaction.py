@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from deadpool_protocol import Heartbeat
+from deadpool_protocol import Heartbeat, HeartbeatBatch
+from deadpool_protocol.bounds import BEAT_AGE_MS_MAX
 
 __all__ = ["HEARTBEAT_REFRESH_S", "BeatCompaction"]
 
@@ -46,3 +47,16 @@ class BeatCompaction:
                 sent[beat.member] = (beat, now)
         self._sent = sent
         return whole, alive
+
+    def batch(
+        self, job: str, generation: int, launcher: str, received: dict[str, tuple[Heartbeat, float]], now: float
+    ) -> HeartbeatBatch:
+        """The batch of the beats `received` since the last one (member -> its newest beat and when it
+        came, monotonic): whole or named (`split`), each with its age at `now` (`HeartbeatBatch.ages_ms`)."""
+        whole, alive = self.split([hb for hb, _ in received.values()], now)
+        ages = [_age_ms(now, received[m][1]) for m in [*(hb.member for hb in whole), *alive]]
+        return HeartbeatBatch(job, generation, launcher, whole, alive, ages)
+
+
+def _age_ms(now: float, received: float) -> int:
+    return min(BEAT_AGE_MS_MAX, max(0, round((now - received) * 1000)))

@@ -45,7 +45,6 @@ from deadpool_protocol import (
     FenceReply,
     FenceRequest,
     Heartbeat,
-    HeartbeatBatch,
     JobFinished,
     ProtocolError,
     Rebuild,
@@ -138,10 +137,6 @@ class LaunchConfig:
             raise ValueError("no training script given")
         if self.devices is not None and len(self.devices.devices) < self.nproc + self.spares:
             raise ValueError("the device plan needs a device for every rank and spare")
-
-
-def _age_ms(now: float, received: float) -> int:
-    return min(BEAT_AGE_MS_MAX, max(0, round((now - received) * 1000)))
 
 
 def _die_with_parent() -> None:
@@ -438,10 +433,9 @@ class Launcher:
             if not self._beats:
                 continue
             received, self._beats = self._beats, {}
-            now = time.monotonic()
-            whole, alive = self._compaction.split([hb for hb, _ in received.values()], now)
-            ages = [_age_ms(now, received[m][1]) for m in [*(hb.member for hb in whole), *alive]]
-            batch = HeartbeatBatch(self.config.job, self.generation, self.launcher_id, whole, alive, ages)
+            batch = self._compaction.batch(
+                self.config.job, self.generation, self.launcher_id, received, time.monotonic()
+            )
             try:
                 await self._nc.publish(self.subjects.heartbeat_batch, encode(batch))
             except Exception as exc:  # an outage must not end the batching
