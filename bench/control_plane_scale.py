@@ -60,6 +60,7 @@ from deadpool_protocol import (
     Placement,
     Rebuild,
     RebuildAck,
+    RebuildAckBatch,
     RebuildMarks,
     RestoreSource,
     RunReply,
@@ -130,10 +131,14 @@ async def worker_main(
     hosts = {name: f"host-{i // 8}-{index}" for i, name in enumerate(sim)}  # 8 members per simulated host
 
     async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
+        """Every member named acks, through its (simulated) launcher: one event per host, as `deadpool
+        launch` sends them (`RebuildAckBatch`)."""
+        by_host: dict[str, list[RebuildAck]] = {}
+        rank_of = {name: rank for rank, name in enumerate(rebuild.ranks)}
         for member in sim.values():
             if member.silent_at or rebuild.generation <= member.generation:
                 continue
-            member.generation, member.rank = rebuild.generation, rebuild.rank_of(member.name)
+            member.generation, member.rank = rebuild.generation, rank_of.get(member.name, NO_RANK)
             if member.rank != NO_RANK:
                 now = time.time()
                 marks = RebuildMarks(received=now, begin=now, restored=now, rendezvous=now, ready=now)
@@ -148,7 +153,10 @@ async def worker_main(
                     marks,
                     now,
                 )
-                await nc.publish(subjects.rebuild_ack, encode(ack))
+                by_host.setdefault(hosts[member.name], []).append(ack)
+        for acks in by_host.values():
+            batch = RebuildAckBatch(JOB, rebuild.generation, launcher, acks)  # the name its members said hello with
+            await nc.publish(subjects.rebuild_ack_batch, encode(batch))
 
     async def on_fence(msg: Msg) -> None:
         request = decode(msg.data, FenceRequest)

@@ -26,6 +26,7 @@ from deadpool_protocol import (
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildAckBatch,
     RebuildMarks,
     RebuildState,
     RestoreSource,
@@ -73,6 +74,9 @@ EXAMPLES: list[Message] = [
     Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
     rebuild(),
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
+    RebuildAckBatch(
+        "j", 2, "l0", [RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0)]
+    ),
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
     SnapshotComplete("j", 1, "s0", 5, [0], [1024]),

@@ -40,6 +40,7 @@ from deadpool_protocol import (
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildAckBatch,
     RebuildMarks,
     Replicate,
     RestoreSource,
@@ -105,6 +106,9 @@ EXAMPLES: list[Message] = [
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
+    RebuildAckBatch(
+        "j", 2, "l0", [RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0)]
+    ),
     FenceRequest("j", 1, "m0", "heartbeat"),
     FenceReply("j", 1, "m0", True, "killed", 1.0),
     GenerationVoid("j", 1, "rank 0 failed", 1.0),

@@ -130,9 +130,10 @@ def job_permissions(job: str) -> dict[str, list[str]]:
         "publish": [
             f"{PREFIX}.{job}.member.>",
             f"{PREFIX}.{job}.launcher.*.heartbeat",
+            f"{PREFIX}.{job}.launcher.*.ack",
             s.heartbeat_batch,
             s.run_start,
-            *event_subjects(job, ("child_exit",)),
+            *event_subjects(job, ("child_exit", "rebuild_ack_batch")),
         ],
         "subscribe": [
             s.rebuild,
@@ -142,6 +143,7 @@ def job_permissions(job: str) -> dict[str, list[str]]:
             s.snapshot_interval,
             s.commit,
             f"{PREFIX}.{job}.launcher.*.heartbeat",
+            f"{PREFIX}.{job}.launcher.*.ack",
             f"{PREFIX}.{job}.launcher.*.fence",
             f"{s.inbox}.>",
         ],

@@ -17,6 +17,7 @@ from deadpool_protocol.messages import (
     MemberError,
     Message,
     RebuildAck,
+    RebuildAckBatch,
     SnapshotComplete,
     StepResumed,
 )
@@ -35,6 +36,7 @@ EVENTS_STREAM = "DEADPOOL_EVENTS"
 EVENT_KINDS: dict[str, type[Message]] = {
     "failure": Failure,
     "rebuild_ack": RebuildAck,
+    "rebuild_ack_batch": RebuildAckBatch,
     "group_broken": GroupBroken,
     "snapshot_complete": SnapshotComplete,
     "member_done": MemberDone,
@@ -44,7 +46,15 @@ EVENT_KINDS: dict[str, type[Message]] = {
 }
 """`Subjects` property name -> the message published there."""
 
-SWAPPER_EVENTS = ("failure", "rebuild_ack", "group_broken", "snapshot_complete", "member_done", "step_resumed")
+SWAPPER_EVENTS = (
+    "failure",
+    "rebuild_ack",
+    "rebuild_ack_batch",
+    "group_broken",
+    "snapshot_complete",
+    "member_done",
+    "step_resumed",
+)
 """What the swapper consumes: verdicts, acks, commits' raw material, completion, first steps."""
 DETECTOR_EVENTS = ("child_exit", "member_error", "member_done")
 """What the detector consumes besides heartbeats: exits, members' own reports, completion."""

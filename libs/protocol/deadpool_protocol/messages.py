@@ -80,6 +80,7 @@ __all__ = [
     "ProtocolError",
     "Rebuild",
     "RebuildAck",
+    "RebuildAckBatch",
     "RebuildMarks",
     "RebuildState",
     "Replicate",
@@ -792,6 +793,27 @@ class RebuildAck(JobMessage):
         _check_step(self.restore_step)
         _check_step(self.last_completed_step)
         self.marks.check()
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildAckBatch(JobMessage):
+    """The rebuild acks a launcher's members sent it in one short period, stored as one event. Every rank
+    acks every rebuild: 16,384 events per rebuild at 16,384 ranks, which the swapper reads in the
+    stream's order, so a failure right after a rebuild waited behind them. A host's launcher sends one
+    event for its members (`generation`: the newest of theirs)."""
+
+    KIND: ClassVar[str] = "rebuild_ack_batch"
+    launcher: Name
+    acks: Annotated[list[RebuildAck], BEATS]
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.launcher, "launcher")
+        _need(len(self.acks) >= 1, "a batch of no acks")
+        for ack in self.acks:
+            _need(ack.job == self.job, f"an ack of job {ack.job!r} in a batch of job {self.job!r}")
+            _need(ack.generation <= self.generation, "an ack of a generation newer than its batch's")
+            ack.check()
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,15 @@ class Subjects:
         """A launcher's batch of its members' heartbeats (one message per host per period)."""
         return self._s("launcher.heartbeats")
 
+    @property
+    def rebuild_ack_batch(self) -> str:
+        """A launcher's batch of its members' rebuild acks (`RebuildAckBatch`), an event."""
+        return self._s("launcher.acks")
+
+    def launcher_ack(self, launcher: str) -> str:
+        """Where a launched member sends its rebuild ack: to its launcher, which batches them."""
+        return self._s(f"launcher.{require_name(launcher, 'launcher')}.ack")
+
     def launcher_heartbeat(self, launcher: str) -> str:
         """Where a launched member sends its heartbeats: to its launcher, which batches them."""
         return self._s(f"launcher.{require_name(launcher, 'launcher')}.heartbeat")

@@ -211,7 +211,21 @@ class ControlLink:
         """Send our ack of a rebuild, and remember it to answer that rebuild's retransmissions."""
         with self._cond:
             self._ack = ack
-        return self.publish_event(self.subjects.rebuild_ack, ack)
+        return asyncio.run_coroutine_threadsafe(self._send_ack(ack), self._loop)
+
+    async def _send_ack(self, ack: RebuildAck) -> bool:
+        """To our launcher, which stores the acks of its members as one event (`RebuildAckBatch`), where
+        our heartbeats go to it too; else stored as an event of its own. Sent again with every
+        retransmission of the rebuild: one lost on the way to the launcher is not lost for good."""
+        launcher_subject = self._launcher_ack_subject()
+        if launcher_subject:
+            try:
+                await self._publish(launcher_subject, ack)
+            except Exception as exc:  # an outage: the rebuild's retransmission asks for it again
+                self.log.warning("ack not sent to the launcher", error=repr(exc))
+                return False
+            return True
+        return await self._publish_event(self.subjects.rebuild_ack, ack)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._thread.is_alive():
@@ -328,14 +342,33 @@ class ControlLink:
     async def _on_rebuild(self, rebuild: Rebuild, _msg: Msg) -> None:
         with self._cond:
             ack = self._ack
-            if self._rebuild is not None and rebuild.generation <= self._rebuild.generation:
-                if ack is not None and ack.generation == rebuild.generation and self._events is not None:
-                    self._events.publish_soon(self.subjects.rebuild_ack, ack)  # our ack was lost: again
-                return  # a retransmission, or an older generation: nothing new
-            self._rebuild = rebuild
-            self._rebuild_received_t = time.time()
-            self._cond.notify_all()
-        self._command(rebuild)
+            seen = self._rebuild is not None and rebuild.generation <= self._rebuild.generation
+            if not seen:
+                self._rebuild = rebuild
+                self._rebuild_received_t = time.time()
+                self._cond.notify_all()
+        if not seen:
+            self._command(rebuild)
+        elif ack is not None and ack.generation == rebuild.generation:
+            await self._resend_ack(ack)  # a retransmission: our ack was lost, again
+        # else: an older generation's, nothing new
+
+    async def _resend_ack(self, ack: RebuildAck) -> None:
+        """Our ack again, without waiting on the server (this is the rebuild subscription's callback)."""
+        launcher_subject = self._launcher_ack_subject()
+        if launcher_subject and self._nc is not None:
+            try:
+                await self._nc.publish(launcher_subject, encode(ack))
+            except Exception as exc:  # the next retransmission asks again
+                self.log.warning("ack not sent to the launcher", error=repr(exc))
+        elif not launcher_subject and self._events is not None:
+            self._events.publish_soon(self.subjects.rebuild_ack, ack)
+
+    def _launcher_ack_subject(self) -> str:
+        """Where our acks go when our launcher batches them (where our heartbeats go to it); '' if not."""
+        if self.config.heartbeat_via_launcher and self.config.launcher:
+            return self.subjects.launcher_ack(self.config.launcher)
+        return ""
 
     async def _on_void(self, void: GenerationVoid, _msg: Msg) -> None:
         with self._cond:

@@ -48,13 +48,15 @@ from deadpool_protocol import (
     JobFinished,
     ProtocolError,
     Rebuild,
+    RebuildAck,
+    RebuildAckBatch,
     RunReply,
     RunStart,
     Subjects,
     decode,
     encode,
 )
-from deadpool_protocol.bounds import BEAT_AGE_MS_MAX
+from deadpool_protocol.bounds import BEAT_AGE_MS_MAX, HEARTBEATS_PER_BATCH_MAX
 from deadpool_protocol.codec import decode_on
 from deadpool_runtime import EventPublisher, connect, stopped_within, subscribe_validated
 from deadpool_runtime.credentials import CREDENTIALS_ENV
@@ -79,6 +81,12 @@ RUN_START_WAIT_S = 120.0
 still be starting)."""
 RUN_START_ANSWER_S = 5.0
 RUN_START_RETRY_S = 0.5
+ACK_BATCH_S = 0.005
+"""A member's rebuild ack waits at most this long in its launcher: a rebuild's acks of one host go to
+the swapper as one event (8 per host), not one each (16,384 per rebuild at 16,384 ranks)."""
+ACKS_HELD_MAX = 4 * HEARTBEATS_PER_BATCH_MAX
+"""Acks held between two batches; more (a flood from a member gone wrong) are dropped: re-sent with
+the next retransmission of the rebuild."""
 HEARTBEAT_BATCH_PERIOD_S = 0.25
 """How often the launcher sends its members' beats, each member's newest with its age
 (`HeartbeatBatch.ages_ms`): the detector dates each beat by it, so a verdict still comes a timeout
@@ -186,6 +194,8 @@ class Launcher:
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
         self._beats: dict[str, tuple[Heartbeat, float]] = {}
+        self._acks: list[RebuildAck] = []
+        """Members' rebuild acks since the last batch (`_send_ack_batches`)."""
         """member -> its newest beat since the last batch, and when it came (monotonic)."""
         self._compaction = BeatCompaction()
         self._stopper: asyncio.Task[None] | None = None
@@ -235,6 +245,9 @@ class Launcher:
         await subscribe_validated(
             self._nc, self.subjects.launcher_heartbeat(self.launcher_id), Heartbeat, self._on_heartbeat, self.log
         )
+        await subscribe_validated(
+            self._nc, self.subjects.launcher_ack(self.launcher_id), RebuildAck, self._on_ack, self.log
+        )
         await self._nc.flush()
         refused = await self._start_run(stop)
         if refused:
@@ -243,6 +256,7 @@ class Launcher:
             await close_connection(self._nc, CONNECTION_CLOSE_S, self.log)
             return 2
         batcher = asyncio.create_task(self._send_heartbeat_batches(stop))
+        ack_batcher = asyncio.create_task(self._send_ack_batches(stop))
         for local_rank in range(self.config.nproc):
             await self._spawn(self.config.rank_offset + local_rank)
         for _ in range(self.config.spares):
@@ -256,6 +270,8 @@ class Launcher:
             await self._terminate_all(deadline.left_s(keep_s=EXIT_REPORTS_ON_STOP_S + CONNECTION_CLOSE_S))
         await self._all_exited.wait()
         batcher.cancel()
+        ack_batcher.cancel()
+        self._flush_acks()  # acks still held go into the stream before it drains
         if stop.is_set():
             await self._events.drain(deadline.left_s(keep_s=CONNECTION_CLOSE_S))
         else:
@@ -424,6 +440,25 @@ class Launcher:
     async def _on_heartbeat(self, hb: Heartbeat, _msg: Msg) -> None:
         if hb.member in self.children:  # only our own members' beats travel in our batches
             self._beats[hb.member] = (hb, time.monotonic())
+
+    async def _on_ack(self, ack: RebuildAck, _msg: Msg) -> None:
+        """A member's rebuild ack, held for the next batch (a member re-sends it with every retransmission
+        of the rebuild, so one lost here is sent again)."""
+        if ack.member in self.children and len(self._acks) < ACKS_HELD_MAX:
+            self._acks.append(ack)
+
+    async def _send_ack_batches(self, stop: asyncio.Event) -> None:
+        """Every `ACK_BATCH_S`, the acks received since the last batch, stored as one event."""
+        while not stop.is_set():
+            await asyncio.sleep(ACK_BATCH_S)
+            self._flush_acks()
+
+    def _flush_acks(self) -> None:
+        while self._acks and self._events is not None:
+            acks, self._acks = self._acks[:HEARTBEATS_PER_BATCH_MAX], self._acks[HEARTBEATS_PER_BATCH_MAX:]
+            generation = max(a.generation for a in acks)
+            batch = RebuildAckBatch(self.config.job, generation, self.launcher_id, acks)
+            self._events.publish_soon(self.subjects.rebuild_ack_batch, batch)  # retried until stored
 
     async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
         """Every heartbeat period, the beats received since the last batch, in one message."""

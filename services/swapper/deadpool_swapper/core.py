@@ -54,6 +54,7 @@ from deadpool_protocol import (
     Placement,
     Rebuild,
     RebuildAck,
+    RebuildAckBatch,
     Replicate,
     RestoreSource,
     RunReply,
@@ -924,6 +925,27 @@ class SwapperCore:
             actions += self._end_incidents(state, now)  # every first step may be in already
         what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
         return Decision(actions, f"generation {state.generation} {what}: every rank acked")
+
+    @_phased
+    def on_ack_batch(self, batch: RebuildAckBatch, now: float) -> Decision:
+        """A launcher's batch of its members' acks: each taken as `on_ack` takes it, except one of a
+        member another launcher runs (the job's key could speak for any member of the job through a
+        launcher subject; refused and named)."""
+        actions: list[Action] = []
+        said: list[str] = []
+        for ack in batch.acks:
+            state = self.jobs.get(batch.job)
+            info = state.members.get(ack.member) if state is not None else None
+            if info is not None and info.launcher != batch.launcher:
+                said.append(f"ack of {ack.member} from launcher {batch.launcher}, which does not run it: refused")
+                continue
+            decision = self.on_ack(ack, now)
+            actions += decision.actions
+            if not decision.routine:
+                said.append(decision.reason)
+        if not said:
+            return Decision(actions, f"{len(batch.acks)} ack(s) from launcher {batch.launcher}", routine=True)
+        return Decision(actions, "; ".join(said[:4]) + (f" (and {len(said) - 4} more)" if len(said) > 4 else ""))
 
     @_phased
     def on_step_resumed(self, resumed: StepResumed, now: float) -> Decision:

@@ -43,6 +43,7 @@ from deadpool_protocol import (
     Message,
     Rebuild,
     RebuildAck,
+    RebuildAckBatch,
     RunReply,
     RunStart,
     SnapshotComplete,
@@ -313,6 +314,8 @@ class JobWorker:
             return core.on_failure(message, now)
         if isinstance(message, RebuildAck):
             return core.on_ack(message, now)
+        if isinstance(message, RebuildAckBatch):
+            return core.on_ack_batch(message, now)
         if isinstance(message, SnapshotComplete):
             return core.on_snapshot_complete(message, now)
         if isinstance(message, MemberDone):
