@@ -304,7 +304,7 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
     plan, names = _plan(cls)  # type: ignore[arg-type]  # classes are hashable
     values: dict[str, Any] = {}
-    for name, hint, scalar, most, counted, required, named, items, nested in plan:
+    for name, hint, scalar, most, counted, required, named, items, nested, nullable in plan:
         if name in body:
             value = body[name]
             kind = type(value)
@@ -314,6 +314,8 @@ def from_fields(cls: type[D], body: Any, where: str) -> D:
                 values[name] = _checked_list(value, items, f"{where}.{name}")
             elif nested is not None and kind is dict:
                 values[name] = from_fields(nested, value, f"{where}.{name}")
+            elif value is None and nullable:
+                values[name] = None
             elif scalar is None:
                 values[name] = _check_type(value, hint, f"{where}.{name}")
             elif kind is scalar and (
@@ -362,6 +364,9 @@ class _Field(typing.NamedTuple):
     """A list field's items."""
     nested: type | None
     """A field that is a dataclass (unbounded, not optional): its class."""
+    nullable: bool
+    """An `int | None`, `float | None` or `bool | None` field (`scalar` says which): a rebuild ack's
+    marks are six of them, and each took the generic type walk."""
 
 
 @functools.cache
@@ -372,12 +377,18 @@ def _plan(cls: type) -> tuple[list[_Field], frozenset[str]]:
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         base, bound = bound_of(hint)
+        named = _named(base)
+        nullable = False
+        if bound is None and typing.get_origin(base) in (typing.Union, types.UnionType):
+            options = [o for o in typing.get_args(base) if o is not type(None)]
+            if len(options) == 1 and len(typing.get_args(base)) == 2 and options[0] in (int, float, bool):
+                base, nullable = options[0], True
         scalar = base if base in _SCALARS else None
         most = bound.most if bound is not None and scalar in (str, bytes) else -1
         counted = scalar is bytes or (bound is not None and bound.unit != "bytes")
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         nested = base if bound is None and isinstance(base, type) and dataclasses.is_dataclass(base) else None
-        plan.append(_Field(f.name, hint, scalar, most, counted, required, _named(base), _items(hint), nested))
+        plan.append(_Field(f.name, hint, scalar, most, counted, required, named, _items(hint), nested, nullable))
     return plan, frozenset(f.name for f in dataclasses.fields(cls))
 
 
