@@ -13,7 +13,9 @@ from deadpool_cli.weights_check import compare_final_states
 from tests.integration.jobs import every_rank_at, finish, kill, stop_all, tail, until, watcher
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "porting" / "train_deadpool.py"
-STEPS = 16
+STEPS = 64
+"""About 2 s of training: the kill, sent when the watch sees every rank at step 6, lands mid-run (with
+16 steps, half a second, the job had once finished before the kill reached its rank)."""
 
 
 async def start(
