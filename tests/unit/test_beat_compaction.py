@@ -124,3 +124,13 @@ def test_a_launchers_batch_gives_each_beat_its_age_in_the_order_of_beats_then_na
     batch = compaction.batch("j", 1, "l0", received, 0.25)
     assert (batch.beats, batch.alive, batch.ages_ms) == ([stepped], ["m0"], [120, 40])
     assert decode(encode(batch), HeartbeatBatch) == batch
+
+
+def test_a_beat_dated_before_the_last_sample_adds_none_and_moves_nothing_back() -> None:
+    core = detector(DetectorConfig())
+    formed(core, 0.0, ranks=("m0",), spares=())
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [beat("m0", 1.0)], [], [0]), 1.0)
+    watched = core.jobs["j"].members["m0"]
+    before = (len(watched.busy), watched.sampled_t)
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [500]), 1.2)  # dated 0.7
+    assert (len(watched.busy), watched.sampled_t) == before

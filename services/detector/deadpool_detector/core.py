@@ -942,6 +942,8 @@ def _sample_busy(watched: Watched, busy: bool, now: float) -> None:
     period = HEARTBEAT_PERIOD_S_DEFAULT
     if not watched.sampled_t:
         watched.sampled_t = now - period
+    if now <= watched.sampled_t:
+        return  # a beat dated before the last sample (a batch's older beat): nothing more to count
     since = min(now - watched.sampled_t, BUSY_SAMPLES_PER_BEAT_MAX * period)
     periods = int(since / period + 0.5)  # the rest carries over to the next beat
     watched.sampled_t = now - since + periods * period
