@@ -19,9 +19,9 @@ from deadpool_protocol.message_parts import (
     PART_PAYLOAD_BYTES_MAX,
     PARTS_MAX,
     PartAssembler,
-    message_digest,
     split_message,
 )
+from deadpool_protocol.names import content_digest
 
 pytestmark = pytest.mark.unit
 
@@ -133,7 +133,7 @@ def test_what_a_receiver_holds_is_bounded_in_messages_and_in_time() -> None:
     after `ASSEMBLY_S`: the memory held never grows with what was sent."""
     assembler = PartAssembler(assemblies_max=2)
     for i in range(100):
-        assembler.add(f"0/2/{message_digest(bytes([i])):s}", b"z" * 1000, float(i) * 0.001)
+        assembler.add(f"0/2/{content_digest(bytes([i])):s}", b"z" * 1000, float(i) * 0.001)
     assert assembler.held_bytes == 2 * 1000
     data = b"a" * 10 + b"b" * 10
     frames = split_message(data, 10)

@@ -32,7 +32,7 @@ import msgpack
 from deadpool_protocol.bounds import MEMBER_ENTRIES, Host, Members, Name, Text
 from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.messages import ProtocolError
-from deadpool_protocol.names import is_valid_name
+from deadpool_protocol.names import DIGEST_CHARS, content_digest, is_valid_name
 
 __all__ = [
     "JOBS_BUCKET",
@@ -71,8 +71,6 @@ SECTION_INLINE_BYTES = 2048
 """A field whose packed value is larger is stored as a section of its own."""
 RECORD_PART_BYTES_MAX = 256 * 1024
 """No head or part of a record is larger, at any rank count."""
-DIGEST_CHARS = 32
-"""A section's name: the first 128 bits of its packed value's SHA-256, in hex."""
 RECORD_GROUPS = ("summary", "swapper")
 PARTS_MAX = 256
 PART_SEPARATOR = ".part."
@@ -174,7 +172,7 @@ def split_record(summary: JobSummary, private: dict[str, Any]) -> tuple[dict[str
             if len(packed) <= SECTION_INLINE_BYTES:
                 inline[group][name] = value
             else:
-                digest = hashlib.sha256(packed).hexdigest()[:DIGEST_CHARS]
+                digest = content_digest(packed)
                 sections.append(Section(group, name, packed, digest))
     if total > RECORD_BYTES_MAX:
         raise ProtocolError(f"job record of {total} bytes exceeds {RECORD_BYTES_MAX}")
@@ -231,7 +229,7 @@ def sections_of(head: bytes) -> tuple[dict[str, dict[str, Any]], list[SectionRef
 def section_value(digest: str, parts: list[bytes]) -> Any:
     """A section's value from its parts, checked against its digest. Raises ProtocolError."""
     packed = _inflate(b"".join(parts))
-    if hashlib.sha256(packed).hexdigest()[:DIGEST_CHARS] != digest:
+    if content_digest(packed) != digest:
         raise ProtocolError("job record section does not match its digest (a newer record replaced it)")
     try:
         return msgpack.unpackb(packed, raw=False)

@@ -19,11 +19,11 @@ again: the sender's commands are re-sent until answered, and the next sending br
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 
 from deadpool_protocol.messages import ProtocolError
+from deadpool_protocol.names import DIGEST_CHARS, content_digest
 
 __all__ = [
     "ASSEMBLED_MESSAGE_BYTES_MAX",
@@ -33,7 +33,6 @@ __all__ = [
     "PART_HEADER",
     "PART_PAYLOAD_BYTES_MAX",
     "PartAssembler",
-    "message_digest",
     "split_message",
 ]
 
@@ -53,12 +52,7 @@ ASSEMBLY_S = 10.0
 """How long the parts of a message are kept waiting for the rest; the sender re-sends before then."""
 PART_HEADER = "Deadpool-Part"
 
-_HEADER = re.compile(r"([0-9]{1,3})/([0-9]{1,3})/([0-9a-f]{32})")
-
-
-def message_digest(data: bytes) -> str:
-    """The key of a message's parts: the first 128 bits of its encoding's SHA-256, in hex."""
-    return hashlib.sha256(data).hexdigest()[:32]
+_HEADER = re.compile(f"([0-9]{{1,3}})/([0-9]{{1,3}})/([0-9a-f]{{{DIGEST_CHARS}}})")
 
 
 def split_message(data: bytes, payload_bytes: int = PART_PAYLOAD_BYTES_MAX) -> list[tuple[str, bytes]]:
@@ -69,7 +63,7 @@ def split_message(data: bytes, payload_bytes: int = PART_PAYLOAD_BYTES_MAX) -> l
         return [("", data)]
     if len(data) > ASSEMBLED_MESSAGE_BYTES_MAX:
         raise ProtocolError(f"a message of {len(data)} bytes exceeds {ASSEMBLED_MESSAGE_BYTES_MAX} even in parts")
-    digest = message_digest(data)
+    digest = content_digest(data)
     slices = [data[i : i + payload_bytes] for i in range(0, len(data), payload_bytes)]
     return [(f"{i}/{len(slices)}/{digest}", piece) for i, piece in enumerate(slices)]
 
@@ -117,7 +111,7 @@ class PartAssembler:
             return None
         del self._assemblies[digest]
         whole = b"".join(assembly.parts[i] for i in range(count))
-        if message_digest(whole) != digest:
+        if content_digest(whole) != digest:
             raise ProtocolError(f"the parts of {digest} do not make the message it names")
         return whole
 

@@ -14,8 +14,6 @@ built.
 from __future__ import annotations
 
 import enum
-import hashlib
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
@@ -46,7 +44,7 @@ from deadpool_protocol.bounds import (
     Where,
 )
 from deadpool_protocol.errors import DeadPoolError
-from deadpool_protocol.names import is_valid_name
+from deadpool_protocol.names import content_digest, is_content_digest, is_valid_name
 
 __all__ = [
     "FIRST_STEP_SECTION",
@@ -617,16 +615,13 @@ class GroupBroken(JobMessage):
     def check(self) -> None:
         JobMessage.check(self)
         _need(1 <= self.members <= MEMBERS_PER_JOB_MAX, f"a broken group of {self.members} members")
-        _need(_DIGEST.fullmatch(self.members_digest) is not None, "members_digest is not a digest")
-
-
-_DIGEST = re.compile(r"[0-9a-f]{32}")
+        _need(is_content_digest(self.members_digest), "members_digest is not a digest")
 
 
 def members_digest(members: Iterable[str]) -> str:
-    """A set of members named in 32 characters at any size: the first 128 bits of the SHA-256 of their
-    names, sorted, one per line."""
-    return hashlib.sha256("".join(f"{m}\n" for m in sorted(members)).encode()).hexdigest()[:32]
+    """A set of members named in 32 characters at any size: the `content_digest` of their names, sorted,
+    one per line."""
+    return content_digest("".join(f"{m}\n" for m in sorted(members)).encode())
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,12 +6,37 @@ letters, digits, '-' and '_' (no dots, spaces or wildcards).
 
 from __future__ import annotations
 
+import hashlib
 import re
 
-__all__ = ["NAME_MAX_CHARS", "is_valid_name", "name_of_host", "require_name"]
+__all__ = [
+    "DIGEST_CHARS",
+    "NAME_MAX_CHARS",
+    "content_digest",
+    "is_content_digest",
+    "is_valid_name",
+    "name_of_host",
+    "require_name",
+]
 
 NAME_MAX_CHARS = 128
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+DIGEST_CHARS = 32
+"""A content digest's length: the first 128 bits of a SHA-256, in hex."""
+_DIGEST = re.compile(f"[0-9a-f]{{{DIGEST_CHARS}}}")
+
+
+def content_digest(data: bytes) -> str:
+    """What names a content: a job record's section (its KV key), a message's parts (their header), a
+    set of members (a broken group's)."""
+    return hashlib.sha256(data).hexdigest()[:DIGEST_CHARS]
+
+
+def is_content_digest(value: str) -> bool:
+    """True when `value` has the form `content_digest` gives."""
+    return _DIGEST.fullmatch(value) is not None
 
 
 def is_valid_name(value: str) -> bool:

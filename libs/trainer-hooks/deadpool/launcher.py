@@ -194,9 +194,9 @@ class Launcher:
         self._all_exited = asyncio.Event()
         self._watchers: set[asyncio.Task[None]] = set()
         self._beats: dict[str, tuple[Heartbeat, float]] = {}
+        """member -> its newest beat since the last batch, and when it came (monotonic)."""
         self._acks: list[RebuildAck] = []
         """Members' rebuild acks since the last batch (`_send_ack_batches`)."""
-        """member -> its newest beat since the last batch, and when it came (monotonic)."""
         self._compaction = BeatCompaction()
         self._stopper: asyncio.Task[None] | None = None
         self._stopping = False
