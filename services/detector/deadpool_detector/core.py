@@ -219,7 +219,7 @@ class DetectorConfig:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class Watched:
     member: str
     rank: int
