@@ -92,10 +92,15 @@ async def subscribe_validated(
 
     A message that fails validation is dropped with a log line giving the reason (rate-limited: a
     flood of them writes a few lines and a count). A message's parts are gathered first (one
-    `PartAssembler` per subscription), and the whole is decoded once the last one arrives.
+    `PartAssembler` per subscription), and the whole is decoded once the last one arrives. A command
+    in parts sent again (the swapper re-sends a rebuild every second until every rank acks it) is the
+    same bytes under the same digest: the message decoded the last time is handed on again, not
+    decoded again (10 ms at 8,192 ranks, for every reader of every retransmission).
     """
     refusals = RefusalLog(log)
     assembler = PartAssembler()
+    last: list[tuple[tuple[str, str], M]] = []
+    """The last message put together from parts, by its subject and digest."""
 
     async def on_msg(msg: Msg) -> None:
         part = msg.headers.get(PART_HEADER) if msg.headers else None
@@ -106,7 +111,12 @@ async def subscribe_validated(
                 whole = assembler.add(part, msg.data, time.monotonic())
                 if whole is None:
                     return
-                message = decode_on(msg.subject, whole, expected, ASSEMBLED_MESSAGE_BYTES_MAX)
+                key = (msg.subject, part.rsplit("/", 1)[-1])  # the digest its whole was checked against
+                if last and last[0][0] == key:
+                    message = last[0][1]
+                else:
+                    message = decode_on(msg.subject, whole, expected, ASSEMBLED_MESSAGE_BYTES_MAX)
+                    last[:] = [(key, message)]
         except ProtocolError as exc:
             refusals.warning("rejected message", subject=msg.subject, reason=str(exc))
             return
