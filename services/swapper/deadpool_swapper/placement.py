@@ -125,27 +125,30 @@ def place_snapshots(
         host = members[member].host if member in members else ""
         need = SNAPSHOTS_PER_RANK * sizes.get(rank, 0)
         kept = [name for name in (previous[rank] if rank < len(previous) else []) if name in by_name][:count]
-
-        def free(store: StoreInfo) -> int:
-            if store.capacity_bytes <= 0:
-                return 0
-            return store.capacity_bytes - store.used_bytes - planned[store.store]
-
-        def preference(store: StoreInfo, host: str = host, need: int = need) -> tuple[bool, bool, int, int, str]:
-            room = free(store)
-            return (store.node_name == host, room < need, given[store.store], -room, store.store)
-
         chosen = list(kept)
-        for store in sorted((s for s in stores if s.store not in kept), key=preference):
-            if len(chosen) >= count:
-                break
-            chosen.append(store.store)
+        if len(chosen) < count:  # a rank its previous stores still hold (most, after a swap) sorts nothing
+
+            def preference(store: StoreInfo, host: str = host, need: int = need) -> tuple[bool, bool, int, int, str]:
+                room = _free(store, planned)
+                return (store.node_name == host, room < need, given[store.store], -room, store.store)
+
+            for store in sorted((s for s in stores if s.store not in kept), key=preference):
+                if len(chosen) >= count:
+                    break
+                chosen.append(store.store)
         for name in chosen:
             given[name] += 1
             if name not in kept:
                 planned[name] += need
         placement.append(chosen)
     return placement
+
+
+def _free(store: StoreInfo, planned: Mapping[str, int]) -> int:
+    """What `store` has left once this placement's reservations (`planned`) are counted."""
+    if store.capacity_bytes <= 0:
+        return 0
+    return store.capacity_bytes - store.used_bytes - planned[store.store]
 
 
 def under_placed(placement: Sequence[Sequence[str]], live: set[str], replication: int) -> bool:
