@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import typing
 
 import msgpack
 import pytest
@@ -24,7 +25,8 @@ from deadpool_protocol.job_record import (
     unpack_record,
 )
 from deadpool_swapper.core import JobState
-from deadpool_swapper.job_records import state_fields, state_from_record, state_to_record
+from deadpool_swapper.job_records import JobRecords, SectionMemo, state_fields, state_from_record, state_to_record
+from deadpool_swapper.placement import MemberInfo
 from deadpool_swapper.restore_chain import CommittedCopies
 from tests.unit.test_swapper_core import ack, fail, first_steps, formed_core, published
 
@@ -265,3 +267,49 @@ def test_every_field_of_a_job_state_survives_its_record_field_by_field() -> None
             assert (got.command, got.acks, got.t_sent) == (want.command, want.acks, want.t_sent + shift)
         else:
             assert got == want, name
+
+
+def large_state(ranks: int = 400) -> JobState:
+    """A job whose membership, placement, holders and sizes are each large enough to be a section."""
+    state = JobState("big", world_size=ranks, generation=3, formed=True)
+    state.members = {
+        f"m{i}": MemberInfo(f"m{i}", f"host-{i // 8}", 100 + i, f"l-{i // 8}", i, f"host-{i // 8}", 29500, float(i))
+        for i in range(ranks + 4)
+    }
+    state.ranks = [f"m{i}" for i in range(ranks)]
+    state.spares = [f"m{i}" for i in range(ranks, ranks + 4)]
+    state.placement = [[f"store-{r % 5}", f"store-{(r + 1) % 5}"] for r in range(ranks)]
+    state.committed_holders = {r: set(p) for r, p in enumerate(state.placement)}
+    state.previous_committed = CommittedCopies(1, 3, {r: set(p) for r, p in enumerate(state.placement)})
+    state.rank_bytes = dict.fromkeys(range(ranks), 1 << 30)
+    return state
+
+
+CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
+    "a member joins": lambda s: s.members.__setitem__("new", MemberInfo("new", "h", 1, "l", -1, "h", 1, 0.5)),
+    "a member's info is replaced": lambda s: s.members.__setitem__("m3", dataclasses.replace(s.members["m3"], pid=7)),
+    "a member leaves": lambda s: s.members.pop("m5"),
+    "the oldest member leaves (every row's instant moves)": lambda s: s.members.pop("m0"),
+    "a rank changes hands": lambda s: s.ranks.__setitem__(2, "m401"),
+    "a rank's stores change": lambda s: s.placement[7].__setitem__(1, "store-9"),
+    "a holder is added": lambda s: s.committed_holders[3].add("store-8"),
+    "a previous holder goes": lambda s: s.previous_committed.holders[4].discard("store-4"),
+    "a size changes": lambda s: s.rank_bytes.__setitem__(9, 5),
+    "nothing changes": lambda s: None,
+}
+
+
+@pytest.mark.parametrize("change", CHANGES_IN_PLACE)
+def test_a_save_that_remembers_its_large_fields_writes_what_a_fresh_one_does_after_any_change_in_place(
+    change: str,
+) -> None:
+    records = JobRecords(typing.cast(typing.Any, None), None)
+    state, memo = large_state(), SectionMemo()
+    first = records._encode("big", state, 5.0, {}, memo)
+    remembered = {"hosts", "member_rows", "placement", "committed_holders", "previous_committed_holders", "rank_bytes"}
+    assert remembered <= {s.field for s in split_record(*state_fields(state, 5.0))[1]}, "the case: all sections"
+    CHANGES_IN_PLACE[change](state)
+    again = records._encode("big", state, 5.0, first.sections, memo)
+    fresh = records._encode("big", state, 5.0, first.sections, SectionMemo())
+    assert again.head == fresh.head and again.parts == fresh.parts
+    assert (again.head == first.head) is (change == "nothing changes")

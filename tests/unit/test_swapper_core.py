@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -122,7 +123,8 @@ def test_a_hello_with_another_world_size_is_refused() -> None:
 
 def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_committed_step() -> None:
     core, _formation = formed_core(spares=("same-host", "other-host"))
-    core.jobs["j"].members["same-host"].host = "h0"
+    members = core.jobs["j"].members
+    members["same-host"] = dataclasses.replace(members["same-host"], host="h0")
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, 4, [rank], [10]), 2.0)

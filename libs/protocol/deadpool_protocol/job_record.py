@@ -159,21 +159,29 @@ class Section:
     digest: str
 
 
-def split_record(summary: JobSummary, private: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], list[Section]]:
+def split_record(
+    summary: JobSummary, private: dict[str, Any], packed: dict[tuple[str, str], Section] | None = None
+) -> tuple[dict[str, dict[str, Any]], list[Section]]:
     """The record's fields by group: the small ones (for the head) and the large ones as sections.
-    Raises ProtocolError when the record exceeds `RECORD_BYTES_MAX`."""
+    `packed`: sections the caller knows already, by (group, field), taken as they are whatever the
+    field's value says. Raises ProtocolError when the record exceeds `RECORD_BYTES_MAX`."""
     inline: dict[str, dict[str, Any]] = {group: {} for group in RECORD_GROUPS}
     sections: list[Section] = []
+    known = packed or {}
     total = 0
     for group, fields in zip(RECORD_GROUPS, (to_fields(summary), private), strict=True):
         for name, value in fields.items():
-            packed: bytes = msgpack.packb(value, use_bin_type=True)
-            total += len(packed)
-            if len(packed) <= SECTION_INLINE_BYTES:
+            section = known.get((group, name))
+            if section is not None:
+                sections.append(section)
+                total += len(section.packed)
+                continue
+            packed_value: bytes = msgpack.packb(value, use_bin_type=True)
+            total += len(packed_value)
+            if len(packed_value) <= SECTION_INLINE_BYTES:
                 inline[group][name] = value
             else:
-                digest = content_digest(packed)
-                sections.append(Section(group, name, packed, digest))
+                sections.append(Section(group, name, packed_value, content_digest(packed_value)))
     if total > RECORD_BYTES_MAX:
         raise ProtocolError(f"job record of {total} bytes exceeds {RECORD_BYTES_MAX}")
     return inline, sections

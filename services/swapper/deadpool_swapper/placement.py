@@ -18,8 +18,11 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemberInfo:
+    """A registered member. Never changed in place (a new hello makes a new one): a record's save
+    knows the membership unchanged when the same infos are there (`job_records.SectionMemo`)."""
+
     member: str
     host: str
     pid: int
