@@ -117,8 +117,11 @@ def to_fields(value: Any, omit_defaults: bool = False) -> Any:
     kind = type(value)
     if kind in _PLAIN:
         return value
-    if (kind is list or kind is tuple) and all(type(v) in _PLAIN for v in value):
-        return list(value)  # a rank map, a member list: thousands of items, each as it is
+    if kind is list or kind is tuple:
+        if all(type(v) in _PLAIN for v in value):
+            return list(value)  # a rank map, a member list: thousands of items, each as it is
+        if all(type(v) is list for v in value) and all(type(x) in _PLAIN for v in value for x in v):
+            return [list(v) for v in value]  # a placement: a list of stores per rank, in one pass
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {}
         for name, default in _defaults(type(value)):

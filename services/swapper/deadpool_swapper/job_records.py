@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -191,6 +192,15 @@ def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
     return {rank: frozenset(stores) for rank, stores in holders.items()}
 
 
+def _command_copy(command: Rebuild | None) -> Rebuild | None:
+    """A rebuild command with lists of its own (the swapper's placement is the command's own list)."""
+    if command is None:
+        return None
+    return dataclasses.replace(
+        command, ranks=list(command.ranks), spares=list(command.spares), placement=[list(p) for p in command.placement]
+    )
+
+
 _REMEMBERED: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], ...] = (
     ("summary", "hosts", lambda s: s.members, dict),
     ("summary", "ranks", lambda s: s.ranks, list),
@@ -199,10 +209,13 @@ _REMEMBERED: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], An
     ("swapper", "committed_holders", lambda s: s.committed_holders, _frozen_holders),
     ("swapper", "previous_committed_holders", lambda s: s.previous_committed.holders, _frozen_holders),
     ("swapper", "rank_bytes", lambda s: s.rank_bytes, dict),
+    ("swapper", "pending_command", lambda s: None if s.pending is None else s.pending.command, _command_copy),
 )
 """The large fields a save builds again only when what they are built from changed (`SectionMemo`):
 each with its source in the state, and how to copy that source so that the state's changes in place
-do not reach the copy (a member's info is never changed in place: `MemberInfo` is frozen)."""
+do not reach the copy (a member's info is kept as it is: `MemberInfo` is frozen). The rebuild in
+flight's command is one: every save while its acks came in packed its 16,384 ranks and their stores
+again, 10 ms."""
 
 
 class SectionMemo:
