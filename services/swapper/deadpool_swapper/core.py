@@ -892,6 +892,10 @@ class SwapperCore:
 
     @_phased
     def on_ack(self, ack: RebuildAck, now: float) -> Decision:
+        return self._take_ack(ack, now)
+
+    def _take_ack(self, ack: RebuildAck, now: float) -> Decision:
+        """`on_ack`, unchecked: a batch's acks are checked as one decision (`on_ack_batch`)."""
         state = self.jobs.get(ack.job)
         pending = state.pending if state else None
         if state is None or pending is None or ack.generation != pending.command.generation:
@@ -939,7 +943,7 @@ class SwapperCore:
             if info is not None and info.launcher != batch.launcher:
                 said.append(f"ack of {ack.member} from launcher {batch.launcher}, which does not run it: refused")
                 continue
-            decision = self.on_ack(ack, now)
+            decision = self._take_ack(ack, now)
             actions += decision.actions
             if not decision.routine:
                 said.append(decision.reason)
