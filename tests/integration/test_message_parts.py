@@ -55,9 +55,17 @@ async def test_a_16384_rank_rebuild_arrives_whole_in_frames_of_at_most_256_kib(n
     assert len(frames) == len(split_message(encode(rebuild))) >= 5
     assert max(frames) <= MESSAGE_PART_BYTES_MAX, frames
 
-    # sent again (a retransmission): handed on again, as the message decoded the first time
+    # sent again (a retransmission): handed on again, as the message decoded the first time; so is a
+    # large message of one frame, and a small one is decoded again
     await publish(nc, SUBJECT, rebuild)
     assert await asyncio.wait_for(received.get(), 10.0) is first
+    for ranks, again in ((4096, True), (16, False)):
+        one_frame = rebuild_of(ranks)
+        assert len(encode(one_frame)) < nc.max_payload
+        await publish(nc, SUBJECT, one_frame)
+        decoded = await asyncio.wait_for(received.get(), 10.0)
+        await publish(nc, SUBJECT, one_frame)
+        assert ((await asyncio.wait_for(received.get(), 10.0)) is decoded) is again, ranks
 
     # a part altered on the way: the whole does not match its digest, nothing is handed on; the next
     # sending (the swapper re-sends a command until it is answered) arrives
