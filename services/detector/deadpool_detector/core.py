@@ -385,56 +385,37 @@ class DetectorCore:
         """A launcher's batch, arrived at `now`: each beat and name dated by `now` less its age in the
         launcher (`HeartbeatBatch.ages_ms`), so a silence is timed from a member's last beat however
         long the launcher gathered beats. Returns (member, why) for each one refused."""
-        ages = batch.ages_ms or [0] * (len(batch.beats) + len(batch.alive))
         refused = [
-            (hb.member, self.on_heartbeat(hb, now - age / 1000, batch.launcher))
-            for hb, age in zip(batch.beats, ages, strict=False)
+            (hb.member, self.on_heartbeat(hb, now - batch.age_s(i), batch.launcher)) for i, hb in enumerate(batch.beats)
         ]
-        if batch.alive:
-            whole = len(batch.beats)
-            refused += self._on_alive(
-                batch, [(m, now - age / 1000) for m, age in zip(batch.alive, ages[whole:], strict=True)]
-            )
+        whole = len(batch.beats)
+        refused += [(m, self.on_alive(batch, m, now - batch.age_s(whole + i))) for i, m in enumerate(batch.alive)]
         return [(member, why) for member, why in refused if why]
 
     def on_alive(self, batch: HeartbeatBatch, member: str, now: float) -> str:
         """`member` beat again, saying what its last whole beat said (`HeartbeatBatch.alive`): alive
         now, in the state last heard. Refused as a beat would be (a job not heard of, a generation far
         ahead, another launcher's member); returns why ('' when taken)."""
-        return next((why for _, why in self._on_alive(batch, [(member, now)])), "")
-
-    def _on_alive(self, batch: HeartbeatBatch, named: list[tuple[str, float]]) -> list[tuple[str, str]]:
-        """`on_alive` for each (member, when) of one batch: what is the batch's (its job, its
-        generation) is checked once, not per name (three names a second per member at 16,384)."""
         view = self.jobs.get(batch.job)
         if view is None:
-            return [(m, "a beat named alive before any whole beat of its job") for m, _ in named]
+            return "a beat named alive before any whole beat of its job"
         if batch.generation > view.announced + self.config.generation_lead_max:
-            why = f"generation {batch.generation} is far ahead of the newest announced, {view.announced}"
-            return [(m, why) for m, _ in named]
-        refused = []
-        for member, now in named:
-            view.heard_t = max(view.heard_t, now)
-            if member in view.declared:
-                continue
-            watched = view.members.get(member)
-            if watched is None:
-                self._note_unnamed(view, member, now)
-                continue
-            if watched.launcher and batch.launcher != watched.launcher:
-                refused.append(
-                    (
-                        member,
-                        f"launcher {batch.launcher} forwards a beat of {member}, run by launcher {watched.launcher}",
-                    )
-                )
-                continue
-            watched.launcher = batch.launcher
-            watched.last_seen = max(watched.last_seen, now)
-            if _suspends_hang_rule(watched.section):
-                watched.progress_t = now
-            _sample_busy(watched, watched.in_step and not watched.waiting, now)
-        return refused
+            return f"generation {batch.generation} is far ahead of the newest announced, {view.announced}"
+        view.heard_t = now
+        if member in view.declared:
+            return ""
+        watched = view.members.get(member)
+        if watched is None:
+            self._note_unnamed(view, member, now)
+            return ""
+        if watched.launcher and batch.launcher != watched.launcher:
+            return f"launcher {batch.launcher} forwards a beat of {member}, run by launcher {watched.launcher}"
+        watched.launcher = batch.launcher
+        watched.last_seen = max(watched.last_seen, now)
+        if _suspends_hang_rule(watched.section):
+            watched.progress_t = now
+        _sample_busy(watched, watched.in_step and not watched.waiting, now)
+        return ""
 
     def on_rebuild(self, rebuild: Rebuild, now: float) -> None:
         """Learn the rank map. Members named there are watched from now on, even before they beat.
