@@ -145,7 +145,7 @@ def state_fields(state: JobState, now: float, left_out: Collection[str] = ()) ->
         "completes": [
             [step, rank, sorted(stores)] for step, ranks in state.completes.items() for rank, stores in ranks.items()
         ],
-        "pending_command": None if pending is None else to_fields(pending.command),
+        "pending_command": None if pending is None or "pending_command" in left_out else to_fields(pending.command),
         "pending_sent_age_s": None if pending is None else _age(now, pending.t_sent),
         "pending_acks": [] if pending is None else [to_fields(a) for a in pending.acks.values()],
         "open_incidents": [to_fields(i) for i in state.open_incidents],
@@ -352,7 +352,7 @@ class JobRecords:
         self.written: list[tuple[str, int]] = []
         """The keys and sizes of the last save's writes, head last (for tests and benchmarks)."""
         self._memos: dict[str, SectionMemo] = {}
-        """Per job (or archive key), its large fields as last packed."""
+        """Per job, its large fields as last packed."""
 
     @classmethod
     async def open(cls, js: Any, log: Any, replicas: int = 1, payload_bytes: int = 1024 * 1024) -> JobRecords:
