@@ -1,0 +1,172 @@
+"""What the control plane's per-message and per-save work costs, one piece at a time, at the sizes of
+`control_plane_scale.py`: decoding a launcher's batch of 8 whole beats, of 8 names and of 8 acks (the
+detector's and the swapper's work per host and period), decoding and encoding a rebuild of N ranks,
+placing a rebuild's snapshots after a swap, and saving a job record of N ranks: at a commit, while a
+rebuild is pending (an ack, a store report), and both without the memo of its large fields
+(`job_records.SectionMemo`).
+
+    .venv/bin/python bench/control_plane_costs.py [--ranks 8192 16384] [--repeats 5]
+
+Each figure is the fastest of `--repeats` runs (one process, nothing else should run). Prints a row
+per figure and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deadpool_protocol import (
+    Heartbeat,
+    HeartbeatBatch,
+    Rebuild,
+    RebuildAck,
+    RebuildAckBatch,
+    RebuildMarks,
+    RestoreSource,
+    StoreAddress,
+    encode,
+)
+from deadpool_protocol.codec import decode, decode_on
+from deadpool_protocol.messages import MemberPhase
+from deadpool_swapper.core import JobState, PendingRebuild
+from deadpool_swapper.job_records import JobRecords, SectionMemo
+from deadpool_swapper.placement import MemberInfo, StoreInfo, place_snapshots
+from deadpool_swapper.restore_chain import CommittedCopies
+
+STORES = 32
+"""Stores of the job (one per 512 ranks at 16,384, as the scale bench)."""
+
+
+def fastest_ms(work: Callable[[], Any], repeats: int, number: int = 1) -> float:
+    return min(timeit.repeat(work, number=number, repeat=repeats)) / number * 1e3
+
+
+def batches(repeats: int) -> dict[str, float]:
+    now = time.time()
+    beats = [
+        Heartbeat("scale", 1, f"sim-{k:05d}", k, 1000 + k, 5, True, now, now, host="host-1", local_step=4,
+                  phase=MemberPhase.TRAINING, step_completed_t=now, where="train.py:123 step")
+        for k in range(8)
+    ]  # fmt: skip
+    whole = encode(HeartbeatBatch("scale", 1, "l-host-00012", beats, [], [10] * 8))
+    named = encode(HeartbeatBatch("scale", 1, "l-host-00012", [], [b.member for b in beats], [10] * 8))
+    marks = RebuildMarks(received=1.0, out=1.1, begin=1.2, restored=1.3, rendezvous=1.4, ready=1.5)
+    acks = [RebuildAck("scale", 3, f"sim-{i:05d}", i, 10, 11, RestoreSource.LOCAL, marks, 2.0) for i in range(8)]
+    acked = encode(RebuildAckBatch("scale", 3, "l-host-00012", acks))
+    on_beats, on_acks = "deadpool.scale.launcher.heartbeats", "deadpool.scale.launcher.acks"
+
+    def us(data: bytes, subject: str, kind: type[Any]) -> float:
+        return 1e3 * fastest_ms(lambda: decode_on(subject, data, kind), repeats, 2000)
+
+    return {
+        "decode_8_whole_beats_us": us(whole, on_beats, HeartbeatBatch),
+        "decode_8_names_us": us(named, on_beats, HeartbeatBatch),
+        "decode_8_acks_us": us(acked, on_acks, RebuildAckBatch),
+    }
+
+
+def large_state(ranks: int) -> JobState:
+    """A formed job of `ranks` ranks and 64 spares, 8 per host, with 2 stores per rank and a committed
+    step (as `tests/integration/test_job_record_sections.py` builds it)."""
+    members = [
+        MemberInfo(f"gpu-node-{i // 8:05d}-rank-{i:05d}", f"gpu-node-{i // 8:05d}.cluster.example", 10_000 + i,
+                   f"gpu-node-{i // 8:05d}-launcher", i if i < ranks else -1, f"gpu-node-{i // 8:05d}", 29_500,
+                   100.0 + i / 1000)
+        for i in range(ranks + 64)
+    ]  # fmt: skip
+    stores = [f"store-{s:02d}" for s in range(STORES)]
+    state = JobState("big", world_size=ranks, run="run-1", generation=3, formed=True)
+    state.members = {m.member: m for m in members}
+    state.ranks = [m.member for m in members[:ranks]]
+    state.spares = [m.member for m in members[ranks:]]
+    state.placement = [[stores[r % STORES], stores[(r + 1) % STORES]] for r in range(ranks)]
+    state.rank_bytes = dict.fromkeys(range(ranks), 1_650_000_000)
+    state.committed_step, state.committed_generation = 40, 3
+    state.committed_holders = {r: set(p) for r, p in enumerate(state.placement)}
+    state.previous_committed = CommittedCopies(39, 3, {r: set(p) for r, p in enumerate(state.placement)})
+    return state
+
+
+def rebuild_of(state: JobState) -> Rebuild:
+    addresses = [StoreAddress(f"store-{s:02d}", "10.0.0.1", 7000 + s) for s in range(STORES)]
+    return Rebuild(
+        "big", state.generation + 1, state.world_size, list(state.ranks), list(state.spares), state.ranks[0],
+        "10.0.0.1", 29_500, state.committed_step, addresses, state.placement, "", time.time(),
+    )  # fmt: skip
+
+
+def commit(state: JobState) -> None:
+    """What a commit changes: the step, the previous one, the holders (made afresh, same stores)."""
+    state.previous_committed = state.committed_copies()
+    state.committed_step += 1
+    state.committed_holders = {r: set(reversed(p)) for r, p in enumerate(state.placement)}
+    state.applied_seq += 64
+
+
+def at_size(ranks: int, repeats: int) -> dict[str, float]:
+    state = large_state(ranks)
+    rebuild = rebuild_of(state)
+    data = encode(rebuild)
+    addresses = [StoreInfo(f"store-{s:02d}", "10.0.0.1", 7000 + s, 0.0, node=f"host-{s}") for s in range(STORES)]
+    swapped = list(state.ranks)
+    swapped[100] = state.spares[0]
+    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
+    stored = records._encode("big", state, 100.0, {}, SectionMemo())
+
+    def save_after(change: Callable[[JobState], None], memo: SectionMemo | None) -> Callable[[], Any]:
+        """A save after `change`, with `memo` as the last save left it (None: a save without one)."""
+        kept = memo or SectionMemo()
+        records._encode("big", state, 100.0, stored.sections, kept)
+
+        def work() -> None:
+            change(state)
+            records._encode("big", state, 100.0, stored.sections, kept if memo else SectionMemo())
+
+        return work
+
+    def nothing(_state: JobState) -> None:
+        """An ack or a store report changes none of the large fields."""
+
+    figures = {
+        "rebuild_bytes": float(len(data)),
+        "decode_rebuild_ms": fastest_ms(lambda: decode(data, Rebuild, 1 << 25), repeats),
+        "encode_rebuild_ms": fastest_ms(lambda: encode(rebuild), repeats),
+        "place_after_a_swap_ms": fastest_ms(
+            lambda: place_snapshots(swapped, state.members, addresses, 2, previous=state.placement), repeats
+        ),
+        "save_at_a_commit_ms": fastest_ms(save_after(commit, SectionMemo()), repeats),
+        "save_at_a_commit_no_memo_ms": fastest_ms(save_after(commit, None), repeats),
+    }
+    state.pending = PendingRebuild(rebuild, 100.0)
+    figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
+    figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    per_batch = batches(args.repeats)
+    for name, value in per_batch.items():
+        print(f"{name:>36}: {value:8.1f}")
+    sizes = []
+    for ranks in args.ranks:
+        figures = at_size(ranks, args.repeats)
+        for name, value in figures.items():
+            print(f"{ranks:>6} ranks {name:>31}: {value:10.1f}")
+        sizes.append({"ranks": ranks, **{k: round(v, 2) for k, v in figures.items()}})
+    print(json.dumps({"repeats": args.repeats, **{k: round(v, 1) for k, v in per_batch.items()}, "sizes": sizes}))
+
+
+if __name__ == "__main__":
+    main()
