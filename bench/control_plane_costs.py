@@ -38,11 +38,8 @@ from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
 from deadpool_swapper.core import JobState, PendingRebuild
 from deadpool_swapper.job_records import JobRecords, SectionMemo
-from deadpool_swapper.placement import MemberInfo, StoreInfo, place_snapshots
-from deadpool_swapper.restore_chain import CommittedCopies
-
-STORES = 32
-"""Stores of the job (one per 512 ranks at 16,384, as the scale bench)."""
+from deadpool_swapper.placement import StoreInfo, place_snapshots
+from tests.integration.test_job_record_sections import STORES, commit, large_job
 
 
 def fastest_ms(work: Callable[[], Any], repeats: int, number: int = 1) -> float:
@@ -73,49 +70,19 @@ def batches(repeats: int) -> dict[str, float]:
     }
 
 
-def large_state(ranks: int) -> JobState:
-    """A formed job of `ranks` ranks and 64 spares, 8 per host, with 2 stores per rank and a committed
-    step (as `tests/integration/test_job_record_sections.py` builds it)."""
-    members = [
-        MemberInfo(f"gpu-node-{i // 8:05d}-rank-{i:05d}", f"gpu-node-{i // 8:05d}.cluster.example", 10_000 + i,
-                   f"gpu-node-{i // 8:05d}-launcher", i if i < ranks else -1, f"gpu-node-{i // 8:05d}", 29_500,
-                   100.0 + i / 1000)
-        for i in range(ranks + 64)
-    ]  # fmt: skip
-    stores = [f"store-{s:02d}" for s in range(STORES)]
-    state = JobState("big", world_size=ranks, run="run-1", generation=3, formed=True)
-    state.members = {m.member: m for m in members}
-    state.ranks = [m.member for m in members[:ranks]]
-    state.spares = [m.member for m in members[ranks:]]
-    state.placement = [[stores[r % STORES], stores[(r + 1) % STORES]] for r in range(ranks)]
-    state.rank_bytes = dict.fromkeys(range(ranks), 1_650_000_000)
-    state.committed_step, state.committed_generation = 40, 3
-    state.committed_holders = {r: set(p) for r, p in enumerate(state.placement)}
-    state.previous_committed = CommittedCopies(39, 3, {r: set(p) for r, p in enumerate(state.placement)})
-    return state
-
-
 def rebuild_of(state: JobState) -> Rebuild:
-    addresses = [StoreAddress(f"store-{s:02d}", "10.0.0.1", 7000 + s) for s in range(STORES)]
+    addresses = [StoreAddress(name, "10.0.0.1", 7000 + s) for s, name in enumerate(STORES)]
     return Rebuild(
         "big", state.generation + 1, state.world_size, list(state.ranks), list(state.spares), state.ranks[0],
         "10.0.0.1", 29_500, state.committed_step, addresses, state.placement, "", time.time(),
     )  # fmt: skip
 
 
-def commit(state: JobState) -> None:
-    """What a commit changes: the step, the previous one, the holders (made afresh, same stores)."""
-    state.previous_committed = state.committed_copies()
-    state.committed_step += 1
-    state.committed_holders = {r: set(reversed(p)) for r, p in enumerate(state.placement)}
-    state.applied_seq += 64
-
-
 def at_size(ranks: int, repeats: int) -> dict[str, float]:
-    state = large_state(ranks)
+    state = large_job(ranks)
     rebuild = rebuild_of(state)
     data = encode(rebuild)
-    addresses = [StoreInfo(f"store-{s:02d}", "10.0.0.1", 7000 + s, 0.0, node=f"host-{s}") for s in range(STORES)]
+    addresses = [StoreInfo(name, "10.0.0.1", 7000 + s, 0.0, node=f"host-{s}") for s, name in enumerate(STORES)]
     swapped = list(state.ranks)
     swapped[100] = state.spares[0]
     records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
@@ -132,6 +99,9 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
 
         return work
 
+    def a_commit(state: JobState) -> None:
+        commit(state, state.committed_step + 1)
+
     def nothing(_state: JobState) -> None:
         """An ack or a store report changes none of the large fields."""
 
@@ -142,8 +112,8 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "place_after_a_swap_ms": fastest_ms(
             lambda: place_snapshots(swapped, state.members, addresses, 2, previous=state.placement), repeats
         ),
-        "save_at_a_commit_ms": fastest_ms(save_after(commit, SectionMemo()), repeats),
-        "save_at_a_commit_no_memo_ms": fastest_ms(save_after(commit, None), repeats),
+        "save_at_a_commit_ms": fastest_ms(save_after(a_commit, SectionMemo()), repeats),
+        "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
     state.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)

@@ -26,25 +26,27 @@ STORES = [f"store-{i:02d}" for i in range(32)]
 HEAD_BYTES_MAX = 8 * 1024
 
 
-def member(i: int) -> MemberInfo:
+def member(i: int, ranks: int = RANKS) -> MemberInfo:
     name = f"gpu-node-{i // 8:05d}-rank-{i:05d}-a1b2c3d4e5"
     host = f"gpu-node-{i // 8:05d}.cluster.example"
-    hint = i if i < RANKS else -1
+    hint = i if i < ranks else -1
     return MemberInfo(name, host, 10_000 + i, f"{host}-launcher", hint, host, 29_500, 100.0 + i / 1000)
 
 
-def large_job() -> JobState:
-    members = [member(i) for i in range(RANKS + SPARES)]
-    placement = [[STORES[r % 32], STORES[(r + 1) % 32]] for r in range(RANKS)]
-    state = JobState("big", world_size=RANKS, run="run-1", generation=3, formed=True)
+def large_job(ranks: int = RANKS) -> JobState:
+    """A formed job of `ranks` ranks and `SPARES` spares, 8 per host, 2 of `STORES` per rank, a step
+    committed (also `bench/control_plane_costs.py`'s job)."""
+    members = [member(i, ranks) for i in range(ranks + SPARES)]
+    placement = [[STORES[r % 32], STORES[(r + 1) % 32]] for r in range(ranks)]
+    state = JobState("big", world_size=ranks, run="run-1", generation=3, formed=True)
     state.members = {m.member: m for m in members}
-    state.ranks = [m.member for m in members[:RANKS]]
-    state.spares = [m.member for m in members[RANKS:]]
+    state.ranks = [m.member for m in members[:ranks]]
+    state.spares = [m.member for m in members[ranks:]]
     state.placement = placement
-    state.rank_bytes = dict.fromkeys(range(RANKS), 1_650_000_000)
+    state.rank_bytes = dict.fromkeys(range(ranks), 1_650_000_000)
     state.committed_step, state.committed_generation = 40, 3
-    state.committed_holders = {r: set(placement[r]) for r in range(RANKS)}
-    state.previous_committed = CommittedCopies(39, 3, {r: set(placement[r]) for r in range(RANKS)})
+    state.committed_holders = {r: set(placement[r]) for r in range(ranks)}
+    state.previous_committed = CommittedCopies(39, 3, {r: set(placement[r]) for r in range(ranks)})
     return state
 
 
@@ -53,7 +55,7 @@ def commit(state: JobState, step: int) -> None:
     the order the stores' reports came, not rank order)."""
     state.previous_committed = state.committed_copies()
     state.committed_step = step
-    state.committed_holders = {r: set(reversed(state.placement[r])) for r in reversed(range(RANKS))}
+    state.committed_holders = {r: set(reversed(state.placement[r])) for r in reversed(range(state.world_size))}
     state.applied_seq += 64
 
 
