@@ -138,7 +138,7 @@ def baseline_seconds(data: memoryview, rounds: int, workdir: Path) -> tuple[list
 
 
 async def start_store(
-    nc: Client, nats_url: str, workdir: Path, capacity: int
+    nc: Client, nats_url: str, workdir: Path, capacity: int, extra_args: list[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], StoreAddress]:
     statuses: list[StoreStatus] = []
 
@@ -148,7 +148,8 @@ async def start_store(
     sub = await nc.subscribe(STORE_STATUS, cb=on_status)
     log = open(workdir / "store.log", "wb")  # noqa: SIM115 (the child owns it)
     command = [sys.executable, "-m", "deadpool_cli", "store", "--nats", nats_url, "--id", STORE_ID]
-    store = subprocess.Popen([*command, "--capacity-bytes", str(capacity)], stdout=log, stderr=subprocess.STDOUT)
+    command += ["--capacity-bytes", str(capacity), *(extra_args or [])]
+    store = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not statuses:
         if store.poll() is not None or time.monotonic() > deadline:

@@ -321,3 +321,20 @@ def test_a_fresh_buffer_the_host_cannot_give_is_refused_whatever_the_capacity() 
     assert memory.unfilled_bytes == 0
     memory = SnapshotMemory(capacity_bytes=10_000, host_available=lambda: None, host_reserve_bytes=20)
     upload(memory, 1, b"z" * 400)  # where the host's memory is unknown, only the capacity counts
+
+
+def test_a_checksum_taken_as_bytes_arrived_counts_only_for_the_buffer_they_arrived_in() -> None:
+    """An ingest thread checksums a chunk as it receives it; if the upload was replaced meanwhile (a
+    fresh upload of the same key), the checksum is of the old buffer's bytes and must not count."""
+    memory = SnapshotMemory(capacity_bytes=1000)
+    data = b"abcdefgh"
+    chunks = [PutChunk("j", 1, 0, "m0", 1, offset, n, len(data)) for offset, n in chunk_spans(len(data), CHUNK)]
+    for chunk in chunks:
+        target = memory.chunk_target(chunk)
+        target[:] = data[chunk.offset : chunk.offset + chunk.nbytes]
+        into = mmap.mmap(-1, 8) if chunk.offset else target.obj  # the second: a buffer no longer the upload's
+        memory.chunk_received(chunk, chunk_checksum(target), into=into)
+    checksums = [chunk_checksum(data[o : o + n]) for o, n in chunk_spans(len(data), CHUNK)]
+
+    with pytest.raises(StoreError, match="1 of 2 chunks missing"):
+        memory.seal(Seal("j", 1, 0, "m0", 1, len(data), CHUNK, checksums, b"meta"))

@@ -367,6 +367,12 @@ def _parser() -> argparse.ArgumentParser:
         "--nice", type=int, default=StoreConfig.nice, help="added CPU niceness (e.g. 10 on hosts that also train)"
     )
     store.add_argument(
+        "--ingest-threads",
+        type=int,
+        default=StoreConfig.ingest_threads,
+        help="threads receiving uploads (default: one per core the store may run on; 0: all on the event loop)",
+    )
+    store.add_argument(
         "--node",
         default=StoreConfig.node,
         help="this host's name, as members name theirs (default: DEADPOOL_HOST or the hostname)",
@@ -485,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.advertise_host,
                 args.capacity_bytes,
                 nice=args.nice,
+                ingest_threads=args.ingest_threads,
                 node=args.node,
                 unsealed_max_s=args.unsealed_max_s,
                 nkey_file=nkey,

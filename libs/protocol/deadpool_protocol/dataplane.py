@@ -165,6 +165,12 @@ def chunk_checksum(data: memoryview | bytes | bytearray) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
+def chunk_hasher() -> xxhash.xxh3_64:
+    """`chunk_checksum`, fed a piece at a time (`update`, then `intdigest`): a chunk checksummed as its
+    bytes arrive, while they are still in the cache."""
+    return xxhash.xxh3_64()
+
+
 def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
     """How many chunks a snapshot of `total_bytes` has: arithmetic, so a hostile size costs nothing."""
     if chunk_bytes <= 0:

@@ -2,7 +2,10 @@
 
 Each connection is an `asyncio.BufferedProtocol`: the event loop `recv_into`s straight into whatever
 the connection waits for next (a length prefix, a header, or a chunk's slice of the snapshot's own
-memory), so a chunk's bytes are copied once, by the kernel, and then checksummed in place. A
+memory), so a chunk's bytes are copied once, by the kernel, and then checksummed in place. A chunk's
+bytes go to an ingest thread instead (`ingest_thread`, one per core by default; not over TLS): the
+connection's reads are paused, the thread receives into the same slice and checksums as the bytes
+arrive, then hands the chunk back, so uploads on several connections are received on as many cores. A
 connection carries any number of uploads and fetches, one after the other. A malformed header closes
 the connection (framing is lost); a refused upload is answered at its Seal with the reason.
 
@@ -26,10 +29,13 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
+import os
+import socket
 import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +57,7 @@ from deadpool_protocol.dataplane import (
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
 from deadpool_store.chain_forward import ChainForward, StoreDirectory
+from deadpool_store.ingest_thread import Received, receive_into
 from deadpool_store.memory import SnapshotKey, SnapshotMemory, StoredSnapshot, StoreError
 
 __all__ = ["DataPlaneServer"]
@@ -64,6 +71,10 @@ REFUSED_KEPT_MAX = 1024
 connection is closed."""
 SEND_PIECE_BYTES = 1024 * 1024
 """A fetch writes at most this much before checking the transport's flow control."""
+THREAD_WAIT_S = 0.05
+"""How long an ingest thread waits for a stalled sender's next bytes before handing the chunk back to
+the loop: a few stalled senders must not hold every thread."""
+HELD_FOR_THREAD = "an ingest thread receives the chunk"
 
 
 @dataclass(frozen=True)
@@ -107,8 +118,18 @@ class DataPlaneServer:
         directory: StoreDirectory | None = None,
         client_tls: ssl.SSLContext | None = None,
         forward_reply_wait_s: float = 5.0,
+        ingest_threads: int | None = None,
     ) -> None:
         self.memory = memory
+        threads = len(os.sched_getaffinity(0)) if ingest_threads is None else ingest_threads
+        self.ingest_pool = ThreadPoolExecutor(threads, thread_name_prefix="ingest") if threads and tls is None else None
+        """Threads that receive and checksum every chunk's bytes (`ingest_thread`; by default one per core
+        the store may run on), so that uploads on several connections use as many cores. None: every
+        byte is received on the loop, always so over TLS (only the loop's transport decrypts)."""
+        self.thread_chunks = 0
+        """Chunks received whole by an ingest thread, so far."""
+        self.thread_handbacks = 0
+        """Chunks an ingest thread handed back to the loop, its sender stalled, so far."""
         self.directory = directory
         """Where a chained upload's next store is (`chain_forward`); None: this store forwards nothing."""
         self.client_tls = client_tls
@@ -163,6 +184,8 @@ class DataPlaneServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+        if self.ingest_pool is not None:
+            self.ingest_pool.shutdown(wait=False, cancel_futures=True)
         self.refusals.flush()
 
     def prefault(self) -> None:
@@ -283,7 +306,16 @@ class _Connection(asyncio.BufferedProtocol):
         self._forward_error = ""
         """Why the current upload's chain could not begin ('' if it did, or names none)."""
         self._held: set[str] = set()
-        """Why reading this connection is paused (an ingest limit, a chain's connection or backlog)."""
+        """Why reading this connection is paused (an ingest limit, a chain's connection or backlog, an
+        ingest thread)."""
+        self._thread_wanted = False
+        """The chunk being received goes to an ingest thread once nothing else holds the reads."""
+        self._thread_running = False
+        self._thread_socket: socket.socket | None = None
+        """The connection's socket on its own descriptor, for ingest threads (opened at the first)."""
+        self._chunk_checksum: int | None = None
+        """The chunk's checksum, when a thread took it as its bytes arrived."""
+        self._lost = False
 
     # ------------------------------------------------------------ asyncio callbacks
 
@@ -344,8 +376,14 @@ class _Connection(asyncio.BufferedProtocol):
         return None  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
         if exc is not None:
             self.server.refusals.info("data plane peer went away", peer=self.peer, reason=str(exc))
+        if self._thread_socket is not None:
+            if self._thread_running:
+                self._thread_socket.shutdown(socket.SHUT_RDWR)  # wakes the thread: it returns, then closes it
+            else:
+                self._close_thread_socket()
         self._abandon_upload()
         self._release_header()
         self.server.forget(self)
@@ -414,6 +452,7 @@ class _Connection(asyncio.BufferedProtocol):
                 if chunk.forward:
                     self._start_forward(chunk)
             self._upload = key
+            snap = self.server.memory.entry(key)
         except StoreError as exc:
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
                 raise ProtocolError(f"{REFUSED_KEPT_MAX} refused uploads left unsealed on one connection") from None
@@ -422,10 +461,64 @@ class _Connection(asyncio.BufferedProtocol):
             self._discard_next()
             return
         self._expect(target, self._chunk_read)
+        if self.server.ingest_pool is not None and snap is not None and len(target) > 0:
+            self._thread_wanted = True
+            self._hold(HELD_FOR_THREAD)
+            self._start_thread(snap)
+
+    def _start_thread(self, snap: StoredSnapshot) -> None:
+        """Hand the rest of the chunk to an ingest thread, once nothing else holds this connection's reads
+        (a chain being opened must be up before any chunk arrives)."""
+        pool = self.server.ingest_pool
+        if not self._thread_wanted or self._held != {HELD_FOR_THREAD} or self._lost or pool is None:
+            return
+        if self._thread_socket is None:
+            assert self.transport is not None
+            descriptor = os.dup(self.transport.get_extra_info("socket").fileno())
+            self._thread_socket = socket.socket(fileno=descriptor)
+            self._thread_socket.setblocking(False)  # as the loop's: they share one open file
+        self._thread_wanted, self._thread_running = False, True
+        snap.readers += 1  # not reused while the thread writes into it, whatever happens to the upload
+        whole = self._filled == 0  # else the thread's checksum would be of the chunk's rest only
+        view = self._target[self._filled :]
+        received = asyncio.get_running_loop().run_in_executor(
+            pool, receive_into, self._thread_socket, view, THREAD_WAIT_S, self._bytes_seen
+        )
+        received.add_done_callback(lambda done: self._thread_done(done, snap, whole))
+
+    def _bytes_seen(self, now: float) -> None:
+        self._last_rx = now  # from the thread: one attribute, for the idle sweep
+
+    def _thread_done(self, done: asyncio.Future[Received], snap: StoredSnapshot, whole: bool) -> None:
+        snap.readers -= 1
+        self._thread_running = False
+        if self._lost or done.cancelled():
+            self._close_thread_socket()
+            return
+        received = done.result()
+        self._filled += received.nbytes
+        if received.ended:
+            self.server.refusals.info("data plane peer went away", peer=self.peer, reason=received.ended)
+            assert self.transport is not None
+            self.transport.abort()
+            return
+        if self._filled == len(self._target):
+            self.server.thread_chunks += whole
+            self._chunk_checksum = received.checksum if whole else None
+            self.buffer_updated(0)  # the chunk is full: on as if the loop had read it
+        else:
+            self.server.thread_handbacks += 1  # a stalled sender: the loop reads the rest
+        self._release(HELD_FOR_THREAD)
+
+    def _close_thread_socket(self) -> None:
+        if self._thread_socket is not None:
+            self._thread_socket.close()
+            self._thread_socket = None
 
     def _chunk_read(self) -> None:
         assert self._chunk is not None
-        self.server.memory.chunk_received(self._chunk)
+        checksum, self._chunk_checksum = self._chunk_checksum, None
+        self.server.memory.chunk_received(self._chunk, checksum, into=self._target.obj)
         if self._forward is not None:
             self._forward.send_chunk(self._chunk, self._target)
             if self._forward.backlogged:
@@ -486,7 +579,14 @@ class _Connection(asyncio.BufferedProtocol):
         if why not in self._held:
             return
         self._held.discard(why)
-        if not self._held and self.transport is not None and not self.transport.is_closing():
+        if self._held == {HELD_FOR_THREAD} and self._thread_wanted and self._chunk is not None:
+            snap = self.server.memory.entry((self._chunk.job, self._chunk.rank, self._chunk.step))
+            if snap is not None and snap.data is self._target.obj:
+                self._start_thread(snap)
+            else:  # the upload was freed or replaced meanwhile: its bytes are read on the loop, and dropped
+                self._thread_wanted = False
+                self._release(HELD_FOR_THREAD)
+        elif not self._held and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
     def _discard_next(self) -> None:

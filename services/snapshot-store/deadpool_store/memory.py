@@ -83,7 +83,8 @@ class StoredSnapshot:
     signature: bytes = b""
     """The uploader's seal signature, kept for whoever fetches or replicates the copy."""
     readers: int = 0
-    """Fetches sending from `data` right now; while any are, the buffer is not reused."""
+    """Fetches sending from `data`, and threads receiving into it, right now; while any are, the
+    buffer is not reused."""
     started_t: float = 0.0
     """When the upload began (monotonic clock), for freeing uploads that are never sealed."""
     charged: int = 0
@@ -207,14 +208,23 @@ class SnapshotMemory:
         self._drop(key)
         return True
 
-    def chunk_received(self, chunk: PutChunk) -> None:
-        """The chunk's bytes are in place: checksum them (the seal compares with the sender's list)."""
+    def chunk_received(self, chunk: PutChunk, checksum: int | None = None, into: object = None) -> None:
+        """The chunk's bytes are in place: checksum them (the seal compares with the sender's list).
+
+        `checksum` is theirs when it was taken as they arrived (`ingest_thread`); then `into` is the
+        buffer they arrived in, and the checksum counts only if it is still this upload's."""
         snap = self._snapshots.get((chunk.job, chunk.rank, chunk.step))
         if snap is None or snap.generation != chunk.generation or snap.member != chunk.member or snap.error:
             return
-        snap.chunk_checksums[chunk.offset] = chunk_checksum(
-            memoryview(snap.data)[chunk.offset : chunk.offset + chunk.nbytes]
-        )
+        if checksum is None:
+            checksum = chunk_checksum(memoryview(snap.data)[chunk.offset : chunk.offset + chunk.nbytes])
+        elif snap.data is not into:
+            return  # replaced while a thread received: the chunk counts as missing
+        snap.chunk_checksums[chunk.offset] = checksum
+
+    def entry(self, key: SnapshotKey) -> StoredSnapshot | None:
+        """The snapshot stored or being received under `key`, if any."""
+        return self._snapshots.get(key)
 
     def seal(self, seal: Seal) -> StoredSnapshot:
         key = (seal.job, seal.rank, seal.step)

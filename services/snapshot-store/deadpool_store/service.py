@@ -46,9 +46,9 @@ __all__ = ["StoreConfig", "main"]
 
 VERSION = "0.2.0"
 REPLICATIONS_MAX = 8
+"""Copies to other stores under way at once; past it a request is dropped (the swapper asks again)."""
 INGEST_LIMIT_ENV = "DEADPOOL_STORE_INGEST_BYTES_PER_S"
 """Tests and benchmarks only: a store that ingests no faster than this many bytes per second."""
-"""Copies to other stores under way at once; past it a request is dropped (the swapper asks again)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class StoreConfig:
     dataplane_key: bytes = b""
     """Uploads and fetches must carry their job's token under this key (`dataplane.job_token`); empty:
     the data plane is open (logged as a warning at start)."""
+    ingest_threads: int | None = None
+    """Threads that receive and checksum uploads' chunks (`ingest_thread`): None, one per core this
+    process may run on; 0, none (every byte on the event loop, one core)."""
     nice: int = 0
     """Added CPU niceness. 0 by default: on a 2-core machine fully busy with CPU training, nice 10 starved
     ingest (10 of 120 captures skipped in bench/overhead.py) with no measurable gain in step time."""
@@ -115,6 +118,7 @@ class StoreService:
             tls=tls.server_context(tls.from_env()),
             directory=self.directory,
             client_tls=self.tls,
+            ingest_threads=config.ingest_threads,
         )
         self.events = EventPublisher(nc, log)
         self.sealed = SealedReports(config.store_id, self.events.publish_soon)

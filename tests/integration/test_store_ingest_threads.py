@@ -1,0 +1,138 @@
+"""The store's ingest threads (`deadpool_store.ingest_thread`) over real loopback sockets: uploads on
+several connections at once are received on threads and sealed whole; a sender that stalls in the
+middle of a chunk gets it handed back to the loop (it holds no thread: with one thread, another
+member's upload goes on) and seals when it goes on; one that closes mid-chunk has its upload freed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+from deadpool.store_client import StoreConnection, UploadKey
+from deadpool_protocol import StoreAddress
+from deadpool_protocol.dataplane import (
+    FRAME_LENGTH,
+    PutChunk,
+    Reply,
+    Seal,
+    chunk_checksum,
+    decode_frame_header,
+    encode_frame,
+)
+from deadpool_runtime.logs import get_logger
+from deadpool_store.dataplane_server import ConnectionLimits, DataPlaneServer
+from deadpool_store.memory import SnapshotMemory, StoredSnapshot
+
+CHUNK_BYTES = 256 * 1024
+UPLOADS = 4
+UPLOAD_BYTES = 16 * CHUNK_BYTES + 1000
+WAIT_S = 5.0
+
+
+async def no_op(_snap: StoredSnapshot) -> None:
+    return None
+
+
+@pytest.fixture
+async def one_thread() -> AsyncIterator[tuple[DataPlaneServer, int]]:
+    server = DataPlaneServer(
+        SnapshotMemory(64 << 20), no_op, get_logger(test="ingest"), ConnectionLimits(sweep_s=0.05), ingest_threads=1
+    )
+    port = await server.start("127.0.0.1", 0)
+    yield server, port
+    await server.stop()
+
+
+async def until(condition: object, wait_s: float = WAIT_S) -> None:
+    """Wait for `condition()`, which the server's loop makes true (checked every 10 ms)."""
+    assert callable(condition)
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "not within the wait"
+        await asyncio.sleep(0.01)
+
+
+async def read_reply(reader: asyncio.StreamReader) -> Reply:
+    (length,) = FRAME_LENGTH.unpack(await reader.readexactly(FRAME_LENGTH.size))
+    reply = decode_frame_header(await reader.readexactly(length), Reply)
+    assert isinstance(reply, Reply)
+    return reply
+
+
+async def test_uploads_on_several_connections_at_once_are_received_on_threads_and_sealed_whole() -> None:
+    server = DataPlaneServer(SnapshotMemory(256 << 20), no_op, get_logger(test="ingest"), ingest_threads=2)
+    port = await server.start("127.0.0.1", 0)
+    payloads = [os.urandom(UPLOAD_BYTES) for _ in range(UPLOADS)]
+    conns = [StoreConnection(StoreAddress("s", "127.0.0.1", port)) for _ in range(UPLOADS)]
+    try:
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(
+                    conn.upload,
+                    UploadKey("j", 1, rank, f"m{rank}", 1),
+                    memoryview(data),
+                    CHUNK_BYTES,
+                    b"",
+                    lambda: False,
+                )
+                for rank, (conn, data) in enumerate(zip(conns, payloads, strict=True))
+            )
+        )
+        for rank, data in enumerate(payloads):
+            stored = server.memory.get("j", rank, 1)
+            assert stored.sealed and bytes(memoryview(stored.data)[: stored.total_bytes]) == data
+        assert server.thread_chunks == UPLOADS * 17, "every chunk went through a thread"
+    finally:
+        for conn in conns:
+            conn.close()
+        await server.stop()
+
+
+async def test_a_sender_stalling_mid_chunk_holds_no_thread_and_seals_when_it_goes_on(
+    one_thread: tuple[DataPlaneServer, int],
+) -> None:
+    server, port = one_thread
+    data = os.urandom(CHUNK_BYTES)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(encode_frame(PutChunk("j", 1, 0, "slow", 1, 0, len(data), len(data))) + data[:1000])
+    await writer.drain()
+    await until(lambda: server.thread_handbacks == 1)  # the thread gave the chunk back to the loop
+
+    member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+    other = memoryview(os.urandom(UPLOAD_BYTES))
+    try:  # the only thread is free for another member's upload, while the slow one is still mid-chunk
+        await asyncio.to_thread(member.upload, UploadKey("j", 1, 1, "m1", 1), other, CHUNK_BYTES, b"", lambda: False)
+    finally:
+        member.close()
+    assert bytes(memoryview(server.memory.get("j", 1, 1).data)[: len(other)]) == other
+
+    writer.write(data[1000:])  # the slow sender goes on: the loop reads the rest and checksums it
+    writer.write(encode_frame(Seal("j", 1, 0, "slow", 1, len(data), len(data), [chunk_checksum(data)], b"meta")))
+    await writer.drain()
+    assert (await read_reply(reader)).ok
+    assert bytes(memoryview(server.memory.get("j", 0, 1).data)[: len(data)]) == data
+    writer.close()
+
+
+async def test_a_sender_closing_mid_chunk_has_its_upload_freed_and_the_store_serves_on(
+    one_thread: tuple[DataPlaneServer, int],
+) -> None:
+    server, port = one_thread
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(encode_frame(PutChunk("j", 1, 0, "gone", 1, 0, CHUNK_BYTES, CHUNK_BYTES)) + b"z" * 1000)
+    await writer.drain()
+    await until(lambda: server.memory.unsealed == 1)
+    writer.close()
+    await until(lambda: server.memory.unsealed == 0 and server.connections == 0)
+    assert server.memory.used_bytes == 0
+
+    member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+    data = memoryview(os.urandom(UPLOAD_BYTES))
+    try:
+        await asyncio.to_thread(member.upload, UploadKey("j", 1, 0, "m0", 2), data, CHUNK_BYTES, b"", lambda: False)
+    finally:
+        member.close()
+    assert server.memory.get("j", 0, 2).sealed
