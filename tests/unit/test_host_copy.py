@@ -72,9 +72,13 @@ def test_a_slot_being_overwritten_is_not_taken(tmp_path: Path) -> None:
     assert [t.head.step for t in taken] == [2]
 
 
-def test_a_copy_that_fails_its_checksums_is_refused_and_the_other_is_taken(tmp_path: Path) -> None:
+def test_a_copy_that_fails_its_checksums_is_refused_when_a_restore_asks_for_it_and_the_other_is_used(
+    tmp_path: Path,
+) -> None:
+    """A newcomer checks a dead member's copy when a restore first asks for its step (`local`), not when
+    it takes the copies: only the one a restore uses is read."""
     job_dir = make_job_dir("j", "l0", tmp_path)
-    capture_steps(job_dir, "dead", 0, [1, 2])
+    _, weights = capture_steps(job_dir, "dead", 0, [1, 2])
     newest = next(p for p in (job_dir / "dead").glob("*.head") if SlotHead.decode(p.read_bytes()).step == 2)
     with open(newest.with_suffix(".bin"), "r+b") as f:  # one flipped byte in the newest step's bytes
         f.seek(100)
@@ -82,9 +86,16 @@ def test_a_copy_that_fails_its_checksums_is_refused_and_the_other_is_taken(tmp_p
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
 
-    taken = HostCopy(job_dir, "j", "newcomer", LOG).inherit(0)
+    host_copy = HostCopy(job_dir, "j", "newcomer", LOG)
+    newcomer = SnapshotWorker(LOG, chunk_bytes=4096, host_copy=host_copy)
+    newcomer.take_inherited(host_copy.inherit(0))
+    assert newcomer.local_steps() == [2, 1] and all(s.unchecked for s in newcomer.slots if s.step >= 0), "not read"
 
-    assert [t.head.step for t in taken] == [1]
+    assert newcomer.local(2) is None, "the flipped byte is found when a restore asks for step 2"
+    assert newcomer.local_steps() == [1] and not host_copy.head_path(0).exists()
+    older = newcomer.local(1)
+    assert older is not None and older.unchecked is None and older.buffer is not None
+    assert torch.equal(older.buffer.views[0], weights[1])
 
 
 def test_malformed_and_oversized_heads_are_refused_unread(tmp_path: Path) -> None:
@@ -148,3 +159,30 @@ def test_a_full_shared_memory_refuses_the_buffer_at_once_and_the_member_keeps_it
         assert torch.equal(slot.buffer.by_name[sources.names[0]], model.weight)
     finally:
         subprocess.run(["umount", "--lazy", str(shm)], check=False)
+
+
+def test_a_newcomer_reads_the_copy_it_restores_into_its_landing_as_it_checks_it(tmp_path: Path) -> None:
+    """With a landing, the check reads the copy there (one pass), and `landed` hands it over without a
+    second copy; a copy that fails its checksums leaves nothing landed, and another step is read over it."""
+    job_dir = make_job_dir("j", "l0", tmp_path)
+    _, weights = capture_steps(job_dir, "dead", 0, [1, 2])
+    newest = next(p for p in (job_dir / "dead").glob("*.head") if SlotHead.decode(p.read_bytes()).step == 2)
+    with open(newest.with_suffix(".bin"), "r+b") as f:  # the last byte of step 2's copy flipped
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    host_copy = HostCopy(job_dir, "j", "newcomer", LOG)
+    newcomer = SnapshotWorker(LOG, chunk_bytes=4096, host_copy=host_copy)
+    newcomer.take_inherited(host_copy.inherit(0))
+    landing = torch.zeros(newcomer.slot_bytes(), dtype=torch.uint8)
+
+    assert newcomer.local(2, into=landing) is None
+    assert all(slot.landed_in is None for slot in newcomer.slots)
+    older = newcomer.local(1, into=landing)
+    assert older is not None and older.landed_in is landing and older.buffer is not None
+    older.buffer.data.zero_()  # a second copy out of the slot would now land zeros
+    landed = newcomer.landed(older, landing)
+
+    assert landed is not None and landed.data is landing
+    assert torch.equal(landed.views[0], weights[1])

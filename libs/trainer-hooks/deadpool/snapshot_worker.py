@@ -51,7 +51,7 @@ import torch
 
 from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.durable_tier import DurableWriter
-from deadpool.host_copy import CHECKSUM_BYTES, SLOTS, HostCopy, InheritedSlot, SlotHead, checksums_of
+from deadpool.host_copy import CHECKSUM_BYTES, SLOTS, HostCopy, InheritedSlot, SlotHead, checksums_of, read_checked
 from deadpool.snapshot_layout import FlatBuffer, SnapshotLayout
 from deadpool.store_client import SnapshotCancelledError, StoreClientError, StoreConnection, UploadKey
 from deadpool.training_state import SnapshotSources
@@ -81,6 +81,11 @@ class SnapshotSlot:
     """The generation that captured `step` (a step number alone does not tell two timelines apart)."""
     plan: CopyPlan | None = None
     """The copies into this buffer, for the sources it was made for (made again when the plan changes)."""
+    unchecked: tuple[int, list[int]] | None = None
+    """A crash copy a dead member left (`take_inherited`), not yet checked: its head's chunk size and
+    checksums. It is checked when a restore first asks for its step (`local`)."""
+    landed_in: torch.Tensor | None = None
+    """Where its check read a crash copy's bytes to (a newcomer's landing, `local(step, into)`)."""
 
 
 @dataclass
@@ -270,7 +275,7 @@ class SnapshotWorker:
             return None
         slot = self._slot_to_capture_into()
         slot.step = -1  # invalid until the copy is done
-        slot.meta = meta
+        slot.meta, slot.unchecked, slot.landed_in = meta, None, None
         if self.host_copy is not None:
             self.host_copy.invalidate(self.slots.index(slot))
         request = CaptureRequest(
@@ -334,15 +339,58 @@ class SnapshotWorker:
             return []
         return sorted((slot.step for slot in self.slots if slot.step >= 0 and slot.buffer is not None), reverse=True)
 
-    def local(self, step: int) -> SnapshotSlot | None:
-        """The local snapshot of `step`, if one of the buffers holds it."""
+    def local(self, step: int, into: torch.Tensor | None = None) -> SnapshotSlot | None:
+        """The local snapshot of `step`, if one of the buffers holds it. `into`: where a crash copy not
+        yet checked is read to as it is checked (a newcomer's landing: `landed`)."""
         if not self.wait_captured(COPY_WAIT_S):
             self.log.warning("snapshot copy still running: the local snapshot is not used", wait_s=COPY_WAIT_S)
             return None
         # The newest generation's copy: a rebuild re-captures the step it restored (its SEAL), so two
         # slots may hold one step number, the older one of an abandoned timeline.
         held = [slot for slot in self.slots if slot.step == step and slot.buffer is not None]
-        return max(held, key=lambda slot: slot.generation, default=None)
+        newest = max(held, key=lambda slot: slot.generation, default=None)
+        return newest if newest is not None and self._intact(newest, into) else None
+
+    def _intact(self, slot: SnapshotSlot, into: torch.Tensor | None) -> bool:
+        """Whether `slot`'s bytes are whole: a crash copy taken from a dead member is checked against its
+        checksums the first time a restore asks for its step (read into `into` meanwhile, when it
+        fits), and dropped if it fails them. Checking only the one a restore takes, not every copy the
+        dead member left, made taking a 1 GiB rank's crash copies 3 times cheaper."""
+        if slot.unchecked is None or slot.buffer is None:
+            return True
+        chunk_bytes, checksums = slot.unchecked
+        nbytes = slot.buffer.layout.total_bytes
+        if into is not None and self.host_copy is not None and into.numel() >= nbytes:
+            for other in self.slots:
+                if other.landed_in is into:
+                    other.landed_in = None  # overwritten now
+            path = self.host_copy.bin_path(self.slots.index(slot))
+            intact = read_checked(path, FlatBuffer(slot.buffer.layout, data=into).bytes_view(), chunk_bytes, checksums)
+            slot.landed_in = into if intact else None
+        else:
+            intact = checksums_of(slot.buffer.bytes_view(), chunk_bytes) == checksums
+        if intact:
+            slot.unchecked = None
+            return True
+        self.log.warning("host-local copy refused: it fails its checksums", step=slot.step, generation=slot.generation)
+        slot.step, slot.unchecked = -1, None
+        if self.host_copy is not None:
+            self.host_copy.invalidate(self.slots.index(slot))
+        return False
+
+    def slot_bytes(self) -> int:
+        """The largest snapshot a slot holds (0: none)."""
+        return max((s.buffer.layout.total_bytes for s in self.slots if s.buffer is not None and s.step >= 0), default=0)
+
+    def landed(self, slot: SnapshotSlot, landing: torch.Tensor | None) -> FlatBuffer | None:
+        """`slot`'s snapshot in `landing`: read there by its check (`local(step, landing)`), else copied
+        there now; None without a landing that fits. The slot stays this worker's to capture into."""
+        if landing is None or slot.buffer is None or landing.numel() < slot.buffer.layout.total_bytes:
+            return None
+        if slot.landed_in is not landing:
+            nbytes = slot.buffer.layout.total_bytes
+            landing[:nbytes].copy_(slot.buffer.data[:nbytes])
+        return FlatBuffer(slot.buffer.layout, data=landing)
 
     def forget_after(self, step: int) -> None:
         """Invalidate local snapshots newer than `step` (their timeline was abandoned)."""
@@ -367,6 +415,7 @@ class SnapshotWorker:
             slot = self.slots[copy.index]
             slot.buffer, slot.plan = copy.buffer, None
             slot.step, slot.meta, slot.generation = copy.head.step, copy.head.meta, copy.head.generation
+            slot.unchecked = (copy.head.chunk_bytes, copy.head.checksums)
 
     def _fit_slots(self, layout: SnapshotLayout, into: SnapshotSlot, pin: bool) -> None:
         """A capture in a new layout (the formation's, or the one the optimizer's state appears in at the

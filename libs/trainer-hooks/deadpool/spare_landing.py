@@ -7,7 +7,10 @@ the moment of recovery restored at 0.36 GB/s; into memory faulted in beforehand 
 data plane's pace. So a spare learns the largest snapshot a rank of its job streams (the swapper says
 it in the hello's answer and in each `Commit`), and a thread of its own faults in a buffer that large,
 a slice at a time, while the spare waits (`want`). The restore takes the buffer (`take`); it is then
-the restored rank's (its optimizer state stays in it), and the landing is spent.
+the restored rank's (its optimizer state stays in it), and the landing is spent. A spare that restores
+from the crash copy a dead member left on its host reads that copy into the landing as it checks it
+(`SnapshotWorker.local`): the copy's slot goes on being captured into, and the optimizer's state needs
+memory of its own.
 
 Bounds: the buffer is never larger than `limit_bytes`, the most a snapshot of the spare's model can
 hold (`snapshot_bytes_max`), whatever size a message names; it grows (a larger snapshot was heard)
