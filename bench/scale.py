@@ -378,6 +378,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "snapshot_budget": args.snapshot_budget,
         "ranks": args.ranks,
         "stores": args.stores,
+        "store_gb": args.store_gb,
         "replication": args.replication,
         "steps_per_round": args.steps,
         "scenarios": results,
@@ -438,6 +439,41 @@ def print_table(result: dict[str, Any]) -> None:
         print("      phases (s): " + "  ".join(f"{k} {v:.3f}" for k, v in r["swap_remote_phases_s"].items()))
 
 
+STORE_SNAPSHOTS_PER_RANK = 4
+"""Snapshots of one rank a store holds at most in steady state: two committed, one being received, one
+pooled for the next."""
+MEMBER_STATES_PER_RANK = 5
+"""A member's memory per rank, in its state's size: the state itself, the three crash-copy slots in
+/dev/shm, and a spare's landing (or the stream's copy in flight)."""
+
+
+def store_gb(args: argparse.Namespace) -> float:
+    """Each store's capacity: what the job's snapshots need on it (`STORE_SNAPSHOTS_PER_RANK` per rank it
+    holds a copy of), within the memory this machine has left once the members (and a spare) have
+    theirs. Two 8 GiB stores on a 23 GB machine once met the OOM killer: a store that asks the host
+    before it takes memory cannot stop the members' own growth after it."""
+    per_store_ranks = args.ranks * args.replication / args.stores
+    need = per_store_ranks * args.state_gb * 1.1 * STORE_SNAPSHOTS_PER_RANK
+    available = _meminfo_gib("MemAvailable")
+    members = (args.ranks + 1) * args.state_gb * MEMBER_STATES_PER_RANK
+    share = max(0.5, (available - members) * 0.9 / args.stores)
+    chosen = float(round(min(need, share), 2))
+    print(
+        f"stores: {chosen} GiB each ({need:.2f} GiB needed per store, {share:.2f} GiB left per store of the "
+        f"{available:.1f} GiB available once the members have {members:.1f})",
+        flush=True,
+    )
+    return chosen
+
+
+def _meminfo_gib(field: str) -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == field:
+            return int(value.split()[0]) / 2**20
+    raise RuntimeError(f"/proc/meminfo has no {field}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--state-gb", type=float, default=1.0, help="GiB of state per rank")
@@ -447,7 +483,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--stores", type=int, default=1)
     parser.add_argument("--replication", type=int, default=1)
-    parser.add_argument("--store-gb", type=float, default=8.0, help="each store's capacity, GiB")
+    parser.add_argument(
+        "--store-gb",
+        type=float,
+        default=None,
+        help="each store's capacity, GiB (default: what the job needs, within what this machine has: store_gb)",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--snapshot-every", default="auto", help="as deadpool launch (auto: the job's K)")
     parser.add_argument(
@@ -464,6 +505,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < args.warm_up_steps + 4:
         parser.error("--steps must leave at least 4 measured steps, the kill's among them")
+    if args.store_gb is None:
+        args.store_gb = store_gb(args)
     if args.store_ingest_mb_s > 0:  # the stores of every round's stack inherit it
         os.environ[INGEST_LIMIT_ENV] = str(int(args.store_ingest_mb_s * 1e6))
     result = asyncio.run(main_async(args))
