@@ -76,6 +76,32 @@ def test_a_restored_copy_continues_exactly_like_the_original() -> None:
     assert meta.step == 3 and meta.extra == {"epoch": 1}
 
 
+def test_a_survivor_rolled_back_reuses_its_state_tensors_and_goes_on_exactly_like_the_original() -> None:
+    """A rank restoring from its own buffers (a survivor rolled back) copies the state into the tensors
+    its optimizer already holds, not into fresh ones, and trains on bit for bit as from the snapshot."""
+    model, optimizer = model_and_optimizer(seed=0)
+    train(model, optimizer, steps=3)
+    buffer, meta = capture(model, optimizer, step=3)
+    twin, twin_opt = model_and_optimizer(seed=0)
+    train(twin, twin_opt, steps=3)
+    train(model, optimizer, steps=1)  # one step past the snapshot: rolled back below
+    held = {id(t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
+
+    load_module(model, [buffer])
+    load_optimizer(model, optimizer, [buffer], meta.decode_tree(buffer))
+
+    now = {id(t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)}
+    assert now == held, "every state tensor is the one held before, the snapshot's values copied into it"
+    for state, twin_state in zip(optimizer.state.values(), twin_opt.state.values(), strict=True):
+        assert all(torch.equal(state[k], twin_state[k]) for k in twin_state)
+    torch.manual_seed(7)
+    train(model, optimizer, steps=2)
+    torch.manual_seed(7)
+    train(twin, twin_opt, steps=2)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_fused_optimizer_restored_continues_exactly_like_the_original() -> None:
     torch.manual_seed(0)
     original = nn.Linear(8, 4)
