@@ -3,8 +3,8 @@
 Real processes: NATS, a detector, a swapper, two stores, and `deadpool launch --no-host-copy` with 2
 ranks and a spare (so the swap restores from a store, as a lost host's does). The spare hears the job's
 snapshot size from the swapper (the hello's answer, then each commit), faults in its landing buffer,
-and once it is warm rank 1 is SIGKILLed: the spare's fetch lands in that buffer, and the final weights
-equal an uninterrupted run's, bit for bit.
+and once it is warm rank 1 is SIGKILLed: the spare's fetch lands in that buffer (the promoted spare
+then stops hearing the job's commits), and the final weights equal an uninterrupted run's, bit for bit.
 """
 
 from __future__ import annotations
@@ -45,4 +45,5 @@ async def test_a_warm_spare_restores_into_its_faulted_in_landing_and_training_en
             await nc.close()
         landed = [line for line in log.read_text().splitlines() if "restore lands in the warm buffer" in line]
         assert len(landed) == 1, tail(log)
+        assert "commits no longer heard: the landing was taken" in log.read_text(), "the promoted spare hears on"
         await assert_same_as_uninterrupted(stack, JOB, tmp_path / "job", tmp_path, steps=STEPS, spares=0)

@@ -31,6 +31,7 @@ def test_the_landing_is_the_largest_snapshot_heard_and_is_taken_once_exactly_as_
     assert int(got.sum()) == 0, "faulted in by writing it"
     assert landing.take(4 << 20) is None, "a landing is taken once: the buffer is now the restored rank's"
     assert landing.faulted_bytes == 0
+    assert not landing.want(6 << 20), "a spent landing wants no more sizes (its member stops hearing commits)"
 
 
 def test_a_size_past_the_models_bound_faults_in_the_bound_only_and_a_larger_snapshot_is_not_taken() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
@@ -98,19 +99,22 @@ class ControlLink:
         on_command: Callable[[Command], None] | None = None,
         on_placement: Callable[[Placement], None] | None = None,
         on_interval: Callable[[SnapshotInterval], None] | None = None,
-        on_snapshot_size: Callable[[int], None] | None = None,
+        on_snapshot_size: Callable[[int], bool] | None = None,
     ) -> None:
         self.config = config
         self._on_command_cb = on_command
+        """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
+        (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
         self._on_placement_cb = on_placement
         """Called on the control thread with each newer placement (quick and thread-safe, too)."""
         self._on_interval_cb = on_interval
         """Called on the control thread with each snapshot interval a rank of the job says (quick too)."""
         self._on_snapshot_size_cb = on_snapshot_size
         """A spare's: called on the control thread with the largest snapshot a rank of the job streamed,
-        from the hello's answer and each commit (quick too). Without it the member hears no commits."""
-        """Called on the control thread when a newer rebuild, a void notice or the job's end arrives
-        (it must be quick and thread-safe: it breaks the waits that command makes pointless)."""
+        from the hello's answer and each commit (quick too); it returns whether it still wants them.
+        Without it, or once it wants no more (its landing was taken), the member hears no commits: a
+        promoted spare heard every commit of its job for the rest of its life."""
+        self._commits: Subscription | None = None
         self.log = log
         self.subjects = Subjects.for_job(config.job)
         self.progress = Progress()
@@ -259,7 +263,7 @@ class ControlLink:
             self._nc, self.subjects.snapshot_interval, SnapshotInterval, self._on_interval, self.log
         )
         if self._on_snapshot_size_cb is not None:
-            await subscribe_validated(self._nc, self.subjects.commit, Commit, self._on_commit, self.log)
+            self._commits = await subscribe_validated(self._nc, self.subjects.commit, Commit, self._on_commit, self.log)
         self._ready.set()
         await self._register()
         beat = asyncio.create_task(self._heartbeats())
@@ -404,14 +408,22 @@ class ControlLink:
         if commit.job != self.config.job:
             self.log.warning("commit of another job ignored", job=commit.job)
             return
-        self._snapshot_size(commit.snapshot_bytes)
+        if not self._snapshot_size(commit.snapshot_bytes) and self._commits is not None:
+            commits, self._commits = self._commits, None
+            await commits.unsubscribe()
+            self.log.info("commits no longer heard: the landing was taken")
 
-    def _snapshot_size(self, nbytes: int) -> None:
-        if self._on_snapshot_size_cb is not None and nbytes > 0:
-            try:
-                self._on_snapshot_size_cb(nbytes)
-            except Exception:
-                self.log.exception("snapshot size callback failed")
+    def _snapshot_size(self, nbytes: int) -> bool:
+        """Hand a snapshot size on; whether sizes are still wanted."""
+        if self._on_snapshot_size_cb is None:
+            return False
+        if nbytes <= 0:
+            return True
+        try:
+            return self._on_snapshot_size_cb(nbytes)
+        except Exception:
+            self.log.exception("snapshot size callback failed")
+            return True
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
         with self._cond:

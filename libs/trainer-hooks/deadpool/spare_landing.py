@@ -76,11 +76,14 @@ class SpareLanding:
             self._started = True
         self._thread.start()
 
-    def want(self, nbytes: int) -> None:
-        """A rank of the job streamed a snapshot of `nbytes`: hold a buffer at least that large."""
+    def want(self, nbytes: int) -> bool:
+        """A rank of the job streamed a snapshot of `nbytes`: hold a buffer at least that large. Returns
+        whether sizes are still wanted (False once the landing is spent: taken, or closed)."""
         with self._cond:
-            if self._spent or nbytes <= self._wanted:
-                return
+            if self._spent:
+                return False
+            if nbytes <= self._wanted:
+                return True
             if nbytes > self.limit_bytes:
                 if self._wanted < self.limit_bytes:
                     self.log.warning(
@@ -90,9 +93,10 @@ class SpareLanding:
                     )
                 nbytes = self.limit_bytes
             if nbytes <= self._wanted:
-                return
+                return True
             self._wanted = nbytes
             self._cond.notify_all()
+            return True
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """The landing buffer for a snapshot of `nbytes`, exactly that long (a view of it), or None when
