@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cpu_seconds", "memcpy_ms_per_mb", "percentile", "pin_process"]
+__all__ = ["cpu_seconds", "memcpy_ms_per_mb", "memcpy_scaling", "percentile", "pin_process"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -45,3 +45,30 @@ def memcpy_ms_per_mb(nbytes: int = 64 * 1024 * 1024, repeats: int = 5) -> float:
         view_dst[:] = view_src
         best = min(best, time.perf_counter() - started)
     return 1000 * best / (len(src) / 1e6)
+
+
+def memcpy_scaling(threads: int = 2, nbytes: int = 256 * 1024 * 1024, repeats: int = 4) -> float:
+    """How many times one thread's copy rate `threads` threads reach together, each copying its own
+    `nbytes` `repeats` times (a memcpy releases the GIL): 1.0 where memory, not cores, bounds a copy."""
+    import threading
+    import time
+
+    pairs = [(bytearray(nbytes), bytearray(os.urandom(1024)) * (nbytes // 1024)) for _ in range(threads)]
+
+    def copy(index: int) -> None:
+        dst, src = pairs[index]
+        for _ in range(repeats):
+            memoryview(dst)[:] = memoryview(src)
+
+    copy(0)  # every page touched before timing
+    started = time.perf_counter()
+    copy(0)
+    one = time.perf_counter() - started
+    workers = [threading.Thread(target=copy, args=(i,)) for i in range(threads)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    together = time.perf_counter() - started
+    return threads * one / together

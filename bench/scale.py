@@ -442,9 +442,10 @@ def print_table(result: dict[str, Any]) -> None:
 STORE_SNAPSHOTS_PER_RANK = 4
 """Snapshots of one rank a store holds at most in steady state: two committed, one being received, one
 pooled for the next."""
-MEMBER_STATES_PER_RANK = 5
-"""A member's memory per rank, in its state's size: the state itself, the three crash-copy slots in
-/dev/shm, and a spare's landing (or the stream's copy in flight)."""
+MEMBER_STATES_PER_RANK = 4
+"""A member's memory, in its state's size: the state itself and its three crash-copy slots in /dev/shm."""
+SPARE_STATES = 2
+"""A warm spare's: its model and optimizer, and its landing."""
 
 
 def store_gb(args: argparse.Namespace) -> float:
@@ -455,7 +456,7 @@ def store_gb(args: argparse.Namespace) -> float:
     per_store_ranks = args.ranks * args.replication / args.stores
     need = per_store_ranks * args.state_gb * 1.1 * STORE_SNAPSHOTS_PER_RANK
     available = _meminfo_gib("MemAvailable")
-    members = (args.ranks + 1) * args.state_gb * MEMBER_STATES_PER_RANK
+    members = (args.ranks * MEMBER_STATES_PER_RANK + SPARE_STATES) * args.state_gb
     share = max(0.5, (available - members) * 0.9 / args.stores)
     chosen = float(round(min(need, share), 2))
     print(

@@ -15,7 +15,9 @@ to the last seal), the store's CPU over that time in cores (its process's CPU se
 seconds: a store on one event loop cannot pass 1.0), its CPU per MB; and the same with one sender. The
 senders run on the same machine: on a 2-core machine they take part of the cores the store could use,
 so the aggregate figure understates what a store does with cores of its own. The last line is one
-JSON object.
+JSON object, with `memcpy_scaling`: how many times one thread's memcpy rate `--senders` threads reach
+together on this machine (where it is near 1, memory bandwidth, not cores, bounds the data path, and
+no number of ingest threads can show a gain).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 import nats
-from measures import cpu_seconds, memcpy_ms_per_mb
+from measures import cpu_seconds, memcpy_ms_per_mb, memcpy_scaling
 from store_throughput import start_store
 
 from deadpool.store_client import StoreConnection, UploadKey
@@ -145,6 +147,7 @@ def main() -> None:
         "rounds": args.rounds,
         "cpus": len(os.sched_getaffinity(0)),
         "memcpy_ms_per_mb": round(memcpy_ms_per_mb(), 3),
+        "memcpy_scaling": round(memcpy_scaling(many), 2),
         **{f"{key}_{field}": value for key, result in results.items() for field, value in result.items()},
         "threads_over_loop": round(results[f"threads_{many}"]["gbps"] / results[f"loop_{many}"]["gbps"], 2),
         "threads_many_over_one": round(results[f"threads_{many}"]["gbps"] / results["threads_1"]["gbps"], 2),
@@ -152,7 +155,8 @@ def main() -> None:
     print(
         f"{many} uploads at once: {summary['threads_over_loop']}x the loop-only store's GB/s; the threaded store "
         f"used {results[f'threads_{many}']['store_cores']} cores (the loop-only one "
-        f"{results[f'loop_{many}']['store_cores']}); {summary['threads_many_over_one']}x its own GB/s with one sender"
+        f"{results[f'loop_{many}']['store_cores']}); {summary['threads_many_over_one']}x its own GB/s with one sender; "
+        f"{many} threads' memcpy together: {summary['memcpy_scaling']}x one thread's"
     )
     print(json.dumps(summary))
 
