@@ -495,20 +495,24 @@ class _Connection(asyncio.BufferedProtocol):
         if self._lost or done.cancelled():
             self._close_thread_socket()
             return
-        received = done.result()
-        self._filled += received.nbytes
-        if received.ended:
-            self.server.refusals.info("data plane peer went away", peer=self.peer, reason=received.ended)
-            assert self.transport is not None
+        assert self.transport is not None
+        try:
+            received = done.result()
+            self._filled += received.nbytes
+            if received.ended:
+                self.server.refusals.info("data plane peer went away", peer=self.peer, reason=received.ended)
+                self.transport.abort()
+                return
+            if self._filled == len(self._target):
+                self.server.thread_chunks += whole
+                self._chunk_checksum = received.checksum if whole else None
+                self.buffer_updated(0)  # the chunk is full: on as if the loop had read it
+            else:
+                self.server.thread_handbacks += 1  # a stalled sender: the loop reads the rest
+            self._release(HELD_FOR_THREAD)
+        except Exception:  # a connection left paused would wait for its idle bound: close it now
+            self.log.exception("data plane chunk receive failed", peer=self.peer)
             self.transport.abort()
-            return
-        if self._filled == len(self._target):
-            self.server.thread_chunks += whole
-            self._chunk_checksum = received.checksum if whole else None
-            self.buffer_updated(0)  # the chunk is full: on as if the loop had read it
-        else:
-            self.server.thread_handbacks += 1  # a stalled sender: the loop reads the rest
-        self._release(HELD_FOR_THREAD)
 
     def _close_thread_socket(self) -> None:
         if self._thread_socket is not None:
