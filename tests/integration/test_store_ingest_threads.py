@@ -136,3 +136,38 @@ async def test_a_sender_closing_mid_chunk_has_its_upload_freed_and_the_store_ser
     finally:
         member.close()
     assert server.memory.get("j", 0, 2).sealed
+
+
+async def test_a_buffer_freed_while_a_chunk_lands_in_it_is_not_given_to_another_upload() -> None:
+    """An upload replaced mid-chunk (a newer generation's upload of its step) frees its buffer; bytes
+    of the old chunk still arrive into it. The buffer must not be pooled for the newer upload meanwhile,
+    or those bytes would land in the newer snapshot after it was checked (the store's capacity here
+    leaves room for one buffer, so a pooled one is the one the newer upload gets)."""
+    memory = SnapshotMemory(CHUNK_BYTES + 500, job_unsealed_share=1.0)
+    server = DataPlaneServer(memory, no_op, get_logger(test="ingest"), ConnectionLimits(sweep_s=0.05), ingest_threads=1)
+    port = await server.start("127.0.0.1", 0)
+    old = os.urandom(CHUNK_BYTES)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(encode_frame(PutChunk("j", 1, 0, "old", 1, 0, len(old), len(old))) + old[:1000])
+        await writer.drain()
+        await until(lambda: server.thread_handbacks == 1)  # mid-chunk, on the loop now
+
+        newer = memoryview(os.urandom(CHUNK_BYTES))
+        member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+        try:
+            await asyncio.to_thread(
+                member.upload, UploadKey("j", 2, 0, "new", 1), newer, CHUNK_BYTES, b"", lambda: False
+            )
+        finally:
+            member.close()
+        writer.write(old[1000:])  # the old chunk's rest arrives into its own, freed, buffer
+        writer.write(encode_frame(Seal("j", 1, 0, "old", 1, len(old), len(old), [chunk_checksum(old)], b"meta")))
+        await writer.drain()
+        assert not (await read_reply(reader)).ok, "the replaced upload is not sealed"
+
+        stored = server.memory.get("j", 0, 1)
+        assert stored.generation == 2 and bytes(memoryview(stored.data)[: len(newer)]) == newer
+    finally:
+        writer.close()
+        await server.stop()

@@ -315,6 +315,10 @@ class _Connection(asyncio.BufferedProtocol):
         """The connection's socket on its own descriptor, for ingest threads (opened at the first)."""
         self._chunk_checksum: int | None = None
         """The chunk's checksum, when a thread took it as its bytes arrived."""
+        self._receiving: StoredSnapshot | None = None
+        """The upload whose buffer the current chunk is being received into: counted among its readers
+        until the chunk is in, so a buffer freed meanwhile (the upload replaced, expired or its job
+        ended) is never given to another upload while bytes still land in it."""
         self._lost = False
 
     # ------------------------------------------------------------ asyncio callbacks
@@ -377,6 +381,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        if not self._thread_running:
+            self._done_receiving()
         if exc is not None:
             self.server.refusals.info("data plane peer went away", peer=self.peer, reason=str(exc))
         if self._thread_socket is not None:
@@ -452,7 +458,7 @@ class _Connection(asyncio.BufferedProtocol):
                 if chunk.forward:
                     self._start_forward(chunk)
             self._upload = key
-            snap = self.server.memory.entry(key)
+            self._receiving = self.server.memory.entry(key)
         except StoreError as exc:
             if key not in self._refused and len(self._refused) >= REFUSED_KEPT_MAX:
                 raise ProtocolError(f"{REFUSED_KEPT_MAX} refused uploads left unsealed on one connection") from None
@@ -460,39 +466,48 @@ class _Connection(asyncio.BufferedProtocol):
             self._chunk_left = chunk.nbytes
             self._discard_next()
             return
+        if self._receiving is not None:
+            self._receiving.readers += 1
         self._expect(target, self._chunk_read)
-        if self.server.ingest_pool is not None and snap is not None and len(target) > 0:
+        if self.server.ingest_pool is not None and len(target) > 0:
             self._thread_wanted = True
             self._hold(HELD_FOR_THREAD)
-            self._start_thread(snap)
+            self._start_thread()
 
-    def _start_thread(self, snap: StoredSnapshot) -> None:
+    def _done_receiving(self) -> None:
+        """The chunk's bytes are in (or the connection is gone): its buffer may be reused again."""
+        if self._receiving is not None:
+            self._receiving.readers -= 1
+            self._receiving = None
+
+    def _start_thread(self) -> None:
         """Hand the rest of the chunk to an ingest thread, once nothing else holds this connection's reads
         (a chain being opened must be up before any chunk arrives)."""
         pool = self.server.ingest_pool
         if not self._thread_wanted or self._held != {HELD_FOR_THREAD} or self._lost or pool is None:
             return
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
         if self._thread_socket is None:
-            assert self.transport is not None
             descriptor = os.dup(self.transport.get_extra_info("socket").fileno())
             self._thread_socket = socket.socket(fileno=descriptor)
             self._thread_socket.setblocking(False)  # as the loop's: they share one open file
         self._thread_wanted, self._thread_running = False, True
-        snap.readers += 1  # not reused while the thread writes into it, whatever happens to the upload
         whole = self._filled == 0  # else the thread's checksum would be of the chunk's rest only
         view = self._target[self._filled :]
         received = asyncio.get_running_loop().run_in_executor(
             pool, receive_into, self._thread_socket, view, THREAD_WAIT_S, self._bytes_seen
         )
-        received.add_done_callback(lambda done: self._thread_done(done, snap, whole))
+        received.add_done_callback(lambda done: self._thread_done(done, whole))
 
     def _bytes_seen(self, now: float) -> None:
         self._last_rx = now  # from the thread: one attribute, for the idle sweep
 
-    def _thread_done(self, done: asyncio.Future[Received], snap: StoredSnapshot, whole: bool) -> None:
-        snap.readers -= 1
+    def _thread_done(self, done: asyncio.Future[Received], whole: bool) -> None:
         self._thread_running = False
         if self._lost or done.cancelled():
+            self._done_receiving()  # not before: the thread wrote into the buffer until now
             self._close_thread_socket()
             return
         assert self.transport is not None
@@ -522,6 +537,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _chunk_read(self) -> None:
         assert self._chunk is not None
         checksum, self._chunk_checksum = self._chunk_checksum, None
+        self._done_receiving()
         self.server.memory.chunk_received(self._chunk, checksum, into=self._target.obj)
         if self._forward is not None:
             self._forward.send_chunk(self._chunk, self._target)
@@ -583,13 +599,8 @@ class _Connection(asyncio.BufferedProtocol):
         if why not in self._held:
             return
         self._held.discard(why)
-        if self._held == {HELD_FOR_THREAD} and self._thread_wanted and self._chunk is not None:
-            snap = self.server.memory.entry((self._chunk.job, self._chunk.rank, self._chunk.step))
-            if snap is not None and snap.data is self._target.obj:
-                self._start_thread(snap)
-            else:  # the upload was freed or replaced meanwhile: its bytes are read on the loop, and dropped
-                self._thread_wanted = False
-                self._release(HELD_FOR_THREAD)
+        if self._held == {HELD_FOR_THREAD} and self._thread_wanted:
+            self._start_thread()
         elif not self._held and self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 

@@ -83,8 +83,8 @@ class StoredSnapshot:
     signature: bytes = b""
     """The uploader's seal signature, kept for whoever fetches or replicates the copy."""
     readers: int = 0
-    """Fetches sending from `data`, and threads receiving into it, right now; while any are, the
-    buffer is not reused."""
+    """Fetches sending from `data`, and connections receiving a chunk into it, right now; while any
+    are, the buffer is not reused."""
     started_t: float = 0.0
     """When the upload began (monotonic clock), for freeing uploads that are never sealed."""
     charged: int = 0
