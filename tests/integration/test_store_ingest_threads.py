@@ -1,7 +1,8 @@
 """The store's ingest threads (`deadpool_store.ingest_thread`) over real loopback sockets: uploads on
 several connections at once are received on threads and sealed whole; a sender that stalls in the
 middle of a chunk gets it handed back to the loop (it holds no thread: with one thread, another
-member's upload goes on) and seals when it goes on; one that closes mid-chunk has its upload freed."""
+member's upload goes on) and seals when it goes on, and sixteen that never go on are dropped; one that
+closes mid-chunk has its upload freed; a buffer is not handed on while a chunk still lands in it."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from deadpool_store.memory import SnapshotMemory, StoredSnapshot
 CHUNK_BYTES = 256 * 1024
 UPLOADS = 4
 UPLOAD_BYTES = 16 * CHUNK_BYTES + 1000
+STALLED = 16
 WAIT_S = 5.0
 
 
@@ -170,4 +172,37 @@ async def test_a_buffer_freed_while_a_chunk_lands_in_it_is_not_given_to_another_
         assert stored.generation == 2 and bytes(memoryview(stored.data)[: len(newer)]) == newer
     finally:
         writer.close()
+        await server.stop()
+
+
+async def test_many_senders_stalled_mid_chunk_hold_no_thread_and_are_dropped_while_a_member_uploads() -> None:
+    """The adversary with a job's token, or senders frozen mid-chunk: 16 connections each stop in the
+    middle of a chunk, against one ingest thread. Each gives it back within its bound, a member's upload
+    goes through meanwhile, and the stalled ones are dropped at `frame_idle_s` with their uploads freed."""
+    limits = ConnectionLimits(frame_idle_s=1.0, sweep_s=0.05)
+    server = DataPlaneServer(SnapshotMemory(64 << 20), no_op, get_logger(test="ingest"), limits, ingest_threads=1)
+    port = await server.start("127.0.0.1", 0)
+    stalled = []
+    try:
+        for rank in range(STALLED):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(encode_frame(PutChunk("j", 1, rank, f"s{rank}", 1, 0, CHUNK_BYTES, CHUNK_BYTES)) + b"s" * 1000)
+            await writer.drain()
+            stalled.append((reader, writer))
+        await until(lambda: server.thread_handbacks == STALLED)
+
+        member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+        data = memoryview(os.urandom(UPLOAD_BYTES))
+        try:
+            await asyncio.to_thread(member.upload, UploadKey("j", 1, 99, "m", 1), data, CHUNK_BYTES, b"", lambda: False)
+        finally:
+            member.close()
+        assert bytes(memoryview(server.memory.get("j", 99, 1).data)[: len(data)]) == data
+
+        for reader, _ in stalled:
+            assert await asyncio.wait_for(reader.read(1), WAIT_S) == b"", "a stalled sender is dropped"
+        await until(lambda: server.memory.unsealed == 0)
+    finally:
+        for _, writer in stalled:
+            writer.close()
         await server.stop()
