@@ -25,17 +25,15 @@ from deadpool_protocol.dataplane import (
 )
 from deadpool_runtime.logs import get_logger
 from deadpool_store.dataplane_server import ConnectionLimits, DataPlaneServer
-from deadpool_store.memory import SnapshotMemory, StoredSnapshot
+from deadpool_store.memory import SnapshotMemory
+
+from .test_store_dataplane_limits import no_op, until
 
 CHUNK_BYTES = 256 * 1024
 UPLOADS = 4
 UPLOAD_BYTES = 16 * CHUNK_BYTES + 1000
 STALLED = 16
 WAIT_S = 5.0
-
-
-async def no_op(_snap: StoredSnapshot) -> None:
-    return None
 
 
 @pytest.fixture
@@ -48,13 +46,13 @@ async def one_thread() -> AsyncIterator[tuple[DataPlaneServer, int]]:
     await server.stop()
 
 
-async def until(condition: object, wait_s: float = WAIT_S) -> None:
-    """Wait for `condition()`, which the server's loop makes true (checked every 10 ms)."""
-    assert callable(condition)
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "not within the wait"
-        await asyncio.sleep(0.01)
+async def member_upload(port: int, key: UploadKey, data: memoryview) -> None:
+    """A member's upload on a connection of its own, as its worker makes it (`StoreConnection`)."""
+    conn = StoreConnection(StoreAddress("s", "127.0.0.1", port))
+    try:
+        await asyncio.to_thread(conn.upload, key, data, CHUNK_BYTES, b"", lambda: False)
+    finally:
+        conn.close()
 
 
 async def read_reply(reader: asyncio.StreamReader) -> Reply:
@@ -68,19 +66,11 @@ async def test_uploads_on_several_connections_at_once_are_received_on_threads_an
     server = DataPlaneServer(SnapshotMemory(256 << 20), no_op, get_logger(test="ingest"), ingest_threads=2)
     port = await server.start("127.0.0.1", 0)
     payloads = [os.urandom(UPLOAD_BYTES) for _ in range(UPLOADS)]
-    conns = [StoreConnection(StoreAddress("s", "127.0.0.1", port)) for _ in range(UPLOADS)]
     try:
         await asyncio.gather(
             *(
-                asyncio.to_thread(
-                    conn.upload,
-                    UploadKey("j", 1, rank, f"m{rank}", 1),
-                    memoryview(data),
-                    CHUNK_BYTES,
-                    b"",
-                    lambda: False,
-                )
-                for rank, (conn, data) in enumerate(zip(conns, payloads, strict=True))
+                member_upload(port, UploadKey("j", 1, rank, f"m{rank}", 1), memoryview(data))
+                for rank, data in enumerate(payloads)
             )
         )
         for rank, data in enumerate(payloads):
@@ -88,8 +78,6 @@ async def test_uploads_on_several_connections_at_once_are_received_on_threads_an
             assert stored.sealed and bytes(memoryview(stored.data)[: stored.total_bytes]) == data
         assert server.thread_chunks == UPLOADS * 17, "every chunk went through a thread"
     finally:
-        for conn in conns:
-            conn.close()
         await server.stop()
 
 
@@ -103,12 +91,9 @@ async def test_a_sender_stalling_mid_chunk_holds_no_thread_and_seals_when_it_goe
     await writer.drain()
     await until(lambda: server.thread_handbacks == 1)  # the thread gave the chunk back to the loop
 
-    member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
     other = memoryview(os.urandom(UPLOAD_BYTES))
-    try:  # the only thread is free for another member's upload, while the slow one is still mid-chunk
-        await asyncio.to_thread(member.upload, UploadKey("j", 1, 1, "m1", 1), other, CHUNK_BYTES, b"", lambda: False)
-    finally:
-        member.close()
+    # the only thread is free for another member's upload, while the slow one is still mid-chunk
+    await member_upload(port, UploadKey("j", 1, 1, "m1", 1), other)
     assert bytes(memoryview(server.memory.get("j", 1, 1).data)[: len(other)]) == other
 
     writer.write(data[1000:])  # the slow sender goes on: the loop reads the rest and checksums it
@@ -131,12 +116,7 @@ async def test_a_sender_closing_mid_chunk_has_its_upload_freed_and_the_store_ser
     await until(lambda: server.memory.unsealed == 0 and server.connections == 0)
     assert server.memory.used_bytes == 0
 
-    member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
-    data = memoryview(os.urandom(UPLOAD_BYTES))
-    try:
-        await asyncio.to_thread(member.upload, UploadKey("j", 1, 0, "m0", 2), data, CHUNK_BYTES, b"", lambda: False)
-    finally:
-        member.close()
+    await member_upload(port, UploadKey("j", 1, 0, "m0", 2), memoryview(os.urandom(UPLOAD_BYTES)))
     assert server.memory.get("j", 0, 2).sealed
 
 
@@ -156,13 +136,7 @@ async def test_a_buffer_freed_while_a_chunk_lands_in_it_is_not_given_to_another_
         await until(lambda: server.thread_handbacks == 1)  # mid-chunk, on the loop now
 
         newer = memoryview(os.urandom(CHUNK_BYTES))
-        member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
-        try:
-            await asyncio.to_thread(
-                member.upload, UploadKey("j", 2, 0, "new", 1), newer, CHUNK_BYTES, b"", lambda: False
-            )
-        finally:
-            member.close()
+        await member_upload(port, UploadKey("j", 2, 0, "new", 1), newer)
         writer.write(old[1000:])  # the old chunk's rest arrives into its own, freed, buffer
         writer.write(encode_frame(Seal("j", 1, 0, "old", 1, len(old), len(old), [chunk_checksum(old)], b"meta")))
         await writer.drain()
@@ -191,12 +165,8 @@ async def test_many_senders_stalled_mid_chunk_hold_no_thread_and_are_dropped_whi
             stalled.append((reader, writer))
         await until(lambda: server.thread_handbacks == STALLED)
 
-        member = StoreConnection(StoreAddress("s", "127.0.0.1", port))
         data = memoryview(os.urandom(UPLOAD_BYTES))
-        try:
-            await asyncio.to_thread(member.upload, UploadKey("j", 1, 99, "m", 1), data, CHUNK_BYTES, b"", lambda: False)
-        finally:
-            member.close()
+        await member_upload(port, UploadKey("j", 1, 99, "m", 1), data)
         assert bytes(memoryview(server.memory.get("j", 99, 1).data)[: len(data)]) == data
 
         for reader, _ in stalled:
