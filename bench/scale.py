@@ -89,6 +89,7 @@ from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import Commit, decode
 from deadpool_protocol.subjects import Subjects
 from deadpool_runtime.logs import get_logger
+from deadpool_store import host_memory
 from deadpool_store.service import INGEST_LIMIT_ENV
 
 SCRIPT = Path(__file__).resolve().with_name("scale_train.py")
@@ -455,7 +456,10 @@ def store_gb(args: argparse.Namespace) -> float:
     before it takes memory cannot stop the members' own growth after it."""
     per_store_ranks = args.ranks * args.replication / args.stores
     need = per_store_ranks * args.state_gb * 1.1 * STORE_SNAPSHOTS_PER_RANK
-    available = _meminfo_gib("MemAvailable")
+    available_bytes = host_memory.available_bytes()
+    if available_bytes is None:
+        raise RuntimeError("this machine's available memory is unknown (/proc/meminfo): give --store-gb")
+    available = available_bytes / 2**30
     members = (args.ranks * MEMBER_STATES_PER_RANK + SPARE_STATES) * args.state_gb
     share = max(0.5, (available - members) * 0.9 / args.stores)
     chosen = float(round(min(need, share), 2))
@@ -465,14 +469,6 @@ def store_gb(args: argparse.Namespace) -> float:
         flush=True,
     )
     return chosen
-
-
-def _meminfo_gib(field: str) -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == field:
-            return int(value.split()[0]) / 2**20
-    raise RuntimeError(f"/proc/meminfo has no {field}")
 
 
 def main() -> None:
