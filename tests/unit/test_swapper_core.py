@@ -168,6 +168,35 @@ def test_a_crashed_process_goes_to_a_spare_of_its_launcher_which_restores_from_t
     assert state.committed_step == 4 and state.committed_holders, "the stores' copies of step 4 stay known"
 
 
+def test_a_newer_agreed_step_sealed_partly_before_the_acks_and_partly_after_is_committed_with_every_copy() -> None:
+    """Training goes on as the ranks store the step they agreed on: the copies that come in before the
+    last ack and those after it all count, so a lost host then restores that step from the stores."""
+    core = crash_copy_core()
+    (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)
+    assert rebuild.local
+    g = rebuild.generation
+    for store in ("store0", "store1"):
+        core.on_snapshot_complete(SnapshotComplete("j", g, store, 5, [0], [10]), 5.5)
+    for rank, member in enumerate(rebuild.ranks):
+        source = RestoreSource.LOCAL if member == "r0" else RestoreSource.HOST_COPY
+        core.on_ack(RebuildAck("j", g, member, rank, 5, 5 if member == "r0" else -1, source, RebuildMarks(), 6.0), 6.0)
+    state = core.jobs["j"]
+    assert state.committed_step == 5 and state.previous_committed.step == 4
+    assert state.committed_holders == {0: {"store0", "store1"}}, "the copies sealed before the acks count"
+    for store in ("store0", "store1"):
+        core.on_snapshot_complete(SnapshotComplete("j", g, store, 5, [1], [10]), 6.5)
+    assert state.committed_holders == {0: {"store0", "store1"}, 1: {"store0", "store1"}}
+    first_steps(core, rebuild, 6.6)
+    core.on_hello(hello("s3", -1, host="h2"), 7.0)
+    failures = [
+        Failure("j", g, m, r, FailureReason.HEARTBEAT, {}, 8.0, 8.01, lost_host="h0", lost_host_members=2)
+        for r, m in enumerate(rebuild.ranks)
+    ]
+    decisions = [core.on_failure(failure, 8.02) for failure in failures] + [core.tick(8.02 + LAST_CALL_S * 4)]
+    (after,) = [r for d in decisions for r in published(d, Rebuild)]
+    assert set(after.ranks) == {"there", "s3"} and not after.local and after.restore_step == 5, after
+
+
 def test_a_crash_copy_that_cannot_be_had_moves_the_rebuild_to_the_committed_step_on_the_stores() -> None:
     core = crash_copy_core()
     (first,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.01), 5.02), Rebuild)

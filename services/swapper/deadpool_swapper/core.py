@@ -1008,14 +1008,16 @@ class SwapperCore:
 
     def _adopt_local_step(self, state: JobState, pending: PendingRebuild) -> None:
         """Training resumed from the step every rank held itself (or in its host's crash copy). The
-        committed step it is, the stores' copies stay known; a newer one is the committed step now (no
-        store holds it whole: the next commit makes copies), the one before it the older link."""
+        committed step it is, the stores' copies stay known; a newer one is the committed step now (its
+        copies are those the ranks seal of it), the one before it the older link."""
         step = max(a.restore_step for a in pending.acks.values())
         if step != state.committed_step:
             newer = step > state.committed_step
             state.previous_committed = state.committed_copies() if newer else CommittedCopies()
             state.committed_step, state.committed_generation = step, state.generation
-            state.committed_holders = {}
+            # The ranks store the step as training resumes (`MemberRebuild.seal`): the copies sealed
+            # before the last ack count, the later ones are added as copies of the committed step.
+            state.committed_holders = {rank: set(stores) for rank, stores in state.completes.get(step, {}).items()}
         state.restore_step = step
         state.completes = {}
 
