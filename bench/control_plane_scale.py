@@ -20,8 +20,11 @@ formation's rebuild), commit latency (a step's last store report sent -> its com
 and the largest job record part written to KV and the largest message on the job's swapper subjects
 and store reports, in bytes. By default the members' heartbeats travel in batches of their
 (simulated) host's 8 members, one message every `--batch-s` (default 0.25 s, each member's newest beat
-with its age), as `deadpool launch` sends them; `--no-batching` has every member publish its own. The
-last line is one JSON object.
+with its age), as `deadpool launch` sends them; `--no-batching` has every member publish its own.
+A member's beats say what a real member's do within a step (its frame and whether it waits on its peers
+change beat by beat: forward, backward, optimizer) and the batches are compacted by the launcher's own
+`BeatCompaction`; `--static-beats` has them say the same thing until the step moves, as this bench did
+before (kinder to the detector than a real job). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from measures import cpu_seconds, percentile
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from deadpool.beat_compaction import HEARTBEAT_REFRESH_S
+from deadpool.beat_compaction import HEARTBEAT_REFRESH_S, BeatCompaction
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -121,12 +124,14 @@ async def worker_main(
     batching: bool,
     step_s: float,
     batch_s: float,
+    static_beats: bool = False,
 ) -> None:
     nc = await nats.connect(url, max_reconnect_attempts=-1, nkeys_seed=nkey or None)
     subjects = Subjects.for_job(JOB)
     launcher = f"worker-{index}"
     sim = {name: SimulatedMember(name, hint, launcher) for name, hint in members}
     messages = [0]
+    whole_beats = [0]
     """Heartbeat messages this worker sent."""
     hosts = {name: f"host-{i // 8}-{index}" for i, name in enumerate(sim)}  # 8 members per simulated host
 
@@ -209,6 +214,56 @@ async def worker_main(
 
     await asyncio.gather(*(hello(m) for m in sim.values()))
 
+    def real_beat(member: SimulatedMember, started: float, started_wall: float, now: float, mono: float) -> Heartbeat:
+        """What a real member's beat says at `mono`: its step, and where in the step its training thread
+        is (forward in user code, backward in autograd and the collectives: waiting, then the optimizer)."""
+        elapsed = mono - started
+        member.step = int(elapsed / step_s)
+        into = (elapsed % step_s) / step_s
+        if into < 0.3:
+            where, waiting = f"model.py:{40 + int(into * 100)} forward", False
+        elif into < 0.85:
+            where, waiting = "train.py:88 train_step", True
+        else:
+            where, waiting = f"optim.py:{120 + int(into * 100)} step", False
+        return Heartbeat(
+            JOB,
+            member.generation,
+            member.name,
+            member.rank,
+            os.getpid(),
+            member.step,
+            True,
+            started_wall + member.step * step_s,
+            now,
+            waiting=waiting,
+            where=where,
+            host=hosts[member.name],
+        )
+
+    async def beat_host_real(host: str, members: list[SimulatedMember]) -> None:
+        """A launcher's batching of real members' beats, by `deadpool launch`'s own compaction."""
+        await asyncio.sleep(random.random() * batch_s)
+        started, started_wall = time.monotonic(), time.time()
+        compaction = BeatCompaction()
+        phases = {m.name: random.random() * HEARTBEAT_PERIOD_S for m in members}
+        while any(not m.silent_at for m in members):
+            now, mono = time.time(), time.monotonic()
+            received: dict[str, tuple[Heartbeat, float]] = {}
+            for member in members:
+                if member.silent_at:
+                    continue
+                age = (mono - phases[member.name]) % HEARTBEAT_PERIOD_S if batch_s > HEARTBEAT_PERIOD_S else 0.0
+                beat = real_beat(member, started, started_wall, now - age, mono - age)
+                received[member.name] = (beat, mono - age)
+                member.last_beat = now - age
+                member.sent += max(1, round(batch_s / HEARTBEAT_PERIOD_S))  # the beats this batch stands for
+            batch = compaction.batch(JOB, 0, f"l-{host}", received, mono)
+            await nc.publish(subjects.heartbeat_batch, encode(batch))
+            messages[0] += 1
+            whole_beats[0] += len(batch.beats)
+            await asyncio.sleep(batch_s)
+
     def next_beat(member: SimulatedMember, started: float, now: float) -> Heartbeat:
         """The member's heartbeat at `now`: a step every `step_s` since `started` (monotonic)."""
         member.step = int((time.monotonic() - started) / step_s)
@@ -277,13 +332,15 @@ async def worker_main(
             batch = HeartbeatBatch(JOB, 0, f"l-{host}", whole, alive, ages_ms)
             await nc.publish(subjects.heartbeat_batch, encode(batch))
             messages[0] += 1
+            whole_beats[0] += len(whole)
             await asyncio.sleep(batch_s)
 
     if batching:
         by_host: dict[str, list[SimulatedMember]] = {}
         for member in sim.values():
             by_host.setdefault(hosts[member.name], []).append(member)
-        tasks = [asyncio.create_task(beat_host(h, ms)) for h, ms in by_host.items()]
+        batcher = beat_host if static_beats else beat_host_real
+        tasks = [asyncio.create_task(batcher(h, ms)) for h, ms in by_host.items()]
     else:
         tasks = [asyncio.create_task(beat(m)) for m in sim.values()]
 
@@ -291,7 +348,7 @@ async def worker_main(
         while True:
             await asyncio.sleep(1.0)
             sent = sum(m.sent for m in sim.values())
-            body = {"worker": index, "sent": sent, "messages": messages[0]}
+            body = {"worker": index, "sent": sent, "messages": messages[0], "whole": whole_beats[0]}
             await nc.publish("bench.sent", json.dumps(body).encode())
 
     tasks.append(asyncio.create_task(report()))
@@ -378,6 +435,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         silenced: dict[str, float] = {}
         sent: dict[int, int] = {}
         sent_messages: dict[int, int] = {}
+        sent_whole: dict[int, int] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
@@ -415,6 +473,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             body = json.loads(msg.data)
             sent[body["worker"]] = body["sent"]
             sent_messages[body["worker"]] = body["messages"]
+            sent_whole[body["worker"]] = body["whole"]
 
         for subject, cb in (
             (subjects.failure, on_failure),
@@ -453,6 +512,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         str(args.step_s),
                         "--batch-s",
                         str(args.batch_s),
+                        *(["--static-beats"] if args.static_beats else []),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
@@ -480,7 +540,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
             cpu0 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others0 = others()
-            sent0, messages0 = sum(sent.values()), sum(sent_messages.values())
+            sent0, messages0, whole0 = sum(sent.values()), sum(sent_messages.values()), sum(sent_whole.values())
             victims: list[str] = []
             for _ in range(args.failures):
                 latest = rebuilds[max(rebuilds)][0]
@@ -494,7 +554,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(args.gap_s)
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
-            sent1, messages1 = sum(sent.values()), sum(sent_messages.values())
+            sent1, messages1, whole1 = sum(sent.values()), sum(sent_messages.values()), sum(sent_whole.values())
         finally:
             for task in background:
                 task.cancel()
@@ -534,8 +594,10 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "simulator_cpu_pct": round(100 * (others1[1] - others0[1]) / window, 1),
         "heartbeats_per_s": round((sent1 - sent0) / window),
         "heartbeat_messages_per_s": round((messages1 - messages0) / window),
+        "whole_beats_per_s": round((whole1 - whole0) / window),
         "batch_s": args.batch_s,
         "batching": not args.no_batching,
+        "beats": "static" if args.static_beats else "real",
         "window_s": round(window, 1),
         "formation_s": round(formation_s, 1),
         "stores": len(stores.names),
@@ -559,7 +621,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"size {members}: detect p50 {r['detect_ms_p50']} p99 {r['detect_ms_p99']} ms; failure->rebuild p50 "
             f"{r['decide_ms_p50']} p99 {r['decide_ms_p99']} ms; detector CPU {r['detector_cpu_pct']} %, swapper CPU "
-            f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s; formation {r['formation_s']} s; "
+            f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole "
+            f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']})",
             flush=True,
@@ -642,6 +705,11 @@ def main() -> None:
     parser.add_argument(
         "--no-batching", action="store_true", help="every member publishes its own heartbeats (no launcher batching)"
     )
+    parser.add_argument(
+        "--static-beats",
+        action="store_true",
+        help="members' beats say the same thing until their step moves (kinder than a real job's)",
+    )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
@@ -652,7 +720,17 @@ def main() -> None:
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
         batching = not args.no_batching
         asyncio.run(
-            worker_main(args.url, args.nkey, args.worker, members, args.world_size, batching, args.step_s, args.batch_s)
+            worker_main(
+                args.url,
+                args.nkey,
+                args.worker,
+                members,
+                args.world_size,
+                batching,
+                args.step_s,
+                args.batch_s,
+                args.static_beats,
+            )
         )
         return
     result = asyncio.run(main_async(args))

@@ -20,18 +20,65 @@ def sent(member: str, t: float, step: int = 3) -> Heartbeat:
     return dataclasses.replace(beat(member, 0.0, step=step), t=t)
 
 
+def split(compaction: BeatCompaction, beats: list[Heartbeat], now: float) -> tuple[list[Heartbeat], list[str]]:
+    """The beats sent whole, and the names of those sent as names."""
+    whole, named = compaction.split(beats, now)
+    return whole, [hb.member for hb in named]
+
+
 def test_a_beat_that_repeats_the_last_one_sent_is_named_and_a_change_or_the_refresh_sends_it_whole() -> None:
     compaction = BeatCompaction(refresh_s=1.0)
     first = [sent("m0", 0.0), sent("m1", 0.0)]
-    assert compaction.split(first, 0.0) == (first, [])
-    assert compaction.split([sent("m0", 0.1), sent("m1", 0.1)], 0.1) == ([], ["m0", "m1"])  # only `t` moved
+    assert split(compaction, first, 0.0) == (first, [])
+    assert split(compaction, [sent("m0", 0.1), sent("m1", 0.1)], 0.1) == ([], ["m0", "m1"])  # only `t` moved
     stepped = sent("m1", 0.2, step=4)
-    assert compaction.split([sent("m0", 0.2), stepped], 0.2) == ([stepped], ["m0"])
+    assert split(compaction, [sent("m0", 0.2), stepped], 0.2) == ([stepped], ["m0"])
     refreshed = sent("m0", 1.05)
-    assert compaction.split([refreshed, sent("m1", 1.05, step=4)], 1.05) == ([refreshed], ["m1"])
-    assert compaction.split([sent("m1", 1.1, step=4)], 1.1) == ([], ["m1"])
+    assert split(compaction, [refreshed, sent("m1", 1.05, step=4)], 1.05) == ([refreshed], ["m1"])
+    assert split(compaction, [sent("m1", 1.1, step=4)], 1.1) == ([], ["m1"])
     back = sent("m0", 1.2)  # m0 sent nothing in the last period: forgotten, so whole again
-    assert compaction.split([back], 1.2) == ([back], [])
+    assert split(compaction, [back], 1.2) == ([back], [])
+
+
+def test_where_and_waiting_changing_within_a_step_leave_a_beat_named_with_its_waiting_bit() -> None:
+    """A real member's frame and its waiting flag change many times a step: its beat goes whole once a
+    step (and at the refresh), with its newest frame; in between it is named, its `waiting` beside it."""
+    compaction = BeatCompaction(refresh_s=1.0)
+    first = sent("m0", 0.0)
+    compaction.batch("j", 1, "l0", {"m0": (first, 0.0)}, 0.0)
+    in_backward = dataclasses.replace(sent("m0", 0.25), waiting=True, where="train.py:40 loss.backward")
+    batch = compaction.batch("j", 1, "l0", {"m0": (in_backward, 0.25)}, 0.25)
+    assert (batch.beats, batch.alive, batch.alive_waiting) == ([], ["m0"], [True])
+    in_forward = dataclasses.replace(sent("m0", 0.5), waiting=False, where="model.py:12 forward")
+    batch = compaction.batch("j", 1, "l0", {"m0": (in_forward, 0.5)}, 0.5)
+    assert (batch.beats, batch.alive, batch.alive_waiting) == ([], ["m0"], [False])
+    refreshed = dataclasses.replace(sent("m0", 1.0), waiting=True, where="train.py:40 loss.backward")
+    assert compaction.batch("j", 1, "l0", {"m0": (refreshed, 1.0)}, 1.0).beats == [refreshed]
+    assert decode(encode(batch), HeartbeatBatch) == batch
+
+
+def test_a_names_waiting_bit_is_what_the_straggler_rule_samples_and_a_rebuild_keeps_it_waiting() -> None:
+    core = detector(DetectorConfig())
+    formed(core, 0.0, ranks=("m0",), spares=())
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [beat("m0", 0.0)], [], [0]), 0.0)
+    watched = core.jobs["j"].members["m0"]
+    assert watched.in_step and not watched.waiting
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0], [True]), 0.25)
+    assert watched.waiting and watched.busy[-1] is False, "in a step but waiting on its peers: not busy"
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0], [False]), 0.5)
+    assert not watched.waiting and watched.busy[-1] is True
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0]), 0.75)  # no bits: as last heard
+    assert not watched.waiting
+    rebuilding = dataclasses.replace(beat("m0", 1.0), rebuilding=True)
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [rebuilding], [], [0]), 1.0)
+    core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0], [False]), 1.25)
+    assert watched.waiting, "a member carrying out a rebuild waits on the control plane, whatever its bit"
+
+
+def test_a_batch_whose_waiting_bits_do_not_match_its_names_is_refused() -> None:
+    batch = HeartbeatBatch("j", 1, "l0", [], ["m0", "m1"], [], [True])
+    with pytest.raises(Exception, match="alive_waiting does not match"):
+        decode(encode(batch), HeartbeatBatch)
 
 
 def test_a_batch_with_names_round_trips_and_a_bad_name_is_refused() -> None:
@@ -122,7 +169,7 @@ def test_a_launchers_batch_gives_each_beat_its_age_in_the_order_of_beats_then_na
     stepped = sent("m1", 0.2, step=4)
     received = {"m0": (sent("m0", 0.2), 0.21), "m1": (stepped, 0.13)}
     batch = compaction.batch("j", 1, "l0", received, 0.25)
-    assert (batch.beats, batch.alive, batch.ages_ms) == ([stepped], ["m0"], [120, 40])
+    assert (batch.beats, batch.alive, batch.ages_ms, batch.alive_waiting) == ([stepped], ["m0"], [120, 40], [False])
     assert decode(encode(batch), HeartbeatBatch) == batch
 
 

@@ -435,15 +435,19 @@ class HeartbeatBatch(JobMessage):
     launcher: Name
     beats: Annotated[list[Heartbeat], BEATS]
     alive: Annotated[list[Name], BEATS] = field(default_factory=list)
-    """Members whose beat of this period said what their last one in `beats` said (its send time
-    aside): named, not repeated. A launcher repeats a member's whole beat when anything in it changes
-    and at least every second (`deadpool.beat_compaction`), so the detector decodes about one beat in ten."""
+    """Members whose beat of this period said what their last one in `beats` said (its send time, its
+    `where` and its `waiting` aside): named, not repeated. A launcher repeats a member's whole beat when
+    anything else in it changes and at least every second (`deadpool.beat_compaction`), so the detector
+    decodes about one beat in ten."""
     ages_ms: Annotated[list[int], BEAT_AGES] = field(default_factory=list)
     """How long before the batch was sent the launcher received each member's beat, in `beats` then
     `alive` order, on the launcher's own clock (empty: all just now). The detector dates a beat by
     its arrival less its age, so a verdict comes a timeout after a member's last beat however long
     the launcher gathers beats (`deadpool.launcher.HEARTBEAT_BATCH_PERIOD_S`); no two hosts' clocks
     are compared."""
+    alive_waiting: Annotated[list[bool], BEATS] = field(default_factory=list)
+    """Each named member's `waiting` now, in `alive` order (empty: as its last whole beat said). It
+    changes within a step, many times a second; the straggler rule samples it every period."""
 
     def check(self) -> None:
         JobMessage.check(self)
@@ -454,6 +458,7 @@ class HeartbeatBatch(JobMessage):
             beat.check()
         for member in self.alive:
             _need_name(member, "member")
+        _need(len(self.alive_waiting) in (0, len(self.alive)), "alive_waiting does not match the names")
         _need(len(self.ages_ms) in (0, len(self.beats) + len(self.alive)), "ages_ms does not match the beats and names")
         _need(all(0 <= age <= BEAT_AGE_MS_MAX for age in self.ages_ms), f"a beat's age past {BEAT_AGE_MS_MAX} ms")
 

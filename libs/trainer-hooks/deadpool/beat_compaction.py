@@ -6,6 +6,12 @@ dozen checked fields: more than a core. A batch now carries a member's whole bea
 changed and at least every `HEARTBEAT_REFRESH_S` (so a detector that just started learns every
 member's state within that), and only the member's name otherwise (`HeartbeatBatch.alive`): alive
 now, as it last said.
+
+Two fields change within a step, many times a second, and do not make a beat whole: `where` (the
+training thread's innermost frame) is evidence read when a hang is judged, seconds after the frame
+stopped changing, so the refresh carries it soon enough; `waiting` (inside torch's collectives or not)
+is sampled by the straggler rule every period, so it rides beside the name as one bit
+(`HeartbeatBatch.alive_waiting`). Before, a real member's beat was whole in nearly every batch.
 """
 
 from __future__ import annotations
@@ -27,35 +33,37 @@ class BeatCompaction:
         self._sent: dict[str, tuple[Heartbeat, float]] = {}
         """member -> its last whole beat sent, and when (monotonic)."""
 
-    def split(self, beats: list[Heartbeat], now: float) -> tuple[list[Heartbeat], list[str]]:
-        """The beats to send whole, and the members to name as alive. Members that sent no beat this
-        period are forgotten (a member that comes back sends its whole beat again)."""
+    def split(self, beats: list[Heartbeat], now: float) -> tuple[list[Heartbeat], list[Heartbeat]]:
+        """The beats to send whole, and those to send as a name (with their `waiting`). Members that
+        sent no beat this period are forgotten (a member that comes back sends its whole beat again)."""
         whole: list[Heartbeat] = []
-        alive: list[str] = []
+        named: list[Heartbeat] = []
         sent: dict[str, tuple[Heartbeat, float]] = {}
         for beat in beats:
             last = self._sent.get(beat.member)
-            if (
-                last is not None
-                and now - last[1] < self.refresh_s
-                and dataclasses.replace(beat, t=last[0].t) == last[0]
-            ):
-                alive.append(beat.member)
+            if last is not None and now - last[1] < self.refresh_s and _same_but_moment(beat, last[0]):
+                named.append(beat)
                 sent[beat.member] = last
             else:
                 whole.append(beat)
                 sent[beat.member] = (beat, now)
         self._sent = sent
-        return whole, alive
+        return whole, named
 
     def batch(
         self, job: str, generation: int, launcher: str, received: dict[str, tuple[Heartbeat, float]], now: float
     ) -> HeartbeatBatch:
         """The batch of the beats `received` since the last one (member -> its newest beat and when it
         came, monotonic): whole or named (`split`), each with its age at `now` (`HeartbeatBatch.ages_ms`)."""
-        whole, alive = self.split([hb for hb, _ in received.values()], now)
-        ages = [_age_ms(now, received[m][1]) for m in [*(hb.member for hb in whole), *alive]]
-        return HeartbeatBatch(job, generation, launcher, whole, alive, ages)
+        whole, named = self.split([hb for hb, _ in received.values()], now)
+        ages = [_age_ms(now, received[hb.member][1]) for hb in [*whole, *named]]
+        alive, waiting = [hb.member for hb in named], [hb.waiting for hb in named]
+        return HeartbeatBatch(job, generation, launcher, whole, alive, ages, waiting)
+
+
+def _same_but_moment(beat: Heartbeat, last: Heartbeat) -> bool:
+    """`beat` says what `last` said, but for its send time and what changes within a step."""
+    return dataclasses.replace(beat, t=last.t, where=last.where, waiting=last.waiting) == last
 
 
 def _age_ms(now: float, received: float) -> int:

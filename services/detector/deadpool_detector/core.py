@@ -232,6 +232,8 @@ class Watched:
     """When the step counter last moved (or the member's clocks were last restarted)."""
     waiting: bool = False
     """Waiting on its peers (in torch's collective code) or on the control plane (awaiting a rebuild)."""
+    on_control_plane: bool = False
+    """Its last whole beat said it awaits or carries out a rebuild (a name's `waiting` bit adds to it)."""
     awaiting_since: float = 0.0
     """Since when its heartbeats say it awaits a rebuild (0: it does not)."""
     in_step: bool = False
@@ -355,7 +357,8 @@ class DetectorCore:
         watched.pid = hb.pid
         watched.phase, watched.rebuild_state = hb.phase, hb.rebuild_state or ""
         watched.local_step, watched.snapshot_every = hb.local_step, hb.snapshot_every
-        watched.waiting = hb.waiting or hb.awaiting_rebuild or hb.rebuilding
+        watched.on_control_plane = hb.awaiting_rebuild or hb.rebuilding
+        watched.waiting = hb.waiting or watched.on_control_plane
         awaiting = hb.awaiting_rebuild and not hb.rebuilding and hb.generation >= view.generation
         if not awaiting:
             watched.awaiting_since = 0.0
@@ -389,13 +392,18 @@ class DetectorCore:
             (hb.member, self.on_heartbeat(hb, now - batch.age_s(i), batch.launcher)) for i, hb in enumerate(batch.beats)
         ]
         whole = len(batch.beats)
-        refused += [(m, self.on_alive(batch, m, now - batch.age_s(whole + i))) for i, m in enumerate(batch.alive)]
+        bits: list[bool | None] = [*batch.alive_waiting] or [None] * len(batch.alive)
+        refused += [
+            (m, self.on_alive(batch, m, now - batch.age_s(whole + i), waiting))
+            for i, (m, waiting) in enumerate(zip(batch.alive, bits, strict=True))
+        ]
         return [(member, why) for member, why in refused if why]
 
-    def on_alive(self, batch: HeartbeatBatch, member: str, now: float) -> str:
+    def on_alive(self, batch: HeartbeatBatch, member: str, now: float, waiting: bool | None = None) -> str:
         """`member` beat again, saying what its last whole beat said (`HeartbeatBatch.alive`): alive
-        now, in the state last heard. Refused as a beat would be (a job not heard of, a generation far
-        ahead, another launcher's member); returns why ('' when taken)."""
+        now, in the state last heard, but `waiting` now if the batch says (None: as last heard). Refused
+        as a beat would be (a job not heard of, a generation far ahead, another launcher's member);
+        returns why ('' when taken)."""
         view = self.jobs.get(batch.job)
         if view is None:
             return "a beat named alive before any whole beat of its job"
@@ -412,6 +420,8 @@ class DetectorCore:
             return f"launcher {batch.launcher} forwards a beat of {member}, run by launcher {watched.launcher}"
         watched.launcher = batch.launcher
         watched.last_seen = max(watched.last_seen, now)
+        if waiting is not None:
+            watched.waiting = waiting or watched.on_control_plane
         if _suspends_hang_rule(watched.section):
             watched.progress_t = now
         _sample_busy(watched, watched.in_step and not watched.waiting, now)
