@@ -64,3 +64,19 @@ def test_a_larger_snapshot_heard_after_the_landing_is_warm_grows_it() -> None:
     warm(landing, 3 << 20)
     got = landing.take(3 << 20)
     assert got is not None and got.numel() == 3 << 20
+
+
+def test_a_landing_given_back_unused_is_taken_again_by_the_next_restore_and_not_once_closed() -> None:
+    """A newcomer takes its landing for the crash copy; when the ranks find no step in common, the
+    store restore of the swapper's next link fetches into the same warm memory."""
+    landing = SpareLanding(64 << 20, pin=False, log=get_logger(test="landing"))
+    landing.want(4 << 20)
+    warm(landing, 4 << 20)
+    first = landing.take(4 << 20)
+    assert first is not None
+    landing.give_back()
+    again = landing.take(3 << 20)
+    assert again is not None and again.data_ptr() == first.data_ptr() and again.numel() == 3 << 20
+    landing.close()
+    landing.give_back()  # closed (a rank now): nothing comes back
+    assert landing.take(1 << 20) is None

@@ -187,6 +187,7 @@ class Member:
             adopt=self._adopt,
             capture=lambda step, loaded: self._snapshots.capture(step, self.extra_state, loaded),
             landing=self._landing.take if self._landing is not None else None,
+            landing_back=self._landing.give_back if self._landing is not None else None,
         )
         computes_itself = backend == "gloo" and all(p.device.type == "cpu" for p in module.parameters())
         self._recovery = Recovery(parts, self.position, self._enter, self.stats.recent_step_s, computes_itself)

@@ -116,6 +116,8 @@ class RebuildParts:
     """Start the snapshot of a step (`StepCapture.capture`, with the member's `extra_state`)."""
     landing: Landing | None = None
     """A warm spare's landing buffer, which a restore from a store fetches into (`SpareLanding.take`)."""
+    landing_back: Callable[[], None] | None = None
+    """Give the landing back unused (`SpareLanding.give_back`)."""
 
 
 class MemberRebuild:
@@ -284,9 +286,17 @@ class MemberRebuild:
         """Agree with every rank on the newest step all of them hold in their own buffers (a newcomer: in
         the crash copy it took), and load ours. Training was held while every store was lost, or a
         process crashed and its rank went to a spare on its host."""
+        landing = self._newcomers_landing()
+        try:
+            self._agree_on_own_step(landing)
+        except BaseException:
+            if landing is not None and self.snapshot is None and self.parts.landing_back is not None:
+                self.parts.landing_back()  # unused: the store restore of the chain's next link fetches into it
+            raise
+
+    def _agree_on_own_step(self, landing: torch.Tensor | None) -> None:
         worker = self.parts.worker
         mine = worker.local_steps()
-        landing = self._newcomers_landing()
         device = exchange_device(self.group)
         try:
             step = agree_on_newest(

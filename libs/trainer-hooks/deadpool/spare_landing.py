@@ -7,7 +7,9 @@ the moment of recovery restored at 0.36 GB/s; into memory faulted in beforehand 
 data plane's pace. So a spare learns the largest snapshot a rank of its job streams (the swapper says
 it in the hello's answer and in each `Commit`), and a thread of its own faults in a buffer that large,
 a slice at a time, while the spare waits (`want`). The restore takes the buffer (`take`); it is then
-the restored rank's (its optimizer state stays in it), and the landing is spent. A spare that restores
+the restored rank's (its optimizer state stays in it), and the landing is spent, unless the restore
+gives it back unused (`give_back`: the ranks found no step in common in their own buffers, and the
+swapper's next link fetches from a store into it). A spare that restores
 from the crash copy a dead member left on its host reads that copy into the landing as it checks it
 (`SnapshotWorker.local`): the copy's slot goes on being captured into, and the optimizer's state needs
 memory of its own.
@@ -56,6 +58,8 @@ class SpareLanding:
         """Bytes of `_buffer` touched so far."""
         self._started = False
         self._spent = False
+        self._lent: torch.Tensor | None = None
+        """The buffer a restore took, until it is given back or the landing is closed."""
         self._thread = threading.Thread(target=self._fault_in, name="deadpool-landing", daemon=True)
 
     @property
@@ -112,8 +116,18 @@ class SpareLanding:
         if buffer is None or buffer.numel() < nbytes:
             self.log.info("no landing buffer for this snapshot", snapshot_bytes=nbytes, landing_bytes=faulted)
             return None
+        with self._cond:
+            self._lent = buffer
         self.log.info("restore lands in the warm buffer", snapshot_bytes=nbytes, faulted_bytes=faulted)
         return buffer[:nbytes]
+
+    def give_back(self) -> None:
+        """The restore that took the buffer used none of it: the next one takes it again (no more is
+        faulted in; a larger size heard meanwhile makes `take` refuse it, as before)."""
+        with self._cond:
+            if self._lent is not None:
+                self._buffer, self._lent, self._spent = self._lent, None, False
+                self.log.info("the landing was given back unused")
 
     def close(self) -> None:
         """Free the buffer and end the faulting thread, waiting for it (at most `CLOSE_WAIT_S`): a thread
@@ -121,7 +135,7 @@ class SpareLanding:
         without an active exception": a spare exited with SIGABRT at the job's end)."""
         with self._cond:
             self._spent = True
-            self._buffer = None
+            self._buffer = self._lent = None
             self._cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(CLOSE_WAIT_S)
