@@ -1,6 +1,8 @@
 """What the control plane's per-message and per-save work costs, one piece at a time, at the sizes of
 `control_plane_scale.py`: decoding a launcher's batch of 8 whole beats, of 8 names and of 8 acks (the
-detector's and the swapper's work per host and period), decoding and encoding a rebuild of N ranks,
+detector's and the swapper's work per host and period), the detector's whole work (decode and take)
+per member and second of real members' beats (`real_beats`) as their launcher's `BeatCompaction`
+batches them, with the beats it sends whole, decoding and encoding a rebuild of N ranks,
 placing a rebuild's snapshots after a swap, and saving a job record of N ranks: at a commit, while a
 rebuild is pending (an ack, a store report), and both without the memo of its large fields
 (`job_records.SectionMemo`).
@@ -23,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from real_beats import real_beat
+
+from deadpool.beat_compaction import BeatCompaction
+from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
+from deadpool_detector.core import DetectorConfig, DetectorCore
 from deadpool_protocol import (
     Heartbeat,
     HeartbeatBatch,
@@ -40,6 +47,7 @@ from deadpool_swapper.core import JobState, PendingRebuild
 from deadpool_swapper.job_records import JobRecords, SectionMemo
 from deadpool_swapper.placement import StoreInfo, place_snapshots
 from tests.integration.test_job_record_sections import STORES, commit, large_job
+from tests.unit.test_detector_core import formed
 
 
 def fastest_ms(work: Callable[[], Any], repeats: int, number: int = 1) -> float:
@@ -67,6 +75,38 @@ def batches(repeats: int) -> dict[str, float]:
         "decode_8_whole_beats_us": us(whole, on_beats, HeartbeatBatch),
         "decode_8_names_us": us(named, on_beats, HeartbeatBatch),
         "decode_8_acks_us": us(acked, on_acks, RebuildAckBatch),
+    }
+
+
+def real_host(repeats: int, seconds: float = 20.0, step_s: float = 2.0) -> dict[str, float]:
+    """A host of 8 real members beating at 10 Hz for `seconds`, 2 s steps, each at its own phase: the
+    batches their launcher's compaction makes every period, and the detector's decode and take of them."""
+    members = [f"sim-{k:05d}" for k in range(8)]
+    compaction = BeatCompaction()
+    sent: list[bytes] = []
+    whole = 0
+    for i in range(int(seconds / HEARTBEAT_BATCH_PERIOD_S)):
+        t = i * HEARTBEAT_BATCH_PERIOD_S
+        received = {}
+        for k, member in enumerate(members):
+            at = t + k * 0.0123  # each member a little off the others
+            step, into = int(at / step_s), (at % step_s) / step_s
+            received[member] = (real_beat("j", 1, member, k, 1000 + k, "host-1", step, into, step_s, 0.0, at), at)
+        batch = compaction.batch("j", 1, "l-host-1", received, t)
+        whole += len(batch.beats)
+        sent.append(encode(batch))
+    subject = "deadpool.j.launcher.heartbeats"
+
+    def detect() -> None:
+        core = DetectorCore(DetectorConfig())
+        formed(core, 0.0, ranks=tuple(members), spares=())
+        for i, data in enumerate(sent):
+            core.on_batch(decode_on(subject, data, HeartbeatBatch), i * HEARTBEAT_BATCH_PERIOD_S)
+
+    member_seconds = len(members) * seconds
+    return {
+        "detector_us_per_member_s_real_beats": 1e3 * fastest_ms(detect, repeats) / member_seconds,
+        "whole_beats_per_member_s_real": whole / member_seconds,
     }
 
 
@@ -126,16 +166,16 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    per_batch = batches(args.repeats)
+    per_batch = batches(args.repeats) | real_host(args.repeats)
     for name, value in per_batch.items():
-        print(f"{name:>36}: {value:8.1f}")
+        print(f"{name:>36}: {value:8.2f}")
     sizes = []
     for ranks in args.ranks:
         figures = at_size(ranks, args.repeats)
         for name, value in figures.items():
             print(f"{ranks:>6} ranks {name:>31}: {value:10.1f}")
         sizes.append({"ranks": ranks, **{k: round(v, 2) for k, v in figures.items()}})
-    print(json.dumps({"repeats": args.repeats, **{k: round(v, 1) for k, v in per_batch.items()}, "sizes": sizes}))
+    print(json.dumps({"repeats": args.repeats, **{k: round(v, 2) for k, v in per_batch.items()}, "sizes": sizes}))
 
 
 if __name__ == "__main__":

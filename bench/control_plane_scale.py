@@ -46,6 +46,7 @@ import nats
 from measures import cpu_seconds, percentile
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from real_beats import real_beat
 
 from deadpool.beat_compaction import HEARTBEAT_REFRESH_S, BeatCompaction
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
@@ -214,33 +215,6 @@ async def worker_main(
 
     await asyncio.gather(*(hello(m) for m in sim.values()))
 
-    def real_beat(member: SimulatedMember, started: float, started_wall: float, now: float, mono: float) -> Heartbeat:
-        """What a real member's beat says at `mono`: its step, and where in the step its training thread
-        is (forward in user code, backward in autograd and the collectives: waiting, then the optimizer)."""
-        elapsed = mono - started
-        member.step = int(elapsed / step_s)
-        into = (elapsed % step_s) / step_s
-        if into < 0.3:
-            where, waiting = f"model.py:{40 + int(into * 100)} forward", False
-        elif into < 0.85:
-            where, waiting = "train.py:88 train_step", True
-        else:
-            where, waiting = f"optim.py:{120 + int(into * 100)} step", False
-        return Heartbeat(
-            JOB,
-            member.generation,
-            member.name,
-            member.rank,
-            os.getpid(),
-            member.step,
-            True,
-            started_wall + member.step * step_s,
-            now,
-            waiting=waiting,
-            where=where,
-            host=hosts[member.name],
-        )
-
     async def beat_host_real(host: str, members: list[SimulatedMember]) -> None:
         """A launcher's batching of real members' beats, by `deadpool launch`'s own compaction."""
         await asyncio.sleep(random.random() * batch_s)
@@ -254,7 +228,13 @@ async def worker_main(
                 if member.silent_at:
                     continue
                 age = (mono - phases[member.name]) % HEARTBEAT_PERIOD_S if batch_s > HEARTBEAT_PERIOD_S else 0.0
-                beat = real_beat(member, started, started_wall, now - age, mono - age)
+                elapsed = mono - age - started
+                member.step = int(elapsed / step_s)
+                into = (elapsed % step_s) / step_s
+                beat = real_beat(
+                    JOB, member.generation, member.name, member.rank, os.getpid(), hosts[member.name],
+                    member.step, into, step_s, started_wall, now - age,
+                )  # fmt: skip
                 received[member.name] = (beat, mono - age)
                 member.last_beat = now - age
                 member.sent += max(1, round(batch_s / HEARTBEAT_PERIOD_S))  # the beats this batch stands for
