@@ -38,6 +38,7 @@ from deadpool_protocol import (
     MemberErrorCause,
     MemberHello,
     Rebuild,
+    Reserve,
     RunStart,
     StoreAddress,
     StoreStatus,
@@ -49,7 +50,14 @@ from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.events import EVENTS_STREAM
 from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
 from deadpool_protocol.messages import Failure, Heartbeat
-from deadpool_protocol.subjects import PING_INBOX, STORE_STATUS, service_inbox, store_announce
+from deadpool_protocol.subjects import (
+    PING_INBOX,
+    STORE_STATUS,
+    service_inbox,
+    store_announce,
+    store_replicate,
+    store_reserve,
+)
 from deadpool_runtime.credentials import (
     dataplane_key_file,
     job_nkey_path,
@@ -75,6 +83,7 @@ SQUATTED_RUN = RunStart("another-job", 0, "squatter", 1, "squatter", time.time()
 FORGED_ERROR = MemberError("another-job", 1, "victim-0", 0, "forged", time.time(), MemberErrorCause.USER_CODE)
 """One of these once ended any job: the detector copied the cause into its verdict."""
 FORGED_DONE = MemberDone("another-job", 1, "victim-0", 0, 5)
+FORGED_RESERVE = Reserve(JOB, 1, "store-0", [0], [1 << 40])  # a store told to fault in a TiB
 FORGED_EXIT = ChildExit("another-job", 1, "launcher-b", "victim-0", 1234, -9, time.time())
 
 
@@ -141,6 +150,8 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", OTHER.child_exit, encode(FORGED_EXIT)),
     ("job", OTHER.heartbeat_batch, b"forged"),
     ("job", OTHER.rebuild_ack, b"forged"),
+    ("job", store_reserve("store-0"), encode(FORGED_RESERVE)),
+    ("job", store_replicate("store-0"), b"forged"),
     ("swapper", S.failure, encode(FORGED_FAILURE)),
     ("swapper", store_announce("store-0"), b"forged"),
     ("swapper", S.snapshot_complete_by("store-0"), b"forged"),
@@ -150,8 +161,10 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("store", store_announce("store-1"), b"forged"),  # another store's name
     ("store", S.snapshot_complete_by("store-1"), b"forged"),  # another store's copies
     ("store", S.hello, b"forged"),
+    ("store", store_reserve("store-1"), encode(FORGED_RESERVE)),
     ("detector", S.rebuild, encode(FORGED_REBUILD)),
     ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
+    ("detector", store_reserve("store-0"), encode(FORGED_RESERVE)),
     ("detector", f"$JS.API.STREAM.PURGE.KV_{JOBS_BUCKET}", b"{}"),  # once purged a running job's record
     ("detector", f"$JS.API.STREAM.DELETE.{EVENTS_STREAM}", b""),
     ("detector", f"$JS.API.STREAM.MSG.DELETE.KV_{JOBS_BUCKET}", b"{}"),

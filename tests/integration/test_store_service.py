@@ -15,6 +15,7 @@ from deadpool_cli.nats_server import free_port
 from deadpool_protocol import (
     Commit,
     JobFinished,
+    Reserve,
     SnapshotComplete,
     StoreAddress,
     StoreStatus,
@@ -23,7 +24,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.dataplane import FRAME_LENGTH, PutChunk, Reply, Seal, decode_frame_header, encode_frame
-from deadpool_protocol.subjects import STORE_STATUS
+from deadpool_protocol.subjects import STORE_STATUS, store_reserve
 
 from .conftest import SpawnService
 
@@ -231,3 +232,38 @@ async def test_a_store_serves_its_memory_metrics_on_a_prometheus_endpoint(
     capacity = [line for line in text.splitlines() if line.startswith("deadpool_store_memory_capacity_bytes{")]
     assert capacity and 'store="s0"' in capacity[0] and float(capacity[0].rsplit(" ", 1)[1]) == 64 * 1024 * 1024
     assert any(line.startswith("deadpool_store_memory_used_bytes{") for line in text.splitlines()), text[:2000]
+
+
+async def test_a_rank_placed_on_a_store_is_reserved_there_and_its_first_upload_lands_in_a_faulted_in_buffer(
+    nc: Client, spawn_service: SpawnService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swapper's `Reserve` (sent twice: one reservation) has the store fault in the rank's buffers
+    before it uploads: its first upload takes one of them from the pool instead of fresh memory."""
+    port = free_port()
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "prometheus")
+    monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", str(port))
+    address = await start_store(nc, spawn_service)
+    nbytes = 4 * 1024 * 1024
+
+    def gauge(name: str) -> float:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+            lines = answer.read().decode().splitlines()
+        (line,) = [line for line in lines if line.startswith(f"deadpool_store_memory_{name}_bytes{{")]
+        return float(line.rsplit(" ", 1)[1])
+
+    for _ in range(2):
+        await nc.publish(store_reserve("s0"), encode(Reserve("j", 1, "s0", [3], [nbytes])))
+    await nc.flush()
+    deadline = asyncio.get_running_loop().time() + 30
+    while await asyncio.to_thread(gauge, "pooled") < 3 * nbytes:  # faulted in on the store's own thread
+        assert asyncio.get_running_loop().time() < deadline, "the reserved buffers were not faulted in"
+        await asyncio.sleep(0.1)
+
+    def upload() -> None:
+        conn = StoreConnection(address)
+        conn.upload(UploadKey("j", 1, 3, "member-a", 7), memoryview(os.urandom(nbytes)), 1024 * 1024, b"m", never)
+        conn.close()
+
+    await asyncio.to_thread(upload)
+    assert await asyncio.to_thread(gauge, "used") == nbytes
+    assert await asyncio.to_thread(gauge, "pooled") == 2 * nbytes, "the upload took a reserved buffer"

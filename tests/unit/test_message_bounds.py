@@ -43,6 +43,7 @@ from deadpool_protocol import (
     RebuildAckBatch,
     RebuildMarks,
     Replicate,
+    Reserve,
     RestoreSource,
     RunReply,
     RunStart,
@@ -105,6 +106,7 @@ EXAMPLES: list[Message] = [
     Rebuild("j", 2, 2, ["m0", "m1"], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], [["s0"], ["s0"]], "j-1", 12.5),
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),
+    Reserve("j", 2, "s1", [0, 3], [1024, 1024]),
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
     RebuildAckBatch(
         "j", 2, "l0", [RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0)]

@@ -20,6 +20,7 @@ from deadpool_protocol import (
     RebuildAck,
     RebuildMarks,
     Replicate,
+    Reserve,
     RestoreSource,
     SnapshotComplete,
     StoreStatus,
@@ -101,6 +102,37 @@ def test_a_lost_store_gets_a_new_placement_and_its_committed_copies_are_made_aga
     assert complete(core, 5, placement, 3.1) == []
     (resumed,) = complete(core, 6, new.placement, 3.2)
     assert resumed.step == 6 and core.jobs["j"].placement_confirmed
+
+
+def test_a_store_given_ranks_of_known_size_by_a_new_placement_is_told_so_to_fault_in_their_buffers() -> None:
+    """After a loss each store that gets a rank it did not hold is sent that rank's size (`Reserve`),
+    once per placement, and a rebuild that keeps every rank where it was reserves nothing."""
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.5)
+    lost = formation.placement[0][0]
+    survivors = tuple(s for s in STORES if s != lost)
+    announce(core, 1.6, survivors)
+    decision = core.tick(1.6)
+    (new,) = published(decision, Placement)
+    gained = {
+        (store, rank)
+        for rank, names in enumerate(new.placement)
+        for store in names
+        if store not in formation.placement[rank]
+    }
+    reservations = published(decision, Reserve)
+    reserved = {(r.store, rank): n for r in reservations for rank, n in zip(r.ranks, r.nbytes, strict=True)}
+    assert gained and set(reserved) == gained, (reserved, gained)
+    assert set(reserved.values()) == {1000}, "each rank's size, from its snapshots' reports"
+    announce(core, 2.0, survivors)
+    assert published(core.tick(2.0), Reserve) == [], "the placement sent again reserves nothing again"
+    failure = Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 2.1, 2.11)
+    core.on_hello(MemberHello("j", 0, "s9", "h9", 100, "l-h9", -1, W, "127.0.0.1", 4000, 2.0), 2.0)
+    core.on_failure(failure, 2.11)
+    announce(core, 3.0, survivors)
+    rebuilds = core.tick(3.0)
+    (rebuild,) = published(rebuilds, Rebuild)
+    assert rebuild.placement == new.placement and published(rebuilds, Reserve) == []
 
 
 def test_the_new_placement_is_sent_again_until_a_step_commits_under_it() -> None:

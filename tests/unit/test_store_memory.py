@@ -294,6 +294,22 @@ def test_a_ranks_first_upload_asks_for_its_next_steps_buffers_and_they_are_reuse
     assert memory.prefault_wanted() == [10, 10], "a new run of the job asks again"
 
 
+def test_a_rank_placed_here_of_known_size_wants_its_first_uploads_buffer_too_once_and_within_the_capacity() -> None:
+    """The swapper's `Reserve`: the buffers are wanted before the rank's first upload here, its own
+    included, so that upload lands in warm memory; sent again, or followed by the upload, nothing more."""
+    memory = SnapshotMemory(capacity_bytes=35, keep_committed=2)
+    assert memory.reserve("j", 0, 10)
+    assert memory.prefault_wanted() == [10, 10, 10], "the first upload's buffer and the two a rank holds after"
+    assert not memory.reserve("j", 0, 10) and memory.prefault_wanted() == [], "a reservation sent again"
+    faulted = [mmap.mmap(-1, 10) for _ in range(3)]
+    assert all(memory.offer_pooled(buffer) for buffer in faulted)
+    upload(memory, 1, b"0123456789")
+    assert memory.prefault_wanted() == [], "the reserved rank's upload asks for nothing more"
+    assert memory.get("j", 0, 1).data in faulted, "its first upload here lands in a faulted-in buffer"
+    assert not memory.reserve("j", 1, 36) and memory.prefault_wanted() == [], "a size that can never fit"
+    assert not memory.reserve("j", 1, 0), "a size of nothing"
+
+
 def test_a_rank_whose_snapshots_grow_asks_again_for_the_new_size() -> None:
     memory = SnapshotMemory(capacity_bytes=1000, keep_committed=2)
     upload(memory, 0, b"0123")  # the formation's: parameters only

@@ -73,6 +73,7 @@ _PING = "$SRV.PING.>"
 """A service's own health check (`deadpool ping`) pings it with the service's credentials."""
 _FENCE = f"{PREFIX}.*.launcher.*.fence"
 _REPLICATE = f"{PREFIX}.store.*.replicate"
+_RESERVE = f"{PREFIX}.store.*.reserve"
 
 PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "admin": {"publish": [">"], "subscribe": [">"]},
@@ -86,6 +87,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
             _ANY.incident,
             _FENCE,
             _REPLICATE,
+            _RESERVE,
             *_JS_READ,
             *_JS_OWNER,
             _PING,

@@ -45,6 +45,7 @@ from deadpool_protocol.messages import (
     RebuildAck,
     RebuildAckBatch,
     Replicate,
+    Reserve,
     RunReply,
     RunStart,
     SnapshotComplete,
@@ -94,6 +95,7 @@ _KINDS: dict[str, type[Message]] = {
         RebuildAckBatch,
         Placement,
         Replicate,
+        Reserve,
         RunStart,
         RunReply,
         FenceRequest,
@@ -225,7 +227,7 @@ and the one kind of message taken there (`Subjects`)."""
 SUBJECTS_KNOWN_MAX = 4096
 """Subjects whose kind is remembered: a detector reads every job's batches on one subject per job,
 and parsed each one's subject again (a twentieth of its CPU at 4,096 members)."""
-_STORE_SUBJECT_KINDS = (("announce", "store_status"), ("replicate", "replicate"))
+_STORE_SUBJECT_KINDS = (("announce", "store_status"), ("replicate", "replicate"), ("reserve", "reserve"))
 """Each of a store's subjects (after `deadpool.store.<store>.`) and its one kind."""
 
 

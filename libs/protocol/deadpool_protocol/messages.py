@@ -82,6 +82,7 @@ __all__ = [
     "RebuildMarks",
     "RebuildState",
     "Replicate",
+    "Reserve",
     "RestoreSource",
     "RunReply",
     "RunStart",
@@ -730,6 +731,29 @@ class Placement(JobMessage):
         _need(self.generation >= 1, "a placement belongs to a generation that was announced")
         _need(self.version >= 1, "a placement after the rebuild's has version 1 or later")
         _check_placement(self.stores, self.placement, len(self.placement))
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve(JobMessage):
+    """The swapper placed these ranks' snapshots on `store`, each `nbytes[i]` long: the store faults in
+    the buffers their uploads will take now, not at their first upload (a GB of memory the host never
+    touched costs seconds to fault in). Sent when a placement moves ranks of known size to a store
+    (after a store is lost or returns, in a rebuild); the first placement knows no sizes. A store
+    takes a rank's reservation once (at its size): a message sent again changes nothing."""
+
+    KIND: ClassVar[str] = "reserve"
+    store: Name
+    ranks: Sealed
+    nbytes: Sealed
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.store, "store")
+        _need(len(self.ranks) > 0, "a reservation names a rank")
+        _need(len(self.ranks) == len(self.nbytes), "a reservation gives one size per rank")
+        _need(min(self.ranks) >= 0, "a snapshot belongs to a rank")
+        _need(min(self.nbytes) > 0, "a reserved snapshot has bytes")
+        _need(len(set(self.ranks)) == len(self.ranks), "a reservation names a rank once")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ __all__ = [
     "service_inbox",
     "store_announce",
     "store_replicate",
+    "store_reserve",
 ]
 
 PREFIX = "deadpool"
@@ -54,6 +55,11 @@ def service_inbox(role: str, instance: str = "") -> str:
 def store_replicate(store: str) -> str:
     """Where the swapper asks one store to copy a snapshot to another (`Replicate`)."""
     return f"{PREFIX}.store.{require_name(store, 'store')}.replicate"
+
+
+def store_reserve(store: str) -> str:
+    """Where the swapper tells a store which ranks' snapshots it placed there, and their sizes (`Reserve`)."""
+    return f"{PREFIX}.store.{require_name(store, 'store')}.reserve"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ What each part measures:
 - the swapper: `deadpool.recoveries` (by reason), `deadpool.recovery.downtime` (s, fault to every
   rank's first step), `deadpool.job.committed_step`, `deadpool.job.commit_lag` (steps stored past the
   committed one), `deadpool.job.spares_free`;
-- stores: `deadpool.store.memory.used` and `deadpool.store.memory.capacity` (bytes).
+- stores: `deadpool.store.memory.used`, `deadpool.store.memory.capacity` and
+  `deadpool.store.memory.pooled` (bytes: buffers faulted in for the next uploads).
 """
 
 from __future__ import annotations

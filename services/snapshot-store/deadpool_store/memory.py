@@ -32,7 +32,9 @@ never reused. When a rank first uploads a snapshot of a size here, the buffers i
 need (`keep_committed` more: a store holds that many committed steps and one in flight) are wanted
 in the pool at once
 (`prefault_wanted`): the store faults them in on a thread beside the upload (`offer_pooled`), so that only a
-rank's first snapshot here pays for fresh memory, not its first three.
+rank's first snapshot here pays for fresh memory, not its first three. When the swapper places a rank of
+known size here (`Reserve`: a store lost or back, a rebuild), its buffers, the first upload's included,
+are wanted then (`reserve`), and its first snapshot here lands in warm memory too.
 """
 
 from __future__ import annotations
@@ -369,14 +371,29 @@ class SnapshotMemory:
         )
         self.unfilled_bytes += snap.unfilled
         self._snapshots[key] = snap
-        seen = (chunk.job, chunk.rank, chunk.total_bytes)
-        if seen not in self._ranks_seen:
-            if len(self._ranks_seen) >= RANKS_SEEN_MAX:
-                self._ranks_seen.clear()  # at worst some rank's buffers are asked for once more
-            self._ranks_seen.add(seen)
-            if len(self._prefault) < PREFAULT_QUEUE_MAX:
-                self._prefault += [chunk.total_bytes] * self.keep_committed
+        self._want_buffers(chunk.job, chunk.rank, chunk.total_bytes, self.keep_committed)
         return snap
+
+    def reserve(self, job: str, rank: int, nbytes: int) -> bool:
+        """The swapper placed `rank`'s snapshots of `nbytes` here: want the buffers its uploads will take
+        (its next upload's and the committed steps' kept) before it uploads. Once per rank and size
+        (a reservation sent again, or one for a rank already uploading here, wants nothing more); a
+        size that can never fit is refused. Whether buffers were wanted."""
+        if not 0 < nbytes <= self.capacity_bytes:
+            return False
+        return self._want_buffers(job, rank, nbytes, self.keep_committed + 1)
+
+    def _want_buffers(self, job: str, rank: int, nbytes: int, count: int) -> bool:
+        seen = (job, rank, nbytes)
+        if seen in self._ranks_seen:
+            return False
+        if len(self._ranks_seen) >= RANKS_SEEN_MAX:
+            self._ranks_seen.clear()  # at worst some rank's buffers are asked for once more
+        self._ranks_seen.add(seen)
+        if len(self._prefault) >= PREFAULT_QUEUE_MAX:
+            return False
+        self._prefault += [nbytes] * count
+        return True
 
     def prefault_wanted(self) -> list[int]:
         """The buffer sizes to fault in for the pool (each once: the list is handed over and emptied)."""

@@ -27,9 +27,9 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, StoreStatus, Subjects
+from deadpool_protocol import Commit, JobFinished, ProtocolError, Replicate, Reserve, StoreStatus, Subjects
 from deadpool_protocol.codec import to_fields
-from deadpool_protocol.subjects import STORE_STATUS, service_inbox, store_announce, store_replicate
+from deadpool_protocol.subjects import STORE_STATUS, service_inbox, store_announce, store_replicate, store_reserve
 from deadpool_runtime import EventPublisher, publish, run_nats_service, stopped_within, subscribe_validated, tls
 from deadpool_runtime.host import host_name
 from deadpool_runtime.log_limit import RefusalLog
@@ -106,6 +106,12 @@ class StoreService:
             "snapshot bytes allowed",
             lambda: [(self.memory.capacity_bytes, store)],
         )
+        self.metrics.gauge(
+            "deadpool.store.memory.pooled",
+            "By",
+            "faulted-in buffers kept for the next uploads",
+            lambda: [(self.memory.pooled_bytes, store)],
+        )
         self.directory = StoreDirectory(config.store_id)
         """The other stores, as they announce themselves: where a chained upload goes next."""
         self.server = DataPlaneServer(
@@ -174,6 +180,19 @@ class StoreService:
         self._replicating[key] = task
         task.add_done_callback(lambda _: self._replicating.pop(key, None))
 
+    async def _on_reserve(self, reservation: Reserve, _msg: Msg) -> None:
+        if reservation.store != self.config.store_id:
+            self.log.warning("reservation for another store ignored", job=reservation.job, store=reservation.store)
+            return
+        wanted = [
+            rank
+            for rank, nbytes in zip(reservation.ranks, reservation.nbytes, strict=True)
+            if self.memory.reserve(reservation.job, rank, nbytes)
+        ]
+        if wanted:
+            self.log.info("buffers reserved for ranks placed here", job=reservation.job, ranks=len(wanted))
+            self.server.prefault()
+
     async def _replicate(self, snap: StoredSnapshot, request: Replicate) -> None:
         started = time.monotonic()
         where = {"job": request.job, "rank": request.rank, "step": request.step, "target": request.target.store}
@@ -200,6 +219,8 @@ class StoreService:
         await subscribe_validated(self.nc, Subjects.any_job().finished, JobFinished, self._on_finished, self.log)
         replicate = store_replicate(self.config.store_id)
         await subscribe_validated(self.nc, replicate, Replicate, self._on_replicate, self.log)
+        reserve = store_reserve(self.config.store_id)
+        await subscribe_validated(self.nc, reserve, Reserve, self._on_reserve, self.log)
         service = await add_service(
             self.nc,
             name="deadpool-store",
