@@ -733,6 +733,15 @@ class Placement(JobMessage):
         _check_placement(self.stores, self.placement, len(self.placement))
 
 
+def _check_rank_sizes(ranks: list[int], nbytes: list[int], what: str, least_bytes: int) -> None:
+    """Ranks each named once, with a snapshot size each (a store's report, a reservation)."""
+    _need(len(ranks) > 0, f"a {what} names a rank")
+    _need(len(ranks) == len(nbytes), f"a {what} gives one size per rank")
+    _need(min(ranks) >= 0, "a snapshot belongs to a rank")
+    _need(min(nbytes) >= least_bytes, f"a snapshot size below {least_bytes} bytes")
+    _need(len(set(ranks)) == len(ranks), f"a {what} names a rank once")
+
+
 @dataclass(frozen=True, slots=True)
 class Reserve(JobMessage):
     """The swapper placed these ranks' snapshots on `store`, each `nbytes[i]` long: the store faults in
@@ -749,11 +758,7 @@ class Reserve(JobMessage):
     def check(self) -> None:
         JobMessage.check(self)
         _need_name(self.store, "store")
-        _need(len(self.ranks) > 0, "a reservation names a rank")
-        _need(len(self.ranks) == len(self.nbytes), "a reservation gives one size per rank")
-        _need(min(self.ranks) >= 0, "a snapshot belongs to a rank")
-        _need(min(self.nbytes) > 0, "a reserved snapshot has bytes")
-        _need(len(set(self.ranks)) == len(self.ranks), "a reservation names a rank once")
+        _check_rank_sizes(self.ranks, self.nbytes, "reservation", least_bytes=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -881,11 +886,7 @@ class SnapshotComplete(JobMessage):
         JobMessage.check(self)
         _need_name(self.store, "store")
         _need(self.step >= 0, "a snapshot has a step")
-        _need(len(self.ranks) > 0, "a report names a rank")
-        _need(len(self.ranks) == len(self.nbytes), "a report gives one size per rank")
-        _need(min(self.ranks) >= 0, "a snapshot belongs to a rank")
-        _need(min(self.nbytes) >= 0, "nbytes is negative")
-        _need(len(set(self.ranks)) == len(self.ranks), "a report names a rank once")
+        _check_rank_sizes(self.ranks, self.nbytes, "report", least_bytes=0)
 
 
 @dataclass(frozen=True, slots=True)
