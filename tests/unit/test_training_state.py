@@ -42,6 +42,17 @@ def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> tu
     return snapshot_now(model, optimizer, step, extra={"epoch": 1})
 
 
+def assert_train_on_alike(
+    model: nn.Module, optimizer: torch.optim.Optimizer, twin: nn.Module, twin_opt: torch.optim.Optimizer
+) -> None:
+    """Two more steps on the same inputs leave both with equal state, bit for bit."""
+    for m, o in ((model, optimizer), (twin, twin_opt)):
+        torch.manual_seed(7)
+        train(m, o, steps=2)
+    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_layout_aligns_every_tensor_and_survives_the_manifest() -> None:
     layout = plan_layout(
         [("a", torch.zeros(3)), ("b", torch.zeros(2, 5, dtype=torch.bfloat16)), ("c", torch.zeros(()))]
@@ -94,12 +105,7 @@ def test_a_survivor_rolled_back_reuses_its_state_tensors_and_goes_on_exactly_lik
     assert now == held, "every state tensor is the one held before, the snapshot's values copied into it"
     for state, twin_state in zip(optimizer.state.values(), twin_opt.state.values(), strict=True):
         assert all(torch.equal(state[k], twin_state[k]) for k in twin_state)
-    torch.manual_seed(7)
-    train(model, optimizer, steps=2)
-    torch.manual_seed(7)
-    train(twin, twin_opt, steps=2)
-    for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+    assert_train_on_alike(model, optimizer, twin, twin_opt)
 
 
 def test_a_fused_optimizer_restored_continues_exactly_like_the_original() -> None:
@@ -112,12 +118,7 @@ def test_a_fused_optimizer_restored_continues_exactly_like_the_original() -> Non
     replica_opt = torch.optim.AdamW(replica.parameters(), lr=1e-2, fused=True)
     load_module(replica, [buffer])
     load_optimizer(replica, replica_opt, [buffer], meta.decode_tree(buffer))
-    torch.manual_seed(7)
-    train(original, original_opt, steps=2)
-    torch.manual_seed(7)
-    train(replica, replica_opt, steps=2)
-    for a, b in zip(original.state_dict().values(), replica.state_dict().values(), strict=True):
-        assert torch.equal(a, b)
+    assert_train_on_alike(original, original_opt, replica, replica_opt)
 
 
 def test_restored_optimizer_state_goes_where_torch_puts_it() -> None:
