@@ -95,7 +95,11 @@ async def run_trial(
             expected = 2
         else:
             fault = INJECTED[kind]
-            kill = await asyncio.wait_for(inject_fault_mid_step(watch, 2, args.fault_step, fault), TRIAL_TIMEOUT_S)
+            injected = inject_fault_mid_step(watch, 2, args.fault_step, args.steps, fault)
+            injected_kill = await asyncio.wait_for(injected, TRIAL_TIMEOUT_S)
+            if injected_kill is None:
+                raise RuntimeError(f"rank 2 was first seen past step {args.fault_step} in its last step: no fault")
+            kill = injected_kill
             expected = 1
         await asyncio.wait_for(watch.wait_for(lambda: len(watch.incidents) >= expected), TRIAL_TIMEOUT_S)
         returncode = await asyncio.wait_for(keeper.wait(), TRIAL_TIMEOUT_S)

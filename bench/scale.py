@@ -180,7 +180,7 @@ async def run_round(
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT, env=env)
     killer = None
     if swap:
-        killer = asyncio.create_task(inject_fault_mid_step(watch, 1, args.steps - 3, "kill"))
+        killer = asyncio.create_task(inject_fault_mid_step(watch, 1, args.steps - 3, args.steps, "kill"))
     try:
         returncode = await asyncio.wait_for(launcher.wait(), timeout_s)
     except TimeoutError:

@@ -56,7 +56,9 @@ def test_a_killed_rank_is_replaced_and_training_ends_bit_identical(tmp_path: Pat
     marker = f"DEADPOOL_TEST_MARK={uuid.uuid4().hex}"
     # --no-host-copy: the spare restores from a store (a lost host's path), whose span the trace must hold;
     # the crash copy's path is tests/integration/test_host_copy.py's.
-    args = ["--model-size", "tiny", "--steps", "10", "--kill-step", "4", "--kill-rank", "2", "--no-host-copy"]
+    # 24 steps of ~70 ms: the demo sees a rank's step only in its launcher's beats, every quarter second
+    # (several steps here, more on a loaded machine); it needs steps left after it sees the kill step.
+    args = ["--model-size", "tiny", "--steps", "24", "--kill-step", "4", "--kill-rank", "2", "--no-host-copy"]
     with OtlpReceiver() as receiver:
         env = {
             **os.environ,

@@ -225,7 +225,9 @@ def test_with_tls_on_a_killed_rank_restores_from_a_store_and_training_ends_bit_i
 ) -> None:
     """`deadpool demo` with the setting in its environment: every process it starts inherits it (the
     NATS server, the services, the launcher and its members, the stores' data plane)."""
-    args = ["--model-size", "tiny", "--steps", "8", "--kill-step", "3", "--kill-rank", "1", "--no-host-copy"]
+    # 24 steps of ~70 ms: the demo sees a rank's step only in its launcher's beats, every quarter second
+    # (several steps here, more on a loaded machine); it needs steps left after it sees the kill step.
+    args = ["--model-size", "tiny", "--steps", "24", "--kill-step", "3", "--kill-rank", "1", "--no-host-copy"]
     run = DemoRun(tmp_path, args, env={**os.environ, TLS_ENV: str(tls_files.directory)})
     context = run.context()
     assert run.result.returncode == 0, context

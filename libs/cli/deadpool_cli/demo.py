@@ -158,18 +158,24 @@ class RunResult:
     """The longest snapshot interval K a rank's heartbeat named: a lost host would have lost at most 2K-1."""
 
 
-async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, fault: str = "kill") -> Kill:
-    """Inject `fault` into the process holding `rank` half-way through step `step` (it has completed step-1)."""
+async def inject_fault_mid_step(watch: JobWatch, rank: int, step: int, steps: int, fault: str = "kill") -> Kill | None:
+    """Inject `fault` into the process holding `rank` half-way through step `step` (it has completed
+    step-1), or the first step after it that the watch sees: the launcher batches beats every quarter
+    second, which is several steps of a tiny model. None when the holder is first seen in the run's last
+    step (of `steps`) or past it: a fault there races the run's end (the rank may already have said it
+    is done, and the code after the loop is its own), which is not the mid-run fault asked for."""
 
     def reached() -> bool:
         member = watch.holder_of(rank)
         view = watch.members.get(member or "")
-        return view is not None and view.step >= step - 1 and view.in_step
+        return view is not None and (view.step >= steps - 1 or (view.step >= step - 1 and view.in_step))
 
     await watch.wait_for(reached)
     member = watch.holder_of(rank)
     assert member is not None
     view = watch.members[member]
+    if view.step >= steps - 1:
+        return None
     target = view.step_started_t + KILL_AT_FRACTION_OF_STEP * watch.median_step_s(member)
     await asyncio.sleep(max(0.0, target - time.time()))
     os.kill(view.pid, FAULT_SIGNALS[fault])
@@ -202,7 +208,9 @@ async def _train(
         }
         launcher = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=asyncio.subprocess.STDOUT, env=env)
     killer = (
-        asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.fault)) if kill else None
+        asyncio.create_task(inject_fault_mid_step(watch, cfg.kill_rank, cfg.kill_step, cfg.steps, cfg.fault))
+        if kill
+        else None
     )
     stuck: list[str] = []
     try:
@@ -326,6 +334,11 @@ def _print_summary(report: dict[str, Any]) -> None:
         w(
             f"  injected '{kill['fault']}' into rank {kill['rank']} (pid {kill['pid']}) during step {kill['step']}, "
             f"{kill['at_s']:.1f} s into the run"
+        )
+    else:
+        w(
+            f"  no fault injected: rank {cfg['kill_rank']} was first seen at or after step {cfg['kill_step']} "
+            f"only in its last step (more steps, or an earlier --kill-step, leave the watch time to see it)"
         )
     for inc in report["incidents"]:
         if inc["replacement"] == inc["member"]:
