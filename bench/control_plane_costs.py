@@ -43,7 +43,8 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
-from deadpool_swapper.core import JobState, PendingRebuild
+from deadpool_swapper.core import JobState
+from deadpool_swapper.job_parts import PendingRebuild
 from deadpool_swapper.job_records import JobRecords, SectionMemo
 from deadpool_swapper.placement import StoreInfo, place_snapshots
 from tests.integration.test_job_record_sections import STORES, commit, large_job
@@ -112,9 +113,10 @@ def real_host(repeats: int, seconds: float = 20.0, step_s: float = 2.0) -> dict[
 
 def rebuild_of(state: JobState) -> Rebuild:
     addresses = [StoreAddress(name, "10.0.0.1", 7000 + s) for s, name in enumerate(STORES)]
+    who = state.membership
     return Rebuild(
-        "big", state.generation + 1, state.world_size, list(state.ranks), list(state.spares), state.ranks[0],
-        "10.0.0.1", 29_500, state.committed_step, addresses, state.placement, "", time.time(),
+        "big", state.generation + 1, who.world_size, list(who.ranks), list(who.spares), who.ranks[0],
+        "10.0.0.1", 29_500, state.ledger.committed_step, addresses, state.stores.placement, "", time.time(),
     )  # fmt: skip
 
 
@@ -123,8 +125,8 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
     rebuild = rebuild_of(state)
     data = encode(rebuild)
     addresses = [StoreInfo(name, "10.0.0.1", 7000 + s, 0.0, node=f"host-{s}") for s, name in enumerate(STORES)]
-    swapped = list(state.ranks)
-    swapped[100] = state.spares[0]
+    swapped = list(state.membership.ranks)
+    swapped[100] = state.membership.spares[0]
     records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
     stored = records._encode("big", state, 100.0, {}, SectionMemo())
 
@@ -140,7 +142,7 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         return work
 
     def a_commit(state: JobState) -> None:
-        commit(state, state.committed_step + 1)
+        commit(state, state.ledger.committed_step + 1)
 
     def nothing(_state: JobState) -> None:
         """An ack or a store report changes none of the large fields."""
@@ -150,12 +152,13 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "decode_rebuild_ms": fastest_ms(lambda: decode(data, Rebuild, 1 << 25), repeats),
         "encode_rebuild_ms": fastest_ms(lambda: encode(rebuild), repeats),
         "place_after_a_swap_ms": fastest_ms(
-            lambda: place_snapshots(swapped, state.members, addresses, 2, previous=state.placement), repeats
+            lambda: place_snapshots(swapped, state.membership.members, addresses, 2, previous=state.stores.placement),
+            repeats,
         ),
         "save_at_a_commit_ms": fastest_ms(save_after(a_commit, SectionMemo()), repeats),
         "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
-    state.pending = PendingRebuild(rebuild, 100.0)
+    state.recovery.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
     figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
     return figures

@@ -16,6 +16,7 @@ from deadpool_protocol.job_record import JOBS_BUCKET, PART_SEPARATOR, RECORD_PAR
 from deadpool_runtime.job_record_kv import read_record
 from deadpool_runtime.logs import get_logger
 from deadpool_swapper.core import JobState
+from deadpool_swapper.job_parts import Membership, Recovery
 from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.placement import MemberInfo
 from deadpool_swapper.restore_chain import CommittedCopies
@@ -38,25 +39,29 @@ def large_job(ranks: int = RANKS) -> JobState:
     committed (also `bench/control_plane_costs.py`'s job)."""
     members = [member(i, ranks) for i in range(ranks + SPARES)]
     placement = [[STORES[r % 32], STORES[(r + 1) % 32]] for r in range(ranks)]
-    state = JobState("big", world_size=ranks, run="run-1", generation=3, formed=True)
-    state.members = {m.member: m for m in members}
-    state.ranks = [m.member for m in members[:ranks]]
-    state.spares = [m.member for m in members[ranks:]]
-    state.placement = placement
-    state.rank_bytes = dict.fromkeys(range(ranks), 1_650_000_000)
-    state.committed_step, state.committed_generation = 40, 3
-    state.committed_holders = {r: set(placement[r]) for r in range(ranks)}
-    state.previous_committed = CommittedCopies(39, 3, {r: set(placement[r]) for r in range(ranks)})
+    state = JobState(
+        "big", run="run-1", generation=3, membership=Membership(world_size=ranks), recovery=Recovery(formed=True)
+    )
+    state.membership.members = {m.member: m for m in members}
+    state.membership.ranks = [m.member for m in members[:ranks]]
+    state.membership.spares = [m.member for m in members[ranks:]]
+    state.stores.placement = placement
+    state.ledger.rank_bytes = dict.fromkeys(range(ranks), 1_650_000_000)
+    state.ledger.committed_step, state.ledger.committed_generation = 40, 3
+    state.ledger.committed_holders = {r: set(placement[r]) for r in range(ranks)}
+    state.ledger.previous_committed = CommittedCopies(39, 3, {r: set(placement[r]) for r in range(ranks)})
     return state
 
 
 def commit(state: JobState, step: int) -> None:
     """What the swapper's commit changes: the step, the previous one, the holders (made afresh, in
     the order the stores' reports came, not rank order)."""
-    state.previous_committed = state.committed_copies()
-    state.committed_step = step
-    state.committed_holders = {r: set(reversed(state.placement[r])) for r in reversed(range(state.world_size))}
-    state.applied_seq += 64
+    state.ledger.previous_committed = state.ledger.committed_copies()
+    state.ledger.committed_step = step
+    state.ledger.committed_holders = {
+        r: set(reversed(state.stores.placement[r])) for r in reversed(range(state.membership.world_size))
+    }
+    state.position.applied_seq += 64
 
 
 async def fields_written(records: JobRecords) -> set[str]:
@@ -86,19 +91,25 @@ async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membershi
     assert records.written[0][1] <= HEAD_BYTES_MAX
 
     joined = member(RANKS + SPARES)
-    state.members[joined.member] = joined
-    state.spares.append(joined.member)
+    state.membership.members[joined.member] = joined
+    state.membership.spares.append(joined.member)
     await records.save(state, now + 3.0)
     assert await fields_written(records) == {"hosts", "member_rows", "spares"}  # not the placement, nor the ranks
 
     loaded = await JobRecords(records.kv, get_logger()).load("big", now + 10.0)
     assert loaded is not None
-    assert (loaded.committed_step, loaded.previous_committed.step) == (41, 40)
-    assert loaded.placement == state.placement and loaded.committed_holders == state.committed_holders
-    assert loaded.members.keys() == state.members.keys() and loaded.spares == state.spares
+    assert (loaded.ledger.committed_step, loaded.ledger.previous_committed.step) == (41, 40)
+    assert (
+        loaded.stores.placement == state.stores.placement
+        and loaded.ledger.committed_holders == state.ledger.committed_holders
+    )
+    assert (
+        loaded.membership.members.keys() == state.membership.members.keys()
+        and loaded.membership.spares == state.membership.spares
+    )
     kv = await js.key_value(JOBS_BUCKET)
     stored = await read_record(kv, "big", 5.0)  # as a detector reads it
     assert stored is not None
     summary, _ = unpack_record(stored.record)
-    assert summary.ranks == state.ranks and summary.hosts[joined.member] == joined.host
+    assert summary.ranks == state.membership.ranks and summary.hosts[joined.member] == joined.host
     assert set(await kv.keys()) == {"big", *stored.part_keys}, "the parts no head names are gone"

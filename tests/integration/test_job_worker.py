@@ -71,7 +71,7 @@ def formed(core: SwapperCore, now: float) -> Rebuild:
     for rank, member in enumerate(formation.ranks):
         marks = RebuildMarks(received=0.0, ready=0.0)
         core.on_ack(RebuildAck(JOB, 1, member, rank, -1, -1, RestoreSource.FRESH, marks, 0.0), now)
-    assert core.jobs[JOB].formed and core.jobs[JOB].pending is None
+    assert core.jobs[JOB].recovery.formed and core.jobs[JOB].recovery.pending is None
     return formation
 
 
@@ -97,7 +97,9 @@ async def test_a_worker_reads_every_event_in_order_with_deadlines_past_and_rules
     worker = JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, await stream_position(nc))
     worker.start()
     try:
-        await until(lambda: core.jobs[JOB].unprotected_since is not None, "the job is known to be unprotected")
+        await until(
+            lambda: core.jobs[JOB].protection.unprotected_since is not None, "the job is known to be unprotected"
+        )
         ticks_before = core.ticks
         await asyncio.sleep(1.0)  # nothing arrives: the worker must sleep, not spin
         assert core.ticks - ticks_before <= 3, f"{core.ticks - ticks_before} ticks in 1 s with nothing to do"
@@ -147,9 +149,9 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
     formed(first, time.monotonic())
     old_leader = JobWorker(JOB, first, records, nc, log, publish, fence, lambda: True, await stream_position(nc))
     old_leader.start()
-    await until(lambda: first.jobs[JOB].stream_id != "", "the job's state placed in the stream")
+    await until(lambda: first.jobs[JOB].position.stream_id != "", "the job's state placed in the stream")
     await old_leader.stop()
-    assert first.jobs[JOB].applied_seq == 0  # position 0 of the still empty stream
+    assert first.jobs[JOB].position.applied_seq == 0  # position 0 of the still empty stream
     await records.save(first.jobs[JOB], time.monotonic())
 
     failure = Failure(JOB, 1, "r1", 1, FailureReason.EXIT, {}, time.time(), time.time())
@@ -158,7 +160,7 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
     now = time.monotonic()
     second = SwapperCore(SwapperConfig(replication=2))
     state = await records.load(JOB, now)
-    assert state is not None and state.applied_seq == 0
+    assert state is not None and state.position.applied_seq == 0
     second.jobs[JOB] = state
     for i in range(2):
         second.on_store_status(StoreStatus(f"store{i}", "127.0.0.1", 5000 + i, 0, 10**9, 0, 0.0), now)
@@ -171,7 +173,7 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
     new_leader.start()
     try:
         await until(lambda: any(isinstance(m, Rebuild) and m.generation == 2 for m in published), "rank 1 swapped")
-        assert state.applied_seq == 1
+        assert state.position.applied_seq == 1
     finally:
         await new_leader.stop()
 

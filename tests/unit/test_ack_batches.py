@@ -34,12 +34,12 @@ def batch(formation: Rebuild, launcher: str, members: list[str]) -> RebuildAckBa
 def test_a_batch_per_host_forms_the_generation_as_acks_one_by_one_would() -> None:
     core, formation = unformed()
     first = core.on_ack_batch(batch(formation, "l-h0", ["r0", "r1"]), 1.0)
-    assert first.routine and core.jobs["j"].pending is not None
+    assert first.routine and core.jobs["j"].recovery.pending is not None
     assert core.on_ack_batch(batch(formation, "l-h0", ["r0", "r1"]), 1.1).routine  # again: nothing new
-    pending = core.jobs["j"].pending
+    pending = core.jobs["j"].recovery.pending
     assert pending is not None and len(pending.acks) == 2
     formed = core.on_ack_batch(batch(formation, "l-h1", ["r2", "r3"]), 1.2)
-    assert core.jobs["j"].pending is None and core.jobs["j"].formed
+    assert core.jobs["j"].recovery.pending is None and core.jobs["j"].recovery.formed
     assert "every rank acked" in formed.reason
 
 
@@ -47,5 +47,5 @@ def test_an_ack_for_a_member_another_launcher_runs_is_refused_and_not_counted() 
     core, formation = unformed()
     decision = core.on_ack_batch(batch(formation, "l-h0", ["r0", "r2"]), 1.0)
     assert "ack of r2 from launcher l-h0, which does not run it: refused" in decision.reason
-    pending = core.jobs["j"].pending
+    pending = core.jobs["j"].recovery.pending
     assert pending is not None and set(pending.acks) == {"r0"}

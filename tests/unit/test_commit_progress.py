@@ -96,17 +96,17 @@ def formed(world: int) -> SwapperCore:
         hello = MemberHello("j", 0, f"r{rank}", f"h{rank // 8}", 100, f"l{rank // 8}", rank, world, "127.0.0.1", 1, 0.0)
         _, _decision = core.on_hello(hello, 0.0)
     marks = RebuildMarks(begin=0.0, restored=0.0, rendezvous=0.0, ready=0.0)
-    for member in core.jobs["j"].ranks:
-        rank = core.jobs["j"].ranks.index(member)
+    for member in core.jobs["j"].membership.ranks:
+        rank = core.jobs["j"].membership.ranks.index(member)
         core.on_ack(RebuildAck("j", 1, member, rank, -1, -1, RestoreSource.FRESH, marks, 0.0), 0.0)
-    assert core.jobs["j"].formed
+    assert core.jobs["j"].recovery.formed
     return core
 
 
 def test_one_report_per_store_commits_a_step_and_a_rank_placed_elsewhere_is_refused_alone() -> None:
     world = 64
     core = formed(world)
-    placement = core.jobs["j"].placement
+    placement = core.jobs["j"].stores.placement
     by_store = {s: [r for r in range(world) if s in placement[r]] for s in {s for p in placement for s in p}}
     reports = sorted(by_store.items())
     for store, ranks in reports[:-1]:
@@ -117,7 +117,7 @@ def test_one_report_per_store_commits_a_step_and_a_rank_placed_elsewhere_is_refu
     assert f"rank {stranger}: not placed there" in decision.reason
     (commit,) = [m for m in published(decision, object) if m.KIND == "commit"]
     assert commit.step == 4
-    assert core.jobs["j"].committed_holders[stranger] == set(placement[stranger])
+    assert core.jobs["j"].ledger.committed_holders[stranger] == set(placement[stranger])
 
 
 def test_a_report_is_checked_before_it_is_believed() -> None:

@@ -135,14 +135,14 @@ def test_a_snapshot_of_a_step_far_beyond_the_committed_one_never_commits() -> No
     state = core.jobs["j"]
     for rank in range(2):
         core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", 0, [rank], [10]), 2.0)
-    assert state.committed_step == 0
+    assert state.ledger.committed_step == 0
     for rank in range(2):
         decision = core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", HUGE, [rank], [10]), 2.1)
         assert "beyond the committed step" in decision.reason
-    assert state.committed_step == 0
+    assert state.ledger.committed_step == 0
     for rank in range(2):  # real steps still commit
         core.on_snapshot_complete(SnapshotComplete("j", 1, "store0", 1, [rank], [10]), 2.2)
-    assert state.committed_step == 1
+    assert state.ledger.committed_step == 1
 
 
 def test_a_repeated_hello_cannot_move_a_live_member() -> None:
@@ -151,7 +151,7 @@ def test_a_repeated_hello_cannot_move_a_live_member() -> None:
     moved = hello(member, 0, host="elsewhere")
     reply, _ = core.on_hello(moved, 3.0)
     assert not reply.accepted and "identity never changes" in reply.reason
-    assert core.jobs["j"].members[member].host == "h0"
+    assert core.jobs["j"].membership.members[member].host == "h0"
     again, _ = core.on_hello(hello(member, 0), 3.1)  # the same process asking again is harmless
     assert again.accepted
 

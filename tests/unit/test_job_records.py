@@ -34,7 +34,8 @@ from deadpool_protocol.job_record import (
     split_record,
     unpack_record,
 )
-from deadpool_swapper.core import JobState, PendingRebuild
+from deadpool_swapper.core import JobState
+from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
 from deadpool_swapper.job_records import (
     _REMEMBERED,
     JobRecords,
@@ -53,14 +54,21 @@ def test_a_record_holds_the_rebuild_in_flight_with_its_acks_and_the_open_inciden
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
     state = core.jobs["j"]
-    state.applied_seq, state.stream_id = 42, "2026-12-01T00:00:00+00:00"
+    state.position.applied_seq, state.position.stream_id = 42, "2026-12-01T00:00:00+00:00"
     loaded = state_from_record(state_to_record(state, 5.5), 5.5)
-    assert loaded.pending is not None and loaded.pending.command == rebuild
-    assert set(loaded.pending.acks) == {"r0"} and loaded.pending.rank_members == frozenset(rebuild.ranks)
-    assert [i.member for i in loaded.open_incidents] == ["r1"]
-    assert (loaded.generation, loaded.void_generation, loaded.attempts, loaded.formed) == (2, 1, 1, True)
-    assert (loaded.applied_seq, loaded.stream_id) == (42, state.stream_id)
-    assert loaded.members.keys() == state.members.keys() and loaded.failed == ["r1"]
+    assert loaded.recovery.pending is not None and loaded.recovery.pending.command == rebuild
+    assert set(loaded.recovery.pending.acks) == {"r0"} and loaded.recovery.pending.rank_members == frozenset(
+        rebuild.ranks
+    )
+    assert [i.member for i in loaded.incident_log.open_incidents] == ["r1"]
+    assert (loaded.generation, loaded.recovery.void_generation, loaded.recovery.attempts, loaded.recovery.formed) == (
+        2,
+        1,
+        1,
+        True,
+    )
+    assert (loaded.position.applied_seq, loaded.position.stream_id) == (42, state.position.stream_id)
+    assert loaded.membership.members.keys() == state.membership.members.keys() and loaded.membership.failed == ["r1"]
     summary, _ = unpack_record(state_to_record(state, 5.5))
     assert summary.ranks == rebuild.ranks and summary.failed == ["r1"] and summary.hosts["r0"] == "h0"
 
@@ -75,7 +83,7 @@ def test_a_new_leader_completes_the_loaded_rebuild_when_the_last_ack_arrives() -
     (again,) = published(successor.tick(6.6), Rebuild)  # retransmitted at once: it is pending
     assert again == rebuild
     decision = successor.on_ack(ack(rebuild, "s1", 6.7, source=RestoreSource.STORE), 6.7)
-    assert "recovered" in decision.reason and successor.jobs["j"].pending is None
+    assert "recovered" in decision.reason and successor.jobs["j"].recovery.pending is None
 
 
 def test_a_record_that_is_not_ours_is_refused_with_a_reason() -> None:
@@ -111,7 +119,12 @@ def test_a_record_written_before_a_field_existed_is_read_with_its_default() -> N
     for key in ("formed", "attempts", "void_generation", "applied_seq", "stream_id", "silent_hosts", "hold_left_s"):
         del raw["swapper"][key]
     loaded = state_from_record(msgpack.packb(raw, use_bin_type=True), 2.0)
-    assert loaded.formed and loaded.attempts == 0 and loaded.applied_seq == 0 and loaded.generation == 1
+    assert (
+        loaded.recovery.formed
+        and loaded.recovery.attempts == 0
+        and loaded.position.applied_seq == 0
+        and loaded.generation == 1
+    )
 
 
 def test_a_record_carries_its_timers_as_ages_so_a_loader_on_another_clock_keeps_them() -> None:
@@ -120,12 +133,12 @@ def test_a_record_carries_its_timers_as_ages_so_a_loader_on_another_clock_keeps_
     core, _ = formed_core(spares=("s1",))
     core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)  # the last call holds the rebuild
     state = core.jobs["j"]
-    hold_left_s = state.hold_until - 5.0
+    hold_left_s = state.recovery.hold_until - 5.0
     assert hold_left_s > 0
     for loader_now in (5.0 - 600.0, 5.0 + 600.0, 1e6):  # another host's monotonic clock, behind or ahead
         loaded = state_from_record(state_to_record(state, 5.0), loader_now)
-        assert loaded.hold_until == pytest.approx(loader_now + hold_left_s)
-        assert loaded.members["r0"].registered_at <= loader_now
+        assert loaded.recovery.hold_until == pytest.approx(loader_now + hold_left_s)
+        assert loaded.membership.members["r0"].registered_at <= loader_now
     successor, _ = formed_core()
     successor.jobs["j"] = state_from_record(state_to_record(state, 5.0), 1e6)
     assert published(successor.tick(1e6 + hold_left_s), Rebuild)  # rebuilt when the last call ends, not later
@@ -154,15 +167,17 @@ def test_parts_of_another_record_or_a_record_too_large_are_refused_with_a_reason
 def test_a_sectioned_record_reads_back_whole_and_a_hostile_head_or_a_swapped_section_is_refused() -> None:
     core, _ = formed_core(spares=("s1", "s2"))
     state = core.jobs["j"]
-    state.placement = [[f"store-{r % 7}-" + "x" * 40, f"store-{(r + 1) % 7}"] for r in range(200)]
+    state.stores.placement = [[f"store-{r % 7}-" + "x" * 40, f"store-{(r + 1) % 7}"] for r in range(200)]
     inline, sections = split_record(*state_fields(state, 5.0))
     assert [s.field for s in sections] == ["placement"] and "committed_step" in inline["summary"]
     parts = {s.digest: section_parts(s, 1024) for s in sections}
     head = pack_head(inline, [(s.group, s.field, s.digest, len(parts[s.digest])) for s in sections])
     fields, refs = sections_of(head) or ({}, [])
     values = {(group, field): section_value(digest, parts[digest]) for group, field, digest, _ in refs}
-    assert state_from_record(join_sections(fields, values), 5.0).placement == state.placement
-    other = split_record(*state_fields(dataclasses.replace(state, placement=state.placement[::-1]), 5.0))[1][0]
+    assert state_from_record(join_sections(fields, values), 5.0).stores.placement == state.stores.placement
+    other = split_record(
+        *state_fields(dataclasses.replace(state, stores=StorePlacement(placement=state.stores.placement[::-1])), 5.0)
+    )[1][0]
     with pytest.raises(ProtocolError, match="does not match its digest"):
         section_value(sections[0].digest, section_parts(other, 1024))
     for body in (
@@ -191,7 +206,7 @@ def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_inc
     assert len(incident.evidence) <= EVIDENCE_ENTRIES_MAX and incident.evidence["host"] == "h1"
     assert incident.evidence["restore_link"] == "committed" and "k00" in incident.evidence  # the first kept
     loaded = state_from_record(state_to_record(core.jobs["j"], 6.0), 6.0)
-    assert [i.incident_id for i in loaded.incidents] == [incident.incident_id]
+    assert [i.incident_id for i in loaded.incident_log.incidents] == [incident.incident_id]
 
 
 RETRANSMIT_TIMERS = frozenset({"void_sent_t", "placement_sent_t", "replicate_sent_t"})
@@ -210,10 +225,25 @@ def every_field_set(saved_at: float) -> JobState:
     (rebuild,) = published(fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0), Rebuild)
     core.on_ack(ack(rebuild, "r0", 5.5), 5.5)
     state = core.jobs["j"]
-    state.run, state.base_generation, state.world_size = "run-2", 3, 2
-    state.committed_step, state.restore_step = 40, 39
-    state.completes = {41: {0: {"store0", "store1"}, 1: {"store0", "store1"}}, 42: {0: {"store0"}}}
-    state.incidents = [
+    state.run, state.base_generation = "run-2", 3
+    state.finished, state.finished_t, state.failed_reason = True, saved_at - 10.0, "a reason"
+    who = state.membership
+    who.world_size, who.done, who.last_hello_t = 2, {"r0": 40}, saved_at - 2.0
+    recovery = state.recovery
+    recovery.hold_until, recovery.silent_hosts, recovery.void_sent_t = saved_at + 30.0, {"h3": (2, 5)}, saved_at - 1.0
+    ledger = state.ledger
+    ledger.committed_step, ledger.restore_step, ledger.committed_generation = 40, 39, 2
+    ledger.completes = {41: {0: {"store0", "store1"}, 1: {"store0", "store1"}}, 42: {0: {"store0"}}}
+    ledger.committed_holders, ledger.rank_bytes = {0: {"store0"}, 1: {"store1"}}, {0: 1000, 1: 2000}
+    ledger.previous_committed, ledger.replicate_sent_t = CommittedCopies(35, 1, {0: {"store1"}}), saved_at - 1.0
+    restores = state.restores
+    restores.unavailable, restores.durable_failed, restores.local_failed = {(1, 41)}, True, True
+    restores.durable_completes = {0: {"store0"}}
+    stores = state.stores
+    stores.placement_version, stores.placement_confirmed, stores.placement_sent_t = 3, False, saved_at - 1.0
+    stores.announced_stores = {"store0": ("10.0.0.5", 7001)}
+    log = state.incident_log
+    log.incidents = [
         Incident(
             job="j",
             generation=2,
@@ -233,24 +263,26 @@ def every_field_set(saved_at: float) -> JobState:
             t_first_step=5.0,
         )
     ]
-    state.done = {"r0": 40}
-    state.finished, state.finished_t, state.failed_reason = True, saved_at - 10.0, "a reason"
-    state.incident_seq, state.last_hello_t, state.hold_until = 7, saved_at - 2.0, saved_at + 30.0
-    state.silent_hosts = {"h3": (2, 5)}
-    state.void_sent_t, state.placement_sent_t, state.replicate_sent_t = saved_at - 1.0, saved_at - 1.0, saved_at - 1.0
-    state.applied_seq, state.stream_id = 42, "2026-12-01T00:00:00+00:00"
-    state.placement_version, state.placement_confirmed, state.committed_generation = 3, False, 2
-    state.committed_holders = {0: {"store0"}, 1: {"store1"}}
-    state.rank_bytes = {0: 1000, 1: 2000}
-    state.previous_committed = CommittedCopies(35, 1, {0: {"store1"}})
-    state.unavailable = {(1, 41)}
-    state.awaiting_first_step, state.awaiting_since = ["s1"], saved_at - 4.0
-    state.first_steps = {0: 1234.5}
-    state.durable_failed, state.durable_completes = True, {0: {"store0"}}
-    state.announced_stores = {"store0": ("10.0.0.5", 7001)}
-    state.unprotected_since, state.unprotected_step = saved_at - 6.0, 38
-    state.hold_without_stores_s, state.held_since, state.local_failed = 9.0, saved_at - 8.0, True
+    log.incident_seq, log.awaiting_first_step, log.awaiting_since = 7, ["s1"], saved_at - 4.0
+    log.first_steps = {0: 1234.5}
+    protection = state.protection
+    protection.unprotected_since, protection.unprotected_step = saved_at - 6.0, 38
+    protection.hold_without_stores_s, protection.held_since = 9.0, saved_at - 8.0
+    state.position.applied_seq, state.position.stream_id = 42, "2026-12-01T00:00:00+00:00"
     return state
+
+
+def leaves(state: object, prefix: str = "") -> dict[str, typing.Any]:
+    """Every field of `state`, a part's (a field that writes its own record entries) by its path:
+    'ledger.completes'."""
+    found: dict[str, typing.Any] = {}
+    for f in dataclasses.fields(state):  # type: ignore[arg-type]
+        value = getattr(state, f.name)
+        if hasattr(value, "to_record"):
+            found |= leaves(value, f"{prefix}{f.name}.")
+        else:
+            found[prefix + f.name] = value
+    return found
 
 
 def test_every_field_of_a_job_state_survives_its_record_field_by_field() -> None:
@@ -260,46 +292,55 @@ def test_every_field_of_a_job_state_survives_its_record_field_by_field() -> None
     saved_at, loaded_at = 100.0, 5000.0
     shift = loaded_at - saved_at
     state, default = every_field_set(saved_at), JobState("j")
-    names = [f.name for f in dataclasses.fields(JobState)]
-    unset = [n for n in names if n not in {"job", *DERIVED} and getattr(state, n) == getattr(default, n)]
+    want, defaults = leaves(state), leaves(default)
+    parts = [
+        getattr(state, f.name) for f in dataclasses.fields(JobState) if hasattr(getattr(state, f.name), "to_record")
+    ]
+    assert [id(p) for p in parts] == [id(p) for p in state.parts()]  # every part writes its entries
+    unset = [n for n in want if n.split(".")[-1] not in {"job", *DERIVED} and want[n] == defaults[n]]
     assert not unset, f"give these fields a value in every_field_set: {unset}"
     loaded = state_from_record(state_to_record(state, saved_at), loaded_at)
-    for name in names:
-        want, got = getattr(state, name), getattr(loaded, name)
+    got_all = leaves(loaded)
+    assert got_all.keys() == want.keys()
+    for path, got in got_all.items():
+        name, was = path.split(".")[-1], want[path]
         if name in RETRANSMIT_TIMERS:
-            assert got == getattr(default, name), name
+            assert got == defaults[path], path
         elif name in INSTANTS:
-            assert got == want + shift, name
+            assert got == was + shift, path
         elif name == "members":
             moved = {
-                m: dataclasses.replace(i, registered_at=pytest.approx(i.registered_at + shift)) for m, i in want.items()
+                m: dataclasses.replace(i, registered_at=pytest.approx(i.registered_at + shift)) for m, i in was.items()
             }
-            assert got == moved, name
+            assert got == moved, path
         elif name in DERIVED:
             live = frozenset({"store0", "store1"})
-            steps = [x.commit_progress.complete_steps(x.completes, live, x.placement, 2) for x in (state, loaded)]
-            assert steps[0] == steps[1] == [41], name
+            steps = [
+                x.ledger.commit_progress.complete_steps(x.ledger.completes, live, x.stores.placement, 2)
+                for x in (state, loaded)
+            ]
+            assert steps[0] == steps[1] == [41], path
         elif name == "pending":
-            assert got is not None and want is not None
-            assert (got.command, got.acks, got.t_sent) == (want.command, want.acks, want.t_sent + shift)
+            assert got is not None and was is not None
+            assert (got.command, got.acks, got.t_sent) == (was.command, was.acks, was.t_sent + shift)
         else:
-            assert got == want, name
+            assert got == was, path
 
 
 def large_state(ranks: int = 400) -> JobState:
     """A job whose membership, placement, holders and sizes are each large enough to be a section."""
-    state = JobState("big", world_size=ranks, generation=3, formed=True)
-    state.members = {
+    state = JobState("big", generation=3, membership=Membership(world_size=ranks), recovery=Recovery(formed=True))
+    state.membership.members = {
         f"m{i}": MemberInfo(f"m{i}", f"host-{i // 8}", 100 + i, f"l-{i // 8}", i, f"host-{i // 8}", 29500, float(i))
         for i in range(ranks + 4)
     }
-    state.ranks = [f"m{i}" for i in range(ranks)]
-    state.spares = [f"m{i}" for i in range(ranks, ranks + 4)]
-    state.placement = [[f"store-{r % 5}", f"store-{(r + 1) % 5}"] for r in range(ranks)]
-    state.committed_holders = {r: set(p) for r, p in enumerate(state.placement)}
-    state.previous_committed = CommittedCopies(1, 3, {r: set(p) for r, p in enumerate(state.placement)})
-    state.rank_bytes = dict.fromkeys(range(ranks), 1 << 30)
-    state.pending = PendingRebuild(rebuild_of(state, generation=3), 4.0)
+    state.membership.ranks = [f"m{i}" for i in range(ranks)]
+    state.membership.spares = [f"m{i}" for i in range(ranks, ranks + 4)]
+    state.stores.placement = [[f"store-{r % 5}", f"store-{(r + 1) % 5}"] for r in range(ranks)]
+    state.ledger.committed_holders = {r: set(p) for r, p in enumerate(state.stores.placement)}
+    state.ledger.previous_committed = CommittedCopies(1, 3, {r: set(p) for r, p in enumerate(state.stores.placement)})
+    state.ledger.rank_bytes = dict.fromkeys(range(ranks), 1 << 30)
+    state.recovery.pending = PendingRebuild(rebuild_of(state, generation=3), 4.0)
     return state
 
 
@@ -308,31 +349,35 @@ def rebuild_of(state: JobState, generation: int) -> Rebuild:
     return Rebuild(
         "big",
         generation,
-        len(state.ranks),
-        state.ranks,
-        state.spares,
+        len(state.membership.ranks),
+        state.membership.ranks,
+        state.membership.spares,
         "m0",
         "h",
         1,
         1,
         stores,
-        state.placement,
+        state.stores.placement,
         "",
         4.0,
     )
 
 
 CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
-    "a member joins": lambda s: s.members.__setitem__("new", MemberInfo("new", "h", 1, "l", -1, "h", 1, 0.5)),
-    "a member's info is replaced": lambda s: s.members.__setitem__("m3", dataclasses.replace(s.members["m3"], pid=7)),
-    "a member leaves": lambda s: s.members.pop("m5"),
-    "the oldest member leaves (every row's instant moves)": lambda s: s.members.pop("m0"),
-    "a rank changes hands": lambda s: s.ranks.__setitem__(2, "m401"),
-    "a rank's stores change": lambda s: s.placement[7].__setitem__(1, "store-9"),
-    "a holder is added": lambda s: s.committed_holders[3].add("store-8"),
-    "a previous holder goes": lambda s: s.previous_committed.holders[4].discard("store-4"),
-    "a size changes": lambda s: s.rank_bytes.__setitem__(9, 5),
-    "another rebuild goes out": lambda s: setattr(s, "pending", PendingRebuild(rebuild_of(s, generation=4), 5.0)),
+    "a member joins": lambda s: s.membership.members.__setitem__(
+        "new", MemberInfo("new", "h", 1, "l", -1, "h", 1, 0.5)
+    ),
+    "a member's info is replaced": lambda s: s.membership.members.__setitem__(
+        "m3", dataclasses.replace(s.membership.members["m3"], pid=7)
+    ),
+    "a member leaves": lambda s: s.membership.members.pop("m5"),
+    "the oldest member leaves (every row's instant moves)": lambda s: s.membership.members.pop("m0"),
+    "a rank changes hands": lambda s: s.membership.ranks.__setitem__(2, "m401"),
+    "a rank's stores change": lambda s: s.stores.placement[7].__setitem__(1, "store-9"),
+    "a holder is added": lambda s: s.ledger.committed_holders[3].add("store-8"),
+    "a previous holder goes": lambda s: s.ledger.previous_committed.holders[4].discard("store-4"),
+    "a size changes": lambda s: s.ledger.rank_bytes.__setitem__(9, 5),
+    "another rebuild goes out": lambda s: setattr(s.recovery, "pending", PendingRebuild(rebuild_of(s, generation=4), 5.0)),
     "nothing changes": lambda s: None,
 }
 

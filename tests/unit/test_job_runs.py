@@ -91,14 +91,18 @@ def test_members_no_launcher_started_cannot_take_a_name() -> None:
     squat, _ = core.on_hello(hello("squatter", 0, "", world_size=1), 1.0)
     assert not squat.accepted and "deadpool launch" in squat.reason and "j" not in core.jobs
     reply, _ = core.on_run_start(RunStart("j", 0, "real", W, "l0", 2.0), 2.0)
-    assert reply.accepted and core.jobs["j"].world_size == W
+    assert reply.accepted and core.jobs["j"].membership.world_size == W
 
 
 def test_undeclared_members_gathering_make_way_for_a_started_run() -> None:
     core = core_with_store(runs_required=False)
     core.on_hello(hello("loose", 0, "", world_size=8), 1.0)  # a name taken by a hello alone, not formed
     reply, _ = core.on_run_start(RunStart("j", 0, "real", W, "l0", 2.0), 2.0)
-    assert reply.accepted and core.jobs["j"].world_size == W and "loose" not in core.jobs["j"].members
+    assert (
+        reply.accepted
+        and core.jobs["j"].membership.world_size == W
+        and "loose" not in core.jobs["j"].membership.members
+    )
 
 
 def held_job(hold_s: float) -> tuple[SwapperCore, Rebuild]:
@@ -111,7 +115,7 @@ def held_job(hold_s: float) -> tuple[SwapperCore, Rebuild]:
     for rank, member in enumerate(formation.ranks):
         core.on_ack(RebuildAck("j", 1, member, rank, -1, -1, RestoreSource.FRESH, RebuildMarks(), 0.0), 0.0)
     core.on_snapshot_complete(SnapshotComplete("j", 1, "s0", 4, list(range(W)), [100] * W), 0.5)
-    assert core.jobs["j"].committed_step == 4
+    assert core.jobs["j"].ledger.committed_step == 4
     return core, formation
 
 
@@ -119,7 +123,7 @@ def test_a_run_that_holds_training_without_stores_stops_every_rank_and_resumes_f
     core, formation = held_job(hold_s=60.0)
     lost = core.tick(2.0)  # the store's 1.5 s are over: every store is lost
     (void,) = published(lost, GenerationVoid)
-    assert void.generation == 1 and "held" in void.reason and core.jobs["j"].held_since == 2.0
+    assert void.generation == 1 and "held" in void.reason and core.jobs["j"].protection.held_since == 2.0
     broken = GroupBroken("j", 1, len(formation.ranks), members_digest(formation.ranks), {}, 3.0, 7.0)
     assert core.on_group_broken(broken, 7.0).actions == []  # awaiting, as held: no regroup yet
     assert published(core.tick(30.0), Rebuild) == []
@@ -132,7 +136,7 @@ def test_a_run_that_holds_training_without_stores_stops_every_rank_and_resumes_f
             RebuildAck("j", resume.generation, member, rank, 9, 10, RestoreSource.LOCAL, RebuildMarks(), 32.0), 32.0
         )
     state = core.jobs["j"]
-    assert state.committed_step == 9 and state.held_since is None and state.pending is None
+    assert state.ledger.committed_step == 9 and state.protection.held_since is None and state.recovery.pending is None
 
 
 def test_a_hold_past_its_bound_ends_the_job_saying_why() -> None:
@@ -146,7 +150,7 @@ def test_a_hold_past_its_bound_ends_the_job_saying_why() -> None:
 def test_without_the_hold_policy_training_goes_on_unprotected() -> None:
     core, _ = held_job(hold_s=0.0)
     decision = core.tick(2.0)
-    assert published(decision, GenerationVoid) == [] and core.jobs["j"].held_since is None
+    assert published(decision, GenerationVoid) == [] and core.jobs["j"].protection.held_since is None
     (placement,) = published(decision, Placement)
     assert "unprotected" in placement.reason
 
@@ -163,7 +167,7 @@ def test_a_rank_lost_while_training_is_held_is_swapped_and_the_new_generation_he
         source = RestoreSource.LOCAL if rank == 0 else RestoreSource.HOST_COPY
         core.on_ack(RebuildAck("j", swap.generation, member, rank, 4, 5, source, RebuildMarks(), 4.0), 4.0)
     (void,) = published(core.tick(4.1), GenerationVoid)  # still no store: the new generation is held too
-    assert void.generation == swap.generation and core.jobs["j"].held_since == 2.0
+    assert void.generation == swap.generation and core.jobs["j"].protection.held_since == 2.0
 
 
 def test_a_launcher_of_spares_only_joins_the_started_run_and_learns_its_world_size() -> None:

@@ -101,7 +101,7 @@ def test_a_lost_store_gets_a_new_placement_and_its_committed_copies_are_made_aga
     # Commits go on under the new placement; copies on the lost store would not count.
     assert complete(core, 5, placement, 3.1) == []
     (resumed,) = complete(core, 6, new.placement, 3.2)
-    assert resumed.step == 6 and core.jobs["j"].placement_confirmed
+    assert resumed.step == 6 and core.jobs["j"].stores.placement_confirmed
 
 
 def test_a_store_given_ranks_of_known_size_by_a_new_placement_is_told_so_to_fault_in_their_buffers() -> None:
@@ -157,7 +157,7 @@ def test_a_store_lost_while_a_rebuild_is_pending_is_left_to_the_rebuild() -> Non
         core.on_hello(
             MemberHello("j", 0, f"r{rank}", f"h{rank}", 1, f"l-h{rank}", rank, W, "127.0.0.1", 4000, 0.0), 0.0
         )
-    assert core.jobs["j"].pending is not None
+    assert core.jobs["j"].recovery.pending is not None
     announce(core, 1.6, STORES[1:])
     assert published(core.tick(1.6), Placement) == []
 
@@ -243,17 +243,19 @@ def test_with_every_copy_of_a_rank_lost_the_chain_goes_to_the_durable_tier_and_i
     announce(core, 2.0, tuple(s for s in STORES if s not in lost))
     rebuild = kill_rank(core, "r1", 1, 2.0)
     assert rebuild.durable and rebuild.restore_step == -1
-    assert core.jobs["j"].open_incidents[0].evidence["restore_link"] == "durable"
-    assert "no copy of rank(s) [1] to be had" in core.jobs["j"].open_incidents[0].evidence["restore_reason"]
+    assert core.jobs["j"].incident_log.open_incidents[0].evidence["restore_link"] == "durable"
+    assert (
+        "no copy of rank(s) [1] to be had" in core.jobs["j"].incident_log.open_incidents[0].evidence["restore_reason"]
+    )
 
     sc = SnapshotComplete("j", rebuild.generation, rebuild.placement[0][0], 3, [0], [1000])
     core.on_snapshot_complete(sc, 2.2)  # the resumed step, sealed before the acks
     ack_all(core, rebuild, RestoreSource.DURABLE, 3, 2.3)
     (incident,) = published(first_steps(core, rebuild, 2.5), Incident)
     state = core.jobs["j"]
-    assert state.committed_step == 3 and state.committed_generation == rebuild.generation
+    assert state.ledger.committed_step == 3 and state.ledger.committed_generation == rebuild.generation
     assert incident.restore_step == 3 and incident.evidence["lost_committed_steps"] == "2"
-    assert state.committed_holders == {0: {rebuild.placement[0][0]}}
+    assert state.ledger.committed_holders == {0: {rebuild.placement[0][0]}}
 
 
 def unavailable(core: SwapperCore, rebuild: Rebuild, rank: int, now: float) -> Decision:
@@ -275,7 +277,7 @@ def test_a_member_that_finds_no_copy_moves_the_rebuild_down_the_chain_until_the_
     assert (first.restore_step, first.durable) == (5, False)
     (second,) = published(unavailable(core, first, 1, 1.2), Rebuild)  # the stores' copies were gone after all
     assert (second.restore_step, second.durable, second.generation) == (4, False, first.generation + 1)
-    assert core.jobs["j"].open_incidents[0].evidence["restore_link"] == "older_committed"
+    assert core.jobs["j"].incident_log.open_incidents[0].evidence["restore_link"] == "older_committed"
     (third,) = published(unavailable(core, second, 1, 1.3), Rebuild)
     assert third.durable
     assert published(unavailable(core, first, 1, 1.35), Rebuild) == [], "a repeated old ack: no-op"

@@ -123,7 +123,7 @@ def test_a_hello_with_another_world_size_is_refused() -> None:
 
 def test_a_dead_rank_goes_to_a_spare_on_another_host_and_the_job_restores_the_committed_step() -> None:
     core, _formation = formed_core(spares=("same-host", "other-host"))
-    members = core.jobs["j"].members
+    members = core.jobs["j"].membership.members
     members["same-host"] = dataclasses.replace(members["same-host"], host="h0")
     for rank in range(W):
         for store in ("store0", "store1"):
@@ -161,11 +161,13 @@ def test_a_crashed_process_goes_to_a_spare_of_its_launcher_which_restores_from_t
         core.on_ack(
             RebuildAck("j", rebuild.generation, member, rank, 4, 5 if member == "r0" else -1, source, marks, 6.0), 6.0
         )
-    incident = core.jobs["j"].incidents[-1]
+    incident = core.jobs["j"].incident_log.incidents[-1]
     assert incident.restore_step == 4 and incident.lost_steps == 1, "the step the ranks agreed on, not 'none'"
     assert incident.evidence["restore_link"] == "local"
     state = core.jobs["j"]
-    assert state.committed_step == 4 and state.committed_holders, "the stores' copies of step 4 stay known"
+    assert state.ledger.committed_step == 4 and state.ledger.committed_holders, (
+        "the stores' copies of step 4 stay known"
+    )
 
 
 def test_a_newer_agreed_step_sealed_partly_before_the_acks_and_partly_after_is_committed_with_every_copy() -> None:
@@ -181,11 +183,11 @@ def test_a_newer_agreed_step_sealed_partly_before_the_acks_and_partly_after_is_c
         source = RestoreSource.LOCAL if member == "r0" else RestoreSource.HOST_COPY
         core.on_ack(RebuildAck("j", g, member, rank, 5, 5 if member == "r0" else -1, source, RebuildMarks(), 6.0), 6.0)
     state = core.jobs["j"]
-    assert state.committed_step == 5 and state.previous_committed.step == 4
-    assert state.committed_holders == {0: {"store0", "store1"}}, "the copies sealed before the acks count"
+    assert state.ledger.committed_step == 5 and state.ledger.previous_committed.step == 4
+    assert state.ledger.committed_holders == {0: {"store0", "store1"}}, "the copies sealed before the acks count"
     for store in ("store0", "store1"):
         core.on_snapshot_complete(SnapshotComplete("j", g, store, 5, [1], [10]), 6.5)
-    assert state.committed_holders == {0: {"store0", "store1"}, 1: {"store0", "store1"}}
+    assert state.ledger.committed_holders == {0: {"store0", "store1"}, 1: {"store0", "store1"}}
     first_steps(core, rebuild, 6.6)
     core.on_hello(hello("s3", -1, host="h2"), 7.0)
     failures = [
@@ -256,7 +258,7 @@ def test_a_lost_host_is_swapped_in_one_generation() -> None:
     (rebuild,) = published(second, Rebuild)  # every announced member is in: no need to wait any longer
     assert published(first, GenerationVoid)  # the survivors were released at the first failure
     assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
-    shown = [i.evidence for i in core.jobs["j"].open_incidents]  # for people: the host lost, as before
+    shown = [i.evidence for i in core.jobs["j"].incident_log.open_incidents]  # for people: the host lost, as before
     assert [(e["host"], e["host_members_silent"]) for e in shown] == [("a", "2"), ("a", "2")]
 
 
@@ -309,7 +311,7 @@ def test_a_stale_or_repeated_failure_changes_nothing() -> None:
 def test_losing_a_spare_shrinks_the_pool_without_a_new_generation() -> None:
     core, _ = formed_core()
     decision = core.on_failure(Failure("j", 1, "s", -1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
-    assert published(decision, Rebuild) == [] and core.jobs["j"].spares == []
+    assert published(decision, Rebuild) == [] and core.jobs["j"].membership.spares == []
     assert core.jobs["j"].generation == 1
 
 
@@ -317,7 +319,7 @@ def test_without_a_spare_the_generation_stays_void_until_one_registers() -> None
     core, _ = formed_core(spares=())
     decision = fail(core, Failure("j", 1, "r0", 0, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     assert published(decision, Rebuild) == [] and published(decision, GenerationVoid)
-    assert "waiting for a spare" in core.tick(5.2).reason or core.jobs["j"].vacant_ranks() == [0]
+    assert "waiting for a spare" in core.tick(5.2).reason or core.jobs["j"].membership.vacant_ranks() == [0]
     (again,) = published(core.tick(6.1), GenerationVoid)  # retransmitted while nothing replaces it
     assert again.generation == 1
     _, joined = core.on_hello(hello("late", -1), 9.0)
@@ -345,7 +347,7 @@ def test_an_incident_ends_at_every_ranks_first_step_with_its_phases_and_lost_ste
     assert incident.phases["detect"] == pytest.approx(0.01)
     assert incident.phases["decide"] == pytest.approx(LAST_CALL_S + 0.01)
     assert incident.phases["abort"] == pytest.approx(0.25)  # r0 left its collective at 5.25
-    assert core.jobs["j"].pending is None
+    assert core.jobs["j"].recovery.pending is None
 
 
 def test_lost_steps_count_a_survivor_that_restored_from_a_store() -> None:
@@ -436,7 +438,7 @@ def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
     rank, store = events[-1]
     decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
     (commit,) = published(decision, Commit)
-    assert commit.step == 6 and core.jobs["j"].committed_step == 6
+    assert commit.step == 6 and core.jobs["j"].ledger.committed_step == 6
 
 
 def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
@@ -446,7 +448,7 @@ def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:
         for store in ("store0", "store1"):
             late = SnapshotComplete("j", 1, store, 3, [rank], [10])
             assert "stale" in core.on_snapshot_complete(late, 5.5).reason
-    assert core.jobs["j"].committed_step == -1
+    assert core.jobs["j"].ledger.committed_step == -1
 
 
 def test_the_job_finishes_when_every_rank_of_the_generation_is_done() -> None:
@@ -469,10 +471,10 @@ def test_a_done_counts_only_from_the_ranks_own_member_at_the_jobs_last_step() ->
     for rank in range(W):
         for store in ("store0", "store1"):
             core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
-    assert core.jobs["j"].committed_step == 6
+    assert core.jobs["j"].ledger.committed_step == 6
     assert "does not hold" in core.on_done(MemberDone("j", 1, "r0", 1, 40), 3.0).reason
     assert "below the committed step" in core.on_done(MemberDone("j", 1, "r1", 1, 5), 3.0).reason
-    assert core.jobs["j"].done == {}
+    assert core.jobs["j"].membership.done == {}
     assert published(core.on_done(MemberDone("j", 1, "r0", 0, 7), 3.0), JobFinished) == []  # forged, for r0
     assert "different steps" in core.on_done(MemberDone("j", 1, "r1", 1, 40), 3.1).reason
     assert not core.jobs["j"].finished
@@ -496,7 +498,7 @@ def test_a_spare_that_registers_fills_a_vacant_rank_even_while_a_rebuild_is_pend
     core.on_failure(
         Failure("j", 2, first.ranks[1], 1, FailureReason.EXIT, {}, 5.3, 5.3), 5.3
     )  # the only spare dies too
-    assert core.jobs["j"].vacant_ranks() == [1] and core.jobs["j"].pending is not None
+    assert core.jobs["j"].membership.vacant_ranks() == [1] and core.jobs["j"].recovery.pending is not None
     _, joined = core.on_hello(hello("respawned", -1), 8.0)
     (rebuild,) = published(joined, Rebuild)
     assert rebuild.generation == first.generation + 1 and rebuild.ranks == ["r0", "respawned"]
@@ -534,7 +536,7 @@ def test_no_decision_reads_a_verdicts_evidence() -> None:
     evidence = {"cause": "user_code", "host": "a", "host_members_silent": "2", "lost_host": "a"}
     decision = fail(core, Failure("j", 1, "r1", 1, FailureReason.ERROR, evidence, 5.0, 5.0), 5.0)
     (rebuild,) = published(decision, Rebuild)  # swapped at once: not ended, and no wait for a host
-    assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished and not core.jobs["j"].silent_hosts
+    assert rebuild.ranks == ["r0", "s"] and not core.jobs["j"].finished and not core.jobs["j"].recovery.silent_hosts
 
 
 def test_generations_that_never_form_end_the_job_after_the_bound() -> None:
@@ -591,7 +593,7 @@ def test_generations_only_grow_and_each_is_announced_once_in_a_storm_of_failures
     t = 5.0
     for _ in range(4):
         state = core.jobs["j"]
-        victim = state.ranks[1]
+        victim = state.membership.ranks[1]
         decision = core.on_failure(Failure("j", state.generation, victim, 1, FailureReason.EXIT, {}, t, t), t)
         decision = Decision(decision.actions + core.tick(t + LAST_CALL_S).actions, "")
         seen += [r.generation for r in published(decision, Rebuild)]
@@ -624,4 +626,4 @@ def test_a_snapshot_report_from_a_store_the_rank_is_not_placed_on_counts_for_not
         for store in ("rogue-0", "rogue-1"):
             decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 50, [rank], [10]), 2.0)
             assert "not placed there" in decision.reason
-    assert core.jobs["j"].committed_step == -1 and core.jobs["j"].completes == {}
+    assert core.jobs["j"].ledger.committed_step == -1 and core.jobs["j"].ledger.completes == {}

@@ -65,7 +65,7 @@ def test_after_a_pause_a_failure_restores_the_newest_step_complete_on_stores_hea
     announce(core, 4.0)
     (rebuild,) = published(core.tick(4.0), Rebuild)
     assert rebuild.restore_step == 7 and not rebuild.durable, rebuild
-    assert core.jobs["j"].committed_step == 7
+    assert core.jobs["j"].ledger.committed_step == 7
 
 
 def test_after_a_pause_a_store_that_stays_silent_counts_as_lost_once_the_view_has_had_its_timeout() -> None:
@@ -91,7 +91,7 @@ def test_a_vacant_rank_is_rebuilt_when_its_rebuild_could_not_go_out_at_once() ->
     core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 2.0, 2.0), 2.0)
     core.tick(2.1)  # the last call ends: no spare yet
     spare(core, 2.2)  # the spare comes while the view is still stale: nothing goes out yet
-    assert core.jobs["j"].pending is None
+    assert core.jobs["j"].recovery.pending is None
     for t in (2.5, 3.0, 3.4):
         assert published(core.tick(t), Rebuild) == []
     (rebuild,) = published(core.tick(3.6), Rebuild)  # the view is fresh: every store is lost for real
@@ -104,7 +104,11 @@ def test_with_every_store_lost_a_swap_restores_from_the_durable_tier_or_the_job_
     spare(core, 0.6)
     core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
     (rebuild,) = published(core.tick(5.1), Rebuild)
-    assert rebuild.durable and rebuild.stores == [] and "durable" in core.jobs["j"].open_incidents[0].evidence.values()
+    assert (
+        rebuild.durable
+        and rebuild.stores == []
+        and "durable" in core.jobs["j"].incident_log.open_incidents[0].evidence.values()
+    )
     marks = RebuildMarks(received=5.2)
     no_tier = RebuildAck("j", rebuild.generation, "spare", 1, -1, -1, RestoreSource.UNAVAILABLE, marks, 5.3)
     (ended,) = published(core.on_ack(no_tier, 5.3), JobFinished)
@@ -114,15 +118,15 @@ def test_with_every_store_lost_a_swap_restores_from_the_durable_tier_or_the_job_
 def test_every_store_lost_is_told_to_the_members_and_kept_as_unprotected_until_one_returns() -> None:
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
-    assert core.jobs["j"].unprotected_since is None
+    assert core.jobs["j"].protection.unprotected_since is None
     (empty,) = published(core.tick(2.0), Placement)  # nobody heard since 0 s: every store lost
     assert empty.placement == [[], []] and empty.stores == [] and "unprotected" in empty.reason
     state = core.jobs["j"]
-    assert state.unprotected_since == 2.0 and state.unprotected_step == 4
+    assert state.protection.unprotected_since == 2.0 and state.protection.unprotected_step == 4
     announce(core, 9.0, ("store2",))  # a store comes back
     (back,) = published(core.tick(9.0), Placement)
     assert back.placement == [["store2"], ["store2"]] and [s.store for s in back.stores] == ["store2"]
-    assert state.unprotected_since is None
+    assert state.protection.unprotected_since is None
 
 
 def test_a_store_restarted_on_a_new_address_is_announced_whenever_in_its_loss_window_it_returns() -> None:
@@ -141,7 +145,7 @@ def test_a_store_restarted_on_a_new_address_is_announced_whenever_in_its_loss_wi
         core.on_store_status(moved, t)
         placements = published(core.tick(t), Placement)
         named = [p for p in placements if any(s.store == victim and s.port == 7777 for s in p.stores)]
-        if victim in {n for names in core.jobs["j"].placement for n in names}:
+        if victim in {n for names in core.jobs["j"].stores.placement for n in names}:
             assert named, f"back after {back_after_s} s: no placement with its new address"
             assert named[-1].stores == sorted(named[-1].stores, key=lambda s: s.store)
         else:  # its ranks had moved to the other stores: it is not needed, so not named
@@ -154,7 +158,7 @@ def test_timers_follow_the_monotonic_clock_and_stamps_the_wall_clock_however_it_
     announce(core, 0.0)
     for rank in range(W):
         core.on_hello(MemberHello("j", 0, f"r{rank}", "h0", 1, "l-h0", rank, W, "127.0.0.1", 4000, 0.0), 0.0)
-    formation = core.jobs["j"].pending
+    formation = core.jobs["j"].recovery.pending
     assert formation is not None and formation.command.t_decided == 1_000_000.0
     for member in formation.command.ranks:
         core.on_ack(
@@ -206,10 +210,12 @@ def test_a_tick_never_asks_to_run_again_in_the_past_and_a_second_tick_at_once_ha
         state = core.jobs.get("j")
         generation = state.generation if state else 1
         if kind == "fail_r0" or kind == "fail_r1":
-            member = state.ranks[int(kind[-1])] if state and state.ranks else "r0"
+            member = state.membership.ranks[int(kind[-1])] if state and state.membership.ranks else "r0"
             core.on_failure(Failure("j", generation, member, 0, FailureReason.EXIT, {}, now, now), now)
-        elif kind == "fail_spare" and state and state.spares:
-            core.on_failure(Failure("j", generation, state.spares[0], -1, FailureReason.EXIT, {}, now, now), now)
+        elif kind == "fail_spare" and state and state.membership.spares:
+            core.on_failure(
+                Failure("j", generation, state.membership.spares[0], -1, FailureReason.EXIT, {}, now, now), now
+            )
         elif kind == "spare":
             spares += 1
             spare(core, now, f"spare{spares}")
@@ -219,8 +225,8 @@ def test_a_tick_never_asks_to_run_again_in_the_past_and_a_second_tick_at_once_ha
             announce(core, now, STORES[:1])
         elif kind == "view":
             core.reset_store_view(now, heard_until=now - gap)  # a pause as long as the gap
-        elif kind == "ack" and state and state.pending:
-            command = state.pending.command
+        elif kind == "ack" and state and state.recovery.pending:
+            command = state.recovery.pending.command
             for member in command.ranks:
                 ack = RebuildAck(
                     "j",

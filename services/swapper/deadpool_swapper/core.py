@@ -74,7 +74,19 @@ from deadpool_protocol.bounds import (
 )
 from deadpool_protocol.messages import members_digest
 from deadpool_protocol.subjects import Subjects, store_replicate, store_reserve
-from deadpool_swapper.commit_progress import CommitProgress
+from deadpool_swapper.job_parts import (
+    CommitLedger,
+    EventsPosition,
+    IncidentLog,
+    JobPart,
+    Membership,
+    OpenIncident,
+    PendingRebuild,
+    Protection,
+    Recovery,
+    RestoreReports,
+    StorePlacement,
+)
 from deadpool_swapper.job_phase import check_transition, phase_of
 from deadpool_swapper.placement import (
     MemberInfo,
@@ -247,142 +259,37 @@ class _Schedule:
 
 
 @dataclass
-class OpenIncident:
-    incident_id: str
-    rank: int
-    member: str
-    host: str
-    reason: str
-    evidence: dict[str, str]
-    t_fault: float
-    t_detected: float
-    t_decided: float = 0.0
-    replacement: str = ""
-    fence_s: float = 0.0
-    traceparent: str = ""
-    """The failure's trace context (the detector's `detect` span)."""
-    launcher: str = ""
-    """The failed member's launcher: while its host is up, its crash copy is there (`host_copy`)."""
-    host_lost: bool = False
-    """The detector saw the member's whole host go silent: no crash copy of it can be had."""
-
-
-@dataclass
-class PendingRebuild:
-    command: Rebuild
-    t_sent: float
-    acks: dict[str, RebuildAck] = field(default_factory=dict)
-    rank_members: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        self.rank_members = frozenset(self.command.ranks)
-
-
-@dataclass
 class JobState:
+    """One job as the swapper knows it: who it is and how its run ends, then its parts (`job_parts`),
+    each with one concern and its own record encoding."""
+
     job: str
-    world_size: int = 0
     run: str = ""
     """The run of the job this state belongs to ('' for members nothing started a run for)."""
     base_generation: int = 0
     """The last generation of the name's previous run (0: none): this run's first is the next one."""
     generation: int = 0
-    ranks: list[str] = field(default_factory=list)
-    spares: list[str] = field(default_factory=list)
-    members: dict[str, MemberInfo] = field(default_factory=dict)
-    """Live members that registered: ranks, spares, and (before formation) the ones waiting."""
-    failed: list[str] = field(default_factory=list)
-    committed_step: int = NO_STEP
-    restore_step: int = NO_STEP
-    """The restore step of the current generation: older generations' snapshots above it are void."""
-    placement: list[list[str]] = field(default_factory=list)
-    completes: dict[int, dict[int, set[str]]] = field(default_factory=dict)
-    """step -> rank -> stores holding it complete, for steps above the committed one."""
-    pending: PendingRebuild | None = None
-    open_incidents: list[OpenIncident] = field(default_factory=list)
-    incidents: list[Incident] = field(default_factory=list)
-    done: dict[str, int] = field(default_factory=dict)
-    """Member -> the last step it says it finished, for the ranks of this generation that are done."""
     finished: bool = False
     finished_t: float = 0.0
     failed_reason: str = ""
     """Why the swapper ended the job ('' if it finished normally or runs)."""
-    incident_seq: int = 0
-    last_hello_t: float = 0.0
-    hold_until: float = 0.0
-    """The next rebuild waits until then: the last call after a failure, longer for a lost host."""
-    silent_hosts: dict[str, tuple[int, int]] = field(default_factory=dict)
-    """host -> (failures arrived, members the detector said went silent) while a rebuild is held."""
-    void_generation: int = 0
-    """The newest generation announced void (it will not train again)."""
-    void_sent_t: float = 0.0
-    attempts: int = 0
-    """Generations published since the last one that formed."""
-    formed: bool = False
-    """A generation has formed (every rank acked it): from then on rebuilds restore a committed step."""
-    applied_seq: int = 0
-    """The events-stream sequence of the last event applied (kept by the shell, saved with the record)."""
-    stream_id: str = ""
-    """Which incarnation of the events stream `applied_seq` counts in."""
-    placement_version: int = 0
-    """Placements published within the current generation (the rebuild's own is 0)."""
-    placement_sent_t: float = 0.0
-    """When the newest placement was last sent; it is sent again until a step commits under it."""
-    placement_confirmed: bool = True
-    """A step committed under the newest placement (so every member has it)."""
-    committed_generation: int = 0
-    """The generation whose snapshots make up the committed step (the only valid copies of it)."""
-    committed_holders: dict[int, set[str]] = field(default_factory=dict)
-    """rank -> the stores holding its snapshot of the committed step (replicas made later included)."""
-    replicate_sent_t: float = 0.0
-    rank_bytes: dict[int, int] = field(default_factory=dict)
-    """rank -> the size of its last snapshot (placement reserves room for it)."""
-    previous_committed: CommittedCopies = field(default_factory=CommittedCopies)
-    """The committed step before the current one, which stores keep too (the chain's second link)."""
-    unavailable: set[tuple[int, int]] = field(default_factory=set)
-    """(rank, step) a member reported it found no copy of, since the last generation that formed."""
-    awaiting_first_step: list[str] = field(default_factory=list)
-    """Closed incidents (ids, in `incidents`) not yet published: they end at the first step every rank
-    completes after them, in the generation that formed (or `first_step_wait_s` after its acks)."""
-    awaiting_since: float = 0.0
-    """When the generation holding them formed."""
-    first_steps: dict[int, float] = field(default_factory=dict)
-    """rank -> when it completed its first step of the current generation."""
-    durable_failed: bool = False
-    """A durable restore was reported impossible since the last generation that formed."""
-    durable_completes: dict[int, set[str]] = field(default_factory=dict)
-    """rank -> stores holding the resumed step's snapshot, while a durable rebuild is pending."""
-    announced_stores: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """store -> (host, port) as the members were last told (in a rebuild or a placement): a store heard
-    on another address (restarted under its name) gets a new placement."""
-    unprotected_since: float | None = None
-    """Since when no snapshot store receives the job's snapshots (None: some store does)."""
-    unprotected_step: int = NO_STEP
-    """The committed step when it became unprotected: every step trained after it is at risk."""
-    hold_without_stores_s: float = 0.0
-    """The run's policy when every store is lost: 0 trains on unprotected; above 0 holds training until
-    a store returns, for at most this long, then ends the job (`RunStart.hold_without_stores_s`)."""
-    held_since: float | None = None
-    """Since when training is held for want of a store (None: it is not)."""
-    local_failed: bool = False
-    """A restore from the ranks' own buffers was reported impossible since the last generation formed."""
-    commit_progress: CommitProgress = field(default_factory=CommitProgress, repr=False, compare=False)
-    """Derived from `completes` (not in the record): how many ranks each step has complete."""
+    membership: Membership = field(default_factory=Membership)
+    recovery: Recovery = field(default_factory=Recovery)
+    ledger: CommitLedger = field(default_factory=CommitLedger)
+    restores: RestoreReports = field(default_factory=RestoreReports)
+    stores: StorePlacement = field(default_factory=StorePlacement)
+    incident_log: IncidentLog = field(default_factory=IncidentLog)
+    protection: Protection = field(default_factory=Protection)
+    position: EventsPosition = field(default_factory=EventsPosition)
 
     def started(self) -> bool:
         """A generation of this run was published (formation went out)."""
         return self.generation > self.base_generation
 
-    def committed_copies(self) -> CommittedCopies:
-        return CommittedCopies(self.committed_step, self.committed_generation, self.committed_holders)
-
-    def vacant_ranks(self) -> list[int]:
-        return [r for r, m in enumerate(self.ranks) if m not in self.members]
-
-    def snapshot_bytes_max(self) -> int:
-        """The largest snapshot a rank streamed (0: none yet): a warm spare's landing size. O(ranks), at
-        each commit: 0.3 ms at 16,384 ranks."""
-        return max(self.rank_bytes.values(), default=0)
+    def parts(self) -> list[JobPart]:
+        """Every part, each of which writes its own entries of the record."""
+        return [self.membership, self.recovery, self.ledger, self.restores, self.stores,
+                self.incident_log, self.protection, self.position]  # fmt: skip
 
 
 def _reservations(state: JobState, before: list[list[str]], fresh: frozenset[str] = frozenset()) -> list[Action]:
@@ -390,8 +297,8 @@ def _reservations(state: JobState, before: list[list[str]], fresh: frozenset[str
     or on a store in `fresh`: one restarted, its memory empty), so that it faults in their buffers
     before their first upload there (`Reserve`). O(ranks) per placement, not per step."""
     by_store: dict[str, tuple[list[int], list[int]]] = {}
-    for rank, stores in enumerate(state.placement):
-        nbytes = state.rank_bytes.get(rank, 0)
+    for rank, stores in enumerate(state.stores.placement):
+        nbytes = state.ledger.rank_bytes.get(rank, 0)
         old = before[rank] if rank < len(before) else []
         if nbytes <= 0 or (not fresh and (stores is old or stores == old)):
             continue
@@ -487,14 +394,14 @@ class SwapperCore:
             why = f"run {start.run} of job {start.job} has ended: launch the name again with a new --run-id"
             return reply(False, why), Decision([], f"run refused: {why}")
         if start.world_size == 0:
-            if state is not None and state.run == start.run and state.world_size > 0:
-                joined = f"joined run {start.run} of {state.world_size} ranks"
-                return reply(True, joined, state.world_size), Decision([], joined)
+            if state is not None and state.run == start.run and state.membership.world_size > 0:
+                joined = f"joined run {start.run} of {state.membership.world_size} ranks"
+                return reply(True, joined, state.membership.world_size), Decision([], joined)
             why = f"run {start.run} of job {start.job} is not started yet: a launcher of its ranks starts it"
             return reply(False, why, not_yet=True), Decision([], f"run not joined yet: {why}")
         if state is not None and state.run == start.run:
-            if start.world_size != state.world_size:
-                why = f"run {start.run} has world size {state.world_size}, not {start.world_size}"
+            if start.world_size != state.membership.world_size:
+                why = f"run {start.run} has world size {state.membership.world_size}, not {start.world_size}"
                 return reply(False, why), Decision([], f"run refused: {why}")
             return reply(True, "the run is started"), Decision([], f"run {start.run} started again")
         actions: list[Action] = []
@@ -511,13 +418,12 @@ class SwapperCore:
             return reply(False, why), Decision([], f"run refused: {why}")
         fresh = JobState(
             start.job,
-            world_size=start.world_size,
             run=start.run,
-            last_hello_t=now,
-            hold_without_stores_s=start.hold_without_stores_s,
+            membership=Membership(world_size=start.world_size, last_hello_t=now),
+            protection=Protection(hold_without_stores_s=start.hold_without_stores_s),
         )
         if state is not None:  # generations only grow, across runs too: the old run's waits stay superseded
-            fresh.generation = fresh.void_generation = max(state.generation, state.void_generation)
+            fresh.generation = fresh.recovery.void_generation = max(state.generation, state.recovery.void_generation)
             fresh.base_generation = fresh.generation
         self.jobs[start.job] = fresh
         how = f"after run {state.run or '(undeclared)'}" if state is not None else "a new job"
@@ -533,7 +439,12 @@ class SwapperCore:
 
         def reply(accepted: bool, reason: str) -> HelloReply:
             return HelloReply(
-                hello.job, state.generation, hello.member, accepted, reason, snapshot_bytes=state.snapshot_bytes_max()
+                hello.job,
+                state.generation,
+                hello.member,
+                accepted,
+                reason,
+                snapshot_bytes=state.ledger.snapshot_bytes_max(),
             )
 
         if hello.run != state.run:
@@ -545,22 +456,22 @@ class SwapperCore:
             )
             late = HelloReply(hello.job, state.generation, hello.member, False, why, True, state.failed_reason)
             return late, Decision([], "hello refused: job finished")
-        if hello.member in state.failed:
+        if hello.member in state.membership.failed:
             return reply(False, "this member was declared failed and is fenced"), Decision([], "hello refused: fenced")
-        if state.world_size == 0:
-            state.world_size = hello.world_size
-        if hello.world_size != state.world_size:
-            why = f"world size {hello.world_size} differs from the job's {state.world_size}"
+        if state.membership.world_size == 0:
+            state.membership.world_size = hello.world_size
+        if hello.world_size != state.membership.world_size:
+            why = f"world size {hello.world_size} differs from the job's {state.membership.world_size}"
             return reply(False, why), Decision([], f"hello refused: {why}")
-        known = state.members.get(hello.member)
-        if known is None and len(state.members) >= self.config.members_max:
-            why = f"the job has {len(state.members)} members, the most one job may have (members_max)"
+        known = state.membership.members.get(hello.member)
+        if known is None and len(state.membership.members) >= self.config.members_max:
+            why = f"the job has {len(state.membership.members)} members, the most one job may have (members_max)"
             return reply(False, why), Decision([], f"hello refused: {why}")
         if known is not None and not _same_process(known, hello):
             why = f"member {hello.member} is registered from {known.host} pid {known.pid}: its identity never changes"
             return reply(False, why), Decision([], f"hello refused: {why}")
-        state.last_hello_t = now
-        state.members[hello.member] = MemberInfo(
+        state.membership.last_hello_t = now
+        state.membership.members[hello.member] = MemberInfo(
             member=hello.member,
             host=hello.host,
             pid=hello.pid,
@@ -577,9 +488,11 @@ class SwapperCore:
             decision = self._try_formation(state, now)
             registered = Decision(actions + decision.actions, decision.reason, routine=decision.routine)
             return reply(True, "registered"), registered
-        state.spares.append(hello.member)
-        reason = f"member {hello.member} joins the spare pool ({len(state.spares)} spares)"
-        if state.vacant_ranks() and not state.hold_until:  # a vacant rank is filled the moment a spare comes
+        state.membership.spares.append(hello.member)
+        reason = f"member {hello.member} joins the spare pool ({len(state.membership.spares)} spares)"
+        if (
+            state.membership.vacant_ranks() and not state.recovery.hold_until
+        ):  # a vacant rank is filled the moment a spare comes
             decision = self._start_rebuild(state, now)
             return reply(True, "registered as spare"), Decision(actions + decision.actions, decision.reason)
         return reply(True, "registered as spare"), Decision(actions, reason)
@@ -598,12 +511,15 @@ class SwapperCore:
         )
         if known is not None and known.incarnation != status.incarnation:
             for state in self.jobs.values():
-                for holders in [*state.committed_holders.values(), *state.previous_committed.holders.values()]:
+                for holders in [
+                    *state.ledger.committed_holders.values(),
+                    *state.ledger.previous_committed.holders.values(),
+                ]:
                     holders.discard(status.store)
-                for by_rank in state.completes.values():
+                for by_rank in state.ledger.completes.values():
                     for stores in by_rank.values():
                         stores.discard(status.store)
-                state.commit_progress.invalidate()
+                state.ledger.commit_progress.invalidate()
         self.stores[status.store] = StoreInfo(
             status.store,
             status.host,
@@ -625,21 +541,30 @@ class SwapperCore:
         return frozenset(s.store for s in self.live_stores(now))
 
     def _try_formation(self, state: JobState, now: float) -> Decision:
-        if len(state.members) < state.world_size:
-            registered = f"waiting for members: {len(state.members)} of {state.world_size} registered"
+        if len(state.membership.members) < state.membership.world_size:
+            registered = (
+                f"waiting for members: {len(state.membership.members)} of {state.membership.world_size} registered"
+            )
             return Decision([], registered, routine=True)  # one per hello: thousands at formation
-        claimed = {m.rank_hint for m in state.members.values() if 0 <= m.rank_hint < state.world_size}
-        if len(claimed) < state.world_size and now - state.last_hello_t < self.config.formation_grace_s:
-            return Decision([], f"waiting for members asking for ranks: {len(claimed)} of {state.world_size} claimed")
+        claimed = {
+            m.rank_hint for m in state.membership.members.values() if 0 <= m.rank_hint < state.membership.world_size
+        }
+        if (
+            len(claimed) < state.membership.world_size
+            and now - state.membership.last_hello_t < self.config.formation_grace_s
+        ):
+            return Decision(
+                [], f"waiting for members asking for ranks: {len(claimed)} of {state.membership.world_size} claimed"
+            )
         if not self.live_stores(now):
             return Decision([], "waiting for a snapshot store to announce itself")
         by_preference = sorted(
-            state.members.values(),
+            state.membership.members.values(),
             key=lambda m: (m.rank_hint < 0, m.rank_hint, m.registered_at, m.member),
         )
-        state.ranks = [m.member for m in by_preference[: state.world_size]]
-        state.spares = [m.member for m in by_preference[state.world_size :]]
-        return self._publish_rebuild(state, now, newcomers=set(state.ranks), reason="formation")
+        state.membership.ranks = [m.member for m in by_preference[: state.membership.world_size]]
+        state.membership.spares = [m.member for m in by_preference[state.membership.world_size :]]
+        return self._publish_rebuild(state, now, newcomers=set(state.membership.ranks), reason="formation")
 
     # ---------------------------------------------------------------- failures and rebuilds
 
@@ -650,38 +575,38 @@ class SwapperCore:
             return Decision([], f"failure for unknown job {failure.job}")
         if state.finished:
             return Decision([], f"failure of {failure.member} after the job finished: ignored")
-        if failure.member not in state.members:
+        if failure.member not in state.membership.members:
             return Decision([], f"failure of {failure.member}: not a live member (stale or repeated)")
-        info = state.members.pop(failure.member)
-        state.failed.append(failure.member)
-        del state.failed[:-FAILED_KEPT]
+        info = state.membership.members.pop(failure.member)
+        state.membership.failed.append(failure.member)
+        del state.membership.failed[:-FAILED_KEPT]
         actions: list[Action] = [Persist(state.job)]
         if failure.reason.needs_fence:
             actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
         if failure.cause.ends_job:
-            rank = state.ranks.index(failure.member) if failure.member in state.ranks else -1
+            rank = state.membership.ranks.index(failure.member) if failure.member in state.membership.ranks else -1
             error = failure.evidence.get("error", "")
             why = f"member {failure.member} (rank {rank}) cannot go on ({failure.cause}): {error}"
             decision = self._end_job(state, now, why)
             return Decision(actions + decision.actions, decision.reason)
         if host := failure.lost_host:  # the detector saw this member's whole host go silent
-            arrived, announced = state.silent_hosts.get(host, (0, 0))
-            state.silent_hosts[host] = (arrived + 1, max(announced, failure.lost_host_members))
-            state.hold_until = max(state.hold_until, now + self.config.host_loss_window_s)
-        if failure.member in state.spares:
-            state.spares.remove(failure.member)
-            why = f"spare {failure.member} lost ({failure.reason}); {len(state.spares)} left"
-            if state.hold_until and not self._host_failures_missing(state) and state.vacant_ranks():
+            arrived, announced = state.recovery.silent_hosts.get(host, (0, 0))
+            state.recovery.silent_hosts[host] = (arrived + 1, max(announced, failure.lost_host_members))
+            state.recovery.hold_until = max(state.recovery.hold_until, now + self.config.host_loss_window_s)
+        if failure.member in state.membership.spares:
+            state.membership.spares.remove(failure.member)
+            why = f"spare {failure.member} lost ({failure.reason}); {len(state.membership.spares)} left"
+            if state.recovery.hold_until and not self._host_failures_missing(state) and state.membership.vacant_ranks():
                 decision = self._start_rebuild(state, now)  # every announced member of the host is in
                 return Decision(actions + decision.actions, f"{why}; {decision.reason}")
             return Decision(actions, why)
-        if failure.member not in state.ranks:
+        if failure.member not in state.membership.ranks:
             return Decision(actions, f"member {failure.member} lost before formation ({failure.reason})")
-        rank = state.ranks.index(failure.member)
-        state.incident_seq += 1
-        state.open_incidents.append(
+        rank = state.membership.ranks.index(failure.member)
+        state.incident_log.incident_seq += 1
+        state.incident_log.open_incidents.append(
             OpenIncident(
-                incident_id=f"{state.job}-{state.incident_seq}",
+                incident_id=f"{state.job}-{state.incident_log.incident_seq}",
                 rank=rank,
                 member=failure.member,
                 host=info.host,
@@ -698,27 +623,29 @@ class SwapperCore:
         what = f"rank {rank} ({failure.member}) failed: {failure.reason}"
         if self._host_failures_missing(state):
             return Decision(actions, f"{what}; host {info.host} lost: waiting for its other failures")
-        if state.pending is None and not state.silent_hosts and self.config.last_call_s > 0:
-            state.hold_until = state.hold_until or now + self.config.last_call_s  # counted from the first failure
+        if state.recovery.pending is None and not state.recovery.silent_hosts and self.config.last_call_s > 0:
+            state.recovery.hold_until = (
+                state.recovery.hold_until or now + self.config.last_call_s
+            )  # counted from the first failure
             return Decision(actions, f"{what}; last call for other failures ({self.config.last_call_s} s)")
         # At once: the rebuild under way cannot form without this member (it is superseded), or every
         # failure of a lost host is in.
-        superseded = " (supersedes the rebuild under way)" if state.pending is not None else ""
+        superseded = " (supersedes the rebuild under way)" if state.recovery.pending is not None else ""
         decision = self._start_rebuild(state, now)
         return Decision(actions + decision.actions, f"{what}{superseded}; {decision.reason}")
 
     def _void(self, state: JobState, now: float, reason: str) -> list[Action]:
         """Announce that the current generation will not train again (once; retransmitted by `tick`)."""
-        if not state.started() or state.void_generation >= state.generation:
+        if not state.started() or state.recovery.void_generation >= state.generation:
             return []
-        state.void_generation = state.generation
-        state.void_sent_t = now
+        state.recovery.void_generation = state.generation
+        state.recovery.void_sent_t = now
         return [Publish(GenerationVoid(state.job, state.generation, reason, self._wall(now)))]
 
     @staticmethod
     def _host_failures_missing(state: JobState) -> bool:
         """Whether a lost host announced more silent members than failures arrived so far."""
-        return any(arrived < announced for arrived, announced in state.silent_hosts.values())
+        return any(arrived < announced for arrived, announced in state.recovery.silent_hosts.values())
 
     @_phased
     def on_group_broken(self, broken: GroupBroken, now: float) -> Decision:
@@ -729,26 +656,28 @@ class SwapperCore:
         state = self.jobs.get(broken.job)
         if state is None or state.finished or broken.generation != state.generation:
             return Decision([], f"group of generation {broken.generation} broken: not the current one, ignored")
-        if state.vacant_ranks() or state.hold_until:
+        if state.membership.vacant_ranks() or state.recovery.hold_until:
             return Decision([], f"group of generation {broken.generation} broken: a rebuild is already under way")
-        if state.held_since is not None:
+        if state.protection.held_since is not None:
             return Decision([], f"group of generation {broken.generation} broken: held until a store returns")
-        if broken.members_digest != members_digest(state.ranks) or any(m not in state.members for m in state.ranks):
+        if broken.members_digest != members_digest(state.membership.ranks) or any(
+            m not in state.membership.members for m in state.membership.ranks
+        ):
             return Decision([], f"group of generation {broken.generation} broken: its members differ from the ranks")
         first = broken.evidence.get("first_to_leave", "")
-        rank = state.ranks.index(first) if first in state.ranks else 0
-        state.incident_seq += 1
-        state.open_incidents.append(
+        rank = state.membership.ranks.index(first) if first in state.membership.ranks else 0
+        state.incident_log.incident_seq += 1
+        state.incident_log.open_incidents.append(
             OpenIncident(
-                incident_id=f"{state.job}-{state.incident_seq}",
+                incident_id=f"{state.job}-{state.incident_log.incident_seq}",
                 rank=rank,
-                member=state.ranks[rank],
-                host=state.members[state.ranks[rank]].host,
+                member=state.membership.ranks[rank],
+                host=state.membership.members[state.membership.ranks[rank]].host,
                 reason=GroupBroken.INCIDENT_REASON,
                 evidence=_incident_evidence(broken.evidence),
                 t_fault=broken.t_broken,
                 t_detected=broken.t_detected,
-                replacement=state.ranks[rank],
+                replacement=state.membership.ranks[rank],
             )
         )
         actions = self._void(state, now, "the group broke with every rank alive")
@@ -760,37 +689,38 @@ class SwapperCore:
     @_phased
     def on_fenced(self, job: str, member: str, fence_s: float) -> None:
         state = self.jobs.get(job)
-        for incident in state.open_incidents if state else []:
+        for incident in state.incident_log.open_incidents if state else []:
             if incident.member == member:
                 incident.fence_s = fence_s
 
     def _start_rebuild(self, state: JobState, now: float) -> Decision:
-        state.hold_until = 0.0
-        state.silent_hosts.clear()
-        vacant = state.vacant_ranks()
+        state.recovery.hold_until = 0.0
+        state.recovery.silent_hosts.clear()
+        vacant = state.membership.vacant_ranks()
         if not vacant:
             return Decision([], "no rank is vacant")
-        if len(state.spares) < len(vacant):
+        if len(state.membership.spares) < len(vacant):
             return Decision(
-                [], f"{len(vacant)} rank(s) vacant but {len(state.spares)} spare(s) free: waiting for a spare"
+                [],
+                f"{len(vacant)} rank(s) vacant but {len(state.membership.spares)} spare(s) free: waiting for a spare",
             )
         if not self._stores_known(now):  # the tick tries again once they are
             return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
         committed = self._commit_newest(state, self._live_names(now))
-        failed_hosts = {i.host for i in state.open_incidents}
+        failed_hosts = {i.host for i in state.incident_log.open_incidents}
         newcomers: set[str] = set()
         host_copies = True
         """Every vacant rank goes to a spare of the launcher its crash copy is on (its host is up)."""
         for rank in vacant:
-            incident = next((i for i in reversed(state.open_incidents) if i.rank == rank), None)
+            incident = next((i for i in reversed(state.incident_log.open_incidents) if i.rank == rank), None)
             launcher = incident.launcher if incident is not None and not incident.host_lost else ""
-            spare = pick_spare(state.spares, state.members, failed_hosts, launcher)
+            spare = pick_spare(state.membership.spares, state.membership.members, failed_hosts, launcher)
             assert spare is not None
-            state.spares.remove(spare)
-            state.ranks[rank] = spare
+            state.membership.spares.remove(spare)
+            state.membership.ranks[rank] = spare
             newcomers.add(spare)
-            host_copies = host_copies and bool(launcher) and state.members[spare].launcher == launcher
-            for incident in state.open_incidents:
+            host_copies = host_copies and bool(launcher) and state.membership.members[spare].launcher == launcher
+            for incident in state.incident_log.open_incidents:
                 if incident.rank == rank:
                     incident.replacement = spare
         rebuild = self._publish_rebuild(
@@ -818,34 +748,40 @@ class SwapperCore:
         launcher): the ranks restore the newest step they all hold, survivors in their own buffers and
         newcomers in the copies (a process crash loses at most the step it was in), stores or none."""
         stores = self.live_stores(now)
-        if not stores and not state.formed:
+        if not stores and not state.recovery.formed:
             return Decision([], "waiting for a snapshot store: a generation forms with its step-0 snapshot stored")
-        if state.attempts >= self.config.rebuild_attempts_max:
-            why = f"{state.attempts} generations in a row did not form (the last was {state.generation})"
+        if state.recovery.attempts >= self.config.rebuild_attempts_max:
+            why = f"{state.recovery.attempts} generations in a row did not form (the last was {state.generation})"
             return self._end_job(state, now, why)
-        assert len(set(state.ranks)) == len(state.ranks), "a member holds more than one rank"
+        assert len(set(state.membership.ranks)) == len(state.membership.ranks), "a member holds more than one rank"
         # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt,
         # over the members' addresses first.
-        addresses = {m: state.members[m].rendezvous_host for m in state.ranks if m in state.members}
-        rendezvous = state.members[pick_rendezvous(state.ranks, newcomers, state.attempts, addresses)]
+        addresses = {
+            m: state.membership.members[m].rendezvous_host
+            for m in state.membership.ranks
+            if m in state.membership.members
+        }
+        rendezvous = state.membership.members[
+            pick_rendezvous(state.membership.ranks, newcomers, state.recovery.attempts, addresses)
+        ]
         # Until a generation has formed, every attempt starts fresh (a rank that died during formation
         # may never have stored step 0). Every later generation restores a committed step (members ack
         # formation only once their first snapshot is sealed on its stores), or, when no RAM copy of one
         # is left, the durable tier: the fallback chain (`restore_chain`).
         choice: RestoreChoice | None = choose_restore(
-            state.formed,
+            state.recovery.formed,
             [
-                (RestoreLink.COMMITTED, state.committed_copies()),
-                (RestoreLink.OLDER_COMMITTED, state.previous_committed),
+                (RestoreLink.COMMITTED, state.ledger.committed_copies()),
+                (RestoreLink.OLDER_COMMITTED, state.ledger.previous_committed),
             ],
-            state.ranks,
+            state.membership.ranks,
             newcomers,
             {s.store for s in stores},
-            state.unavailable,
-            state.durable_failed,
-            state.world_size,
+            state.restores.unavailable,
+            state.restores.durable_failed,
+            state.membership.world_size,
         )
-        if host_copies and newcomers and state.formed and not state.local_failed:
+        if host_copies and newcomers and state.recovery.formed and not state.restores.local_failed:
             choice = RestoreChoice(
                 NO_STEP,
                 0,
@@ -858,56 +794,63 @@ class SwapperCore:
                 "member could restore from a durable tier (none configured, or no step all ranks have intact)"
             )
             return self._end_job(state, now, why)
-        elif state.formed and state.committed_step == NO_STEP and not state.unavailable:
+        elif state.recovery.formed and state.ledger.committed_step == NO_STEP and not state.restores.unavailable:
             # Formed, and step 0's reports not in yet: members ack formation once it is sealed.
             choice = RestoreChoice(0, 0, RestoreLink.COMMITTED, "step 0, stored at formation")
-        if local and not newcomers and not state.local_failed:
+        if local and not newcomers and not state.restores.local_failed:
             choice = RestoreChoice(NO_STEP, 0, RestoreLink.LOCAL, "the newest step every rank holds itself")
-        state.restore_step = choice.step
-        for incident in state.open_incidents:
+        state.ledger.restore_step = choice.step
+        for incident in state.incident_log.open_incidents:
             # The reason lists ranks (thousands, at scale): within the bound of an evidence entry.
             incident.evidence["restore_link"], incident.evidence["restore_reason"] = (
                 choice.link,
                 clip_text(choice.reason),
             )
         generation = state.generation + 1
-        assert generation > state.generation and generation > state.void_generation, "generations only grow"
+        assert generation > state.generation and generation > state.recovery.void_generation, "generations only grow"
         state.generation = generation
-        state.first_steps = {}  # incidents still awaiting a first step end at this generation's
-        state.attempts += 1
-        before = state.placement
-        state.placement = place_snapshots(
-            state.ranks, state.members, stores, self.config.replication, state.rank_bytes, state.placement
+        state.incident_log.first_steps = {}  # incidents still awaiting a first step end at this generation's
+        state.recovery.attempts += 1
+        before = state.stores.placement
+        state.stores.placement = place_snapshots(
+            state.membership.ranks,
+            state.membership.members,
+            stores,
+            self.config.replication,
+            state.ledger.rank_bytes,
+            state.stores.placement,
         )
         reservations = _reservations(state, before)
-        state.placement_version, state.placement_confirmed = 0, True
-        state.completes = {s: v for s, v in state.completes.items() if s <= state.restore_step}
-        state.durable_completes = {}
-        state.done.clear()
+        state.stores.placement_version, state.stores.placement_confirmed = 0, True
+        state.ledger.completes = {s: v for s, v in state.ledger.completes.items() if s <= state.ledger.restore_step}
+        state.restores.durable_completes = {}
+        state.membership.done.clear()
         command = Rebuild(
             job=state.job,
             generation=state.generation,
-            world_size=state.world_size,
-            ranks=list(state.ranks),
-            spares=list(state.spares),
+            world_size=state.membership.world_size,
+            ranks=list(state.membership.ranks),
+            spares=list(state.membership.spares),
             rendezvous_member=rendezvous.member,
             rendezvous_host=rendezvous.rendezvous_host,
             rendezvous_port=rendezvous.rendezvous_port,
-            restore_step=state.restore_step,
+            restore_step=state.ledger.restore_step,
             stores=[StoreAddress(s.store, s.host, s.port) for s in stores],
-            placement=state.placement,
-            incident=clip_text(",".join(i.incident_id for i in state.open_incidents), INCIDENT_IDS_CHARS_MAX),
+            placement=state.stores.placement,
+            incident=clip_text(
+                ",".join(i.incident_id for i in state.incident_log.open_incidents), INCIDENT_IDS_CHARS_MAX
+            ),
             t_decided=self._wall(now),
             restore_generation=choice.generation,
             durable=choice.durable,
             local=choice.local,
-            traceparent=next((i.traceparent for i in state.open_incidents if i.traceparent), ""),
+            traceparent=next((i.traceparent for i in state.incident_log.open_incidents if i.traceparent), ""),
         )
         command.check()
-        state.pending = PendingRebuild(command, t_sent=now)
-        state.announced_stores = {a.store: (a.host, a.port) for a in command.stores}
+        state.recovery.pending = PendingRebuild(command, t_sent=now)
+        state.stores.announced_stores = {a.store: (a.host, a.port) for a in command.stores}
         self._note_protection(state, now, bool(stores))
-        for incident in state.open_incidents:
+        for incident in state.incident_log.open_incidents:
             if incident.t_decided == 0.0:
                 incident.t_decided = command.t_decided
         return Decision(
@@ -919,9 +862,11 @@ class SwapperCore:
         """Stop the job for good, saying why: members exit with the reason, launchers exit non-zero."""
         reason = clip_text(reason)  # it quotes a member's error: within the bound of a message's text
         state.finished, state.finished_t, state.failed_reason = True, now, reason
-        state.pending = None
-        state.hold_until = 0.0
-        ended = JobFinished(state.job, state.generation, max(state.committed_step, 0), failed=True, reason=reason)
+        state.recovery.pending = None
+        state.recovery.hold_until = 0.0
+        ended = JobFinished(
+            state.job, state.generation, max(state.ledger.committed_step, 0), failed=True, reason=reason
+        )
         return Decision([Persist(state.job), Publish(ended)], f"job ended: {reason}")
 
     @_phased
@@ -931,7 +876,7 @@ class SwapperCore:
     def _take_ack(self, ack: RebuildAck, now: float) -> Decision:
         """`on_ack`, unchecked: a batch's acks are checked as one decision (`on_ack_batch`)."""
         state = self.jobs.get(ack.job)
-        pending = state.pending if state else None
+        pending = state.recovery.pending if state else None
         if state is None or pending is None or ack.generation != pending.command.generation:
             # a member answers every retransmission: at thousands of ranks, a line each would flood the log
             why = f"ack from {ack.member} for generation {ack.generation}: no such rebuild pending"
@@ -944,22 +889,22 @@ class SwapperCore:
         missing = len(pending.rank_members) - len(pending.acks)  # O(1): thousands of acks per generation
         if missing:
             return Decision([], f"generation {ack.generation}: waiting for {missing} ack(s)", routine=True)
-        state.pending = None
-        state.attempts = 0
-        state.formed = True
-        state.unavailable.clear()
-        state.durable_failed = state.local_failed = False
+        state.recovery.pending = None
+        state.recovery.attempts = 0
+        state.recovery.formed = True
+        state.restores.unavailable.clear()
+        state.restores.durable_failed = state.restores.local_failed = False
         if pending.command.durable:
             self._adopt_durable_step(state, pending)
         elif pending.command.local:
             self._adopt_local_step(state, pending)
         actions: list[Action] = [Persist(state.job)]
-        incidents = [self._close(state, incident, pending) for incident in state.open_incidents]
-        state.open_incidents.clear()
-        state.incidents = (state.incidents + incidents)[-INCIDENTS_KEPT:]
+        incidents = [self._close(state, incident, pending) for incident in state.incident_log.open_incidents]
+        state.incident_log.open_incidents.clear()
+        state.incident_log.incidents = (state.incident_log.incidents + incidents)[-INCIDENTS_KEPT:]
         if incidents:
-            state.awaiting_first_step += [i.incident_id for i in incidents]
-            state.awaiting_since = now
+            state.incident_log.awaiting_first_step += [i.incident_id for i in incidents]
+            state.incident_log.awaiting_since = now
             actions += self._end_incidents(state, now)  # every first step may be in already
         what = "formed" if not incidents else f"recovered from {len(incidents)} incident(s)"
         return Decision(actions, f"generation {state.generation} {what}: every rank acked")
@@ -973,7 +918,7 @@ class SwapperCore:
         said: list[str] = []
         for ack in batch.acks:
             state = self.jobs.get(batch.job)
-            info = state.members.get(ack.member) if state is not None else None
+            info = state.membership.members.get(ack.member) if state is not None else None
             if info is not None and info.launcher != batch.launcher:
                 said.append(f"ack of {ack.member} from launcher {batch.launcher}, which does not run it: refused")
                 continue
@@ -989,11 +934,11 @@ class SwapperCore:
     def on_step_resumed(self, resumed: StepResumed, now: float) -> Decision:
         """A rank completed its first step of a generation; with every rank's, its incidents end."""
         state = self.jobs.get(resumed.job)
-        if state is None or resumed.generation != state.generation or resumed.rank >= state.world_size:
+        if state is None or resumed.generation != state.generation or resumed.rank >= state.membership.world_size:
             return Decision([], f"first step of {resumed.member} in generation {resumed.generation}: not current")
-        if resumed.rank in state.first_steps:
+        if resumed.rank in state.incident_log.first_steps:
             return Decision([], f"first step of rank {resumed.rank}: already counted")
-        state.first_steps[resumed.rank] = resumed.t_completed
+        state.incident_log.first_steps[resumed.rank] = resumed.t_completed
         ended = self._end_incidents(state, now)  # saves the record itself when it ends any
         return Decision(ended or [Persist(state.job)], f"rank {resumed.rank} completed its first step")
 
@@ -1001,15 +946,17 @@ class SwapperCore:
         """Publish the incidents awaiting a first step: with every rank's first step of the generation
         that formed (`t_first_step`), or without it once `first_step_wait_s` has passed (or `force`: the
         job ended). While a newer rebuild is pending they wait for its generation's first steps."""
-        if not state.awaiting_first_step or (state.pending is not None and not force):
+        if not state.incident_log.awaiting_first_step or (state.recovery.pending is not None and not force):
             return []
-        every_rank = len(state.first_steps) >= state.world_size and state.pending is None
-        if not every_rank and not force and now - state.awaiting_since < self.config.first_step_wait_s:
+        every_rank = (
+            len(state.incident_log.first_steps) >= state.membership.world_size and state.recovery.pending is None
+        )
+        if not every_rank and not force and now - state.incident_log.awaiting_since < self.config.first_step_wait_s:
             return []
-        t_first = max(state.first_steps.values()) if every_rank else 0.0
+        t_first = max(state.incident_log.first_steps.values()) if every_rank else 0.0
         ended: list[Action] = []
-        for index, incident in enumerate(state.incidents):
-            if incident.incident_id in state.awaiting_first_step:
+        for index, incident in enumerate(state.incident_log.incidents):
+            if incident.incident_id in state.incident_log.awaiting_first_step:
                 phases = dict(incident.phases)
                 evidence = dict(incident.evidence)
                 if t_first:
@@ -1017,9 +964,9 @@ class SwapperCore:
                 else:
                     evidence["first_step"] = "not every rank completed one after it in time"
                 incident = dataclasses.replace(incident, t_first_step=t_first, phases=phases, evidence=evidence)
-                state.incidents[index] = incident
+                state.incident_log.incidents[index] = incident
                 ended.append(Publish(incident))
-        state.awaiting_first_step = []
+        state.incident_log.awaiting_first_step = []
         return [Persist(state.job), *ended]
 
     def _restore_unavailable(self, state: JobState, pending: PendingRebuild, ack: RebuildAck, now: float) -> Decision:
@@ -1027,16 +974,18 @@ class SwapperCore:
         others are waiting for it in the rendezvous; the newer generation releases them)."""
         command = pending.command
         if command.durable:
-            state.durable_failed = True
+            state.restores.durable_failed = True
             what = f"rank {ack.rank} ({ack.member}) could not restore from a durable tier"
         elif command.local:
-            state.local_failed = True
+            state.restores.local_failed = True
             what = f"rank {ack.rank} ({ack.member}): the ranks hold no step in common in their own buffers"
         else:
-            state.unavailable.add((ack.rank, command.restore_step))
+            state.restores.unavailable.add((ack.rank, command.restore_step))
             what = f"rank {ack.rank} ({ack.member}) found no copy of step {command.restore_step}"
         # The members that took a rank since the last generation that formed hold nothing of it.
-        newcomers = {i.replacement for i in state.open_incidents if i.replacement and i.replacement != i.member}
+        newcomers = {
+            i.replacement for i in state.incident_log.open_incidents if i.replacement and i.replacement != i.member
+        }
         decision = self._publish_rebuild(state, now, newcomers, reason=f"{what}: next link")
         return Decision([Persist(state.job), *decision.actions], f"{what}; {decision.reason}")
 
@@ -1045,29 +994,31 @@ class SwapperCore:
         committed step it is, the stores' copies stay known; a newer one is the committed step now (its
         copies are those the ranks seal of it), the one before it the older link."""
         step = max(a.restore_step for a in pending.acks.values())
-        if step != state.committed_step:
-            newer = step > state.committed_step
-            state.previous_committed = state.committed_copies() if newer else CommittedCopies()
-            state.committed_step, state.committed_generation = step, state.generation
+        if step != state.ledger.committed_step:
+            newer = step > state.ledger.committed_step
+            state.ledger.previous_committed = state.ledger.committed_copies() if newer else CommittedCopies()
+            state.ledger.committed_step, state.ledger.committed_generation = step, state.generation
             # The ranks store the step as training resumes (`MemberRebuild.seal`): the copies sealed
             # before the last ack count, the later ones are added as copies of the committed step.
-            state.committed_holders = {rank: set(stores) for rank, stores in state.completes.get(step, {}).items()}
-        state.restore_step = step
-        state.completes = {}
+            state.ledger.committed_holders = {
+                rank: set(stores) for rank, stores in state.ledger.completes.get(step, {}).items()
+            }
+        state.ledger.restore_step = step
+        state.ledger.completes = {}
 
     def _adopt_durable_step(self, state: JobState, pending: PendingRebuild) -> None:
         """A durable restore formed: the step the ranks agreed on is the committed step now. It goes back
         (the only place it may): the RAM copies of the steps after it are gone, which the incidents say."""
         step = max(a.restore_step for a in pending.acks.values())
-        lost = max(0, state.committed_step - step)
-        for incident in state.open_incidents:
+        lost = max(0, state.ledger.committed_step - step)
+        for incident in state.incident_log.open_incidents:
             incident.evidence["lost_committed_steps"] = str(lost)
-        state.previous_committed = CommittedCopies()
-        state.committed_step, state.committed_generation = step, state.generation
-        state.committed_holders = {r: set(s) for r, s in state.durable_completes.items()}
-        state.durable_completes = {}
-        state.restore_step = step
-        state.completes = {}
+        state.ledger.previous_committed = CommittedCopies()
+        state.ledger.committed_step, state.ledger.committed_generation = step, state.generation
+        state.ledger.committed_holders = {r: set(s) for r, s in state.restores.durable_completes.items()}
+        state.restores.durable_completes = {}
+        state.ledger.restore_step = step
+        state.ledger.completes = {}
 
     def _close(self, state: JobState, incident: OpenIncident, pending: PendingRebuild) -> Incident:
         acks = list(pending.acks.values())
@@ -1075,7 +1026,7 @@ class SwapperCore:
         # Every member that held a rank before reports the last step it completed, wherever it
         # restores from (a survivor whose own buffers no longer hold the restore step fetches too).
         last_completed = max((a.last_completed_step for a in acks), default=NO_STEP)
-        last_completed = max(last_completed, state.restore_step)
+        last_completed = max(last_completed, state.ledger.restore_step)
         agreed = pending.command.durable or pending.command.local  # the ranks agreed on the step themselves
         restored = max(a.restore_step for a in acks) if agreed else pending.command.restore_step
         phases = incident_phases(incident, acks)
@@ -1118,11 +1069,11 @@ class SwapperCore:
             return Decision([], "tick", clock.next_at, routine=True)
         if state.finished:
             # The job ended before every rank's first step was heard of: its incidents go out now.
-            ended = self._end_incidents(state, now, force=True) if state.awaiting_first_step else []
+            ended = self._end_incidents(state, now, force=True) if state.incident_log.awaiting_first_step else []
             if clock.due(state.finished_t + self.config.finished_kept_s):
                 del self.jobs[job]
             return Decision(ended, "tick", clock.next_at, routine=True)
-        if not state.started() and clock.due(state.last_hello_t + self.config.unformed_kept_s):
+        if not state.started() and clock.due(state.membership.last_hello_t + self.config.unformed_kept_s):
             del self.jobs[job]
             return Decision(
                 [], f"job {job} never formed: forgotten {self.config.unformed_kept_s} s after its last hello"
@@ -1135,20 +1086,23 @@ class SwapperCore:
             actions.extend(decision.actions)
             decided = decision if decision.actions else decided
 
-        if state.held_since is not None and clock.due(state.held_since + state.hold_without_stores_s):
+        protection = state.protection
+        if protection.held_since is not None and clock.due(protection.held_since + protection.hold_without_stores_s):
             why = (
-                f"every snapshot store was lost and none came back within {state.hold_without_stores_s:.0f} s "
+                f"every snapshot store was lost and none came back within {protection.hold_without_stores_s:.0f} s "
                 "(the run's --hold-without-stores-s): training was held since committed step "
-                f"{state.unprotected_step}"
+                f"{protection.unprotected_step}"
             )
             return self._end_job(state, now, why)
-        first_step_by = state.awaiting_since + self.config.first_step_wait_s
-        if state.awaiting_first_step and state.pending is None and clock.due(first_step_by):
+        first_step_by = state.incident_log.awaiting_since + self.config.first_step_wait_s
+        if state.incident_log.awaiting_first_step and state.recovery.pending is None and clock.due(first_step_by):
             actions += self._end_incidents(state, now)
-        gathered = not state.started() and len(state.members) >= state.world_size
-        if gathered and (self._all_claimed(state) or clock.due(state.last_hello_t + self.config.formation_grace_s)):
+        gathered = not state.started() and len(state.membership.members) >= state.membership.world_size
+        if gathered and (
+            self._all_claimed(state) or clock.due(state.membership.last_hello_t + self.config.formation_grace_s)
+        ):
             act(self._try_formation(state, now))  # waiting for a store: one announcing itself pokes the shell
-        if state.hold_until and clock.due(state.hold_until):
+        if state.recovery.hold_until and clock.due(state.recovery.hold_until):
             act(self._start_rebuild(state, now))
         elif self._rebuild_wanted(state):  # a vacant rank and a spare for it: retried until it goes out
             if self._stores_known(now):
@@ -1157,26 +1111,30 @@ class SwapperCore:
                 clock.due(self._stores_known_at())
         actions += self._heal_placement(state, now, clock)
         retransmit = self.config.rebuild_retransmit_s
-        if state.pending is None and not state.placement_confirmed and clock.due(state.placement_sent_t + retransmit):
-            state.placement_sent_t = now  # until a step commits under it, a member may not have it
+        if (
+            state.recovery.pending is None
+            and not state.stores.placement_confirmed
+            and clock.due(state.stores.placement_sent_t + retransmit)
+        ):
+            state.stores.placement_sent_t = now  # until a step commits under it, a member may not have it
             clock.due(now + retransmit)
             actions.append(Publish(self._placement_message(state, "sent again")))
-        if state.pending is None and clock.due(state.replicate_sent_t + retransmit):
+        if state.recovery.pending is None and clock.due(state.ledger.replicate_sent_t + retransmit):
             wanted = self._replicas_wanted(state, now)
             if wanted:
-                state.replicate_sent_t = now
+                state.ledger.replicate_sent_t = now
                 clock.due(now + retransmit)
                 actions += wanted
-        pending = state.pending
+        pending = state.recovery.pending
         if pending is not None and clock.due(pending.t_sent + retransmit):
             pending.t_sent = now
             clock.due(now + retransmit)
             actions.append(Publish(pending.command))
-        voided = 0 < state.void_generation == state.generation and state.pending is None
-        if voided and clock.due(state.void_sent_t + retransmit):
-            state.void_sent_t = now
+        voided = 0 < state.recovery.void_generation == state.generation and state.recovery.pending is None
+        if voided and clock.due(state.recovery.void_sent_t + retransmit):
+            state.recovery.void_sent_t = now
             clock.due(now + retransmit)
-            why = "waiting for a spare" if state.vacant_ranks() else "waiting for the next generation"
+            why = "waiting for a spare" if state.membership.vacant_ranks() else "waiting for the next generation"
             actions.append(Publish(GenerationVoid(state.job, state.generation, why, self._wall(now))))
         if decided is None:
             return Decision(actions, "tick", clock.next_at, routine=True)
@@ -1184,16 +1142,18 @@ class SwapperCore:
 
     @staticmethod
     def _all_claimed(state: JobState) -> bool:
-        claimed = {m.rank_hint for m in state.members.values() if 0 <= m.rank_hint < state.world_size}
-        return len(claimed) >= state.world_size
+        claimed = {
+            m.rank_hint for m in state.membership.members.values() if 0 <= m.rank_hint < state.membership.world_size
+        }
+        return len(claimed) >= state.membership.world_size
 
     @staticmethod
     def _rebuild_wanted(state: JobState) -> bool:
         """A formed job has a vacant rank, a free spare for each, and no rebuild under way or held."""
-        if not state.started() or state.pending is not None or state.hold_until:
+        if not state.started() or state.recovery.pending is not None or state.recovery.hold_until:
             return False
-        vacant = state.vacant_ranks()
-        return bool(vacant) and len(state.spares) >= len(vacant)
+        vacant = state.membership.vacant_ranks()
+        return bool(vacant) and len(state.membership.spares) >= len(vacant)
 
     # ---------------------------------------------------------------- commits and completion
 
@@ -1204,36 +1164,42 @@ class SwapperCore:
         state = self.jobs.get(sc.job)
         if state is None or not state.started():
             return Decision([], f"snapshot of unknown or unformed job {sc.job}")
-        if sc.generation < state.generation and sc.step > state.restore_step:
+        if sc.generation < state.generation and sc.step > state.ledger.restore_step:
             return Decision([], f"snapshot step {sc.step} of generation {sc.generation} was abandoned: stale")
-        pending = state.pending
+        pending = state.recovery.pending
         durable = pending is not None and pending.command.durable and sc.generation == pending.command.generation
-        committed_again = sc.step == state.committed_step and sc.generation == state.committed_generation
+        committed_again = sc.step == state.ledger.committed_step and sc.generation == state.ledger.committed_generation
         if not durable and not committed_again:
-            if sc.step <= state.committed_step:
+            if sc.step <= state.ledger.committed_step:
                 return Decision([], f"snapshot step {sc.step} on {sc.store}: already committed")
-            lead = sc.step - max(state.committed_step, state.restore_step, 0)
+            lead = sc.step - max(state.ledger.committed_step, state.ledger.restore_step, 0)
             if lead > self.config.snapshot_step_lead_max:
                 return Decision([], f"snapshot step {sc.step} on {sc.store}: {lead} steps beyond the committed step")
         live = self._live_names(now)
         refused: list[str] = []
         changed = False
         for rank, nbytes in zip(sc.ranks, sc.nbytes, strict=True):
-            if rank >= state.world_size:
+            if rank >= state.membership.world_size:
                 refused.append(f"rank {rank}: no such rank")
             elif not self._placed(state, rank, sc.store):
                 refused.append(f"rank {rank}: not placed there")
             elif durable:
-                state.durable_completes.setdefault(rank, set()).add(sc.store)  # the resumed step, sealed
+                state.restores.durable_completes.setdefault(rank, set()).add(sc.store)  # the resumed step, sealed
                 changed = True
             elif committed_again:
-                holders = state.committed_holders.setdefault(rank, set())  # a replica made again, or a late copy
+                holders = state.ledger.committed_holders.setdefault(rank, set())  # a replica made again, or a late copy
                 changed = changed or sc.store not in holders
                 holders.add(sc.store)
             else:
-                state.rank_bytes[rank] = nbytes
-                state.commit_progress.add(
-                    state.completes, sc.step, rank, sc.store, live, state.placement, state.world_size
+                state.ledger.rank_bytes[rank] = nbytes
+                state.ledger.commit_progress.add(
+                    state.ledger.completes,
+                    sc.step,
+                    rank,
+                    sc.store,
+                    live,
+                    state.stores.placement,
+                    state.membership.world_size,
                 )
         what = f"snapshot step {sc.step} on {sc.store}: {len(sc.ranks) - len(refused)} rank(s)"
         if refused:
@@ -1250,28 +1216,30 @@ class SwapperCore:
     def _placed(state: JobState, rank: int, store: str) -> bool:
         """Whether the job's placement (or the pending rebuild's) puts `rank`'s copies on `store`: a
         report from any other store counts for nothing (forged reports once committed a step far ahead)."""
-        placements = [state.placement]
-        if state.pending is not None:
-            placements.append(state.pending.command.placement)
+        placements = [state.stores.placement]
+        if state.recovery.pending is not None:
+            placements.append(state.recovery.pending.command.placement)
         return any(rank < len(placement) and store in placement[rank] for placement in placements)
 
     def _commit_newest(self, state: JobState, live: frozenset[str]) -> Decision | None:
         """Commit the newest step every rank has complete on the `live` stores, if any is newer than the
         committed one. Also asked before a restore is chosen: a complete read while its store's status
         was stale (after a pause) did not count then, and its store may have been heard since."""
-        newly = state.commit_progress.complete_steps(state.completes, live, state.placement, state.world_size)
+        newly = state.ledger.commit_progress.complete_steps(
+            state.ledger.completes, live, state.stores.placement, state.membership.world_size
+        )
         if not newly:
             return None
         step = newly[-1]
-        assert step > state.committed_step, "a committed step never goes back"
-        if state.committed_step != NO_STEP:
-            state.previous_committed = state.committed_copies()
-        state.committed_step = step
-        state.committed_generation = state.generation
-        state.committed_holders = {rank: set(stores) for rank, stores in state.completes[step].items()}
-        state.placement_confirmed = True
-        state.commit_progress.drop_through(state.completes, step)
-        commit = Commit(state.job, state.generation, step, state.snapshot_bytes_max())
+        assert step > state.ledger.committed_step, "a committed step never goes back"
+        if state.ledger.committed_step != NO_STEP:
+            state.ledger.previous_committed = state.ledger.committed_copies()
+        state.ledger.committed_step = step
+        state.ledger.committed_generation = state.generation
+        state.ledger.committed_holders = {rank: set(stores) for rank, stores in state.ledger.completes[step].items()}
+        state.stores.placement_confirmed = True
+        state.ledger.commit_progress.drop_through(state.ledger.completes, step)
+        commit = Commit(state.job, state.generation, step, state.ledger.snapshot_bytes_max())
         return Decision([Persist(state.job), Publish(commit)], f"step {step} committed")
 
     # ---------------------------------------------------------------- store loss, without a rebuild
@@ -1286,9 +1254,9 @@ class SwapperCore:
           the job is unprotected until one comes back, which the next placement says.
         Not while the stores' view is not fresh, nor while a rebuild is under way or held (it places the
         snapshots itself)."""
-        if not state.started() or state.pending is not None or state.hold_until:
+        if not state.started() or state.recovery.pending is not None or state.recovery.hold_until:
             return []
-        placed = {name for names in state.placement for name in names}
+        placed = {name for names in state.stores.placement for name in names}
         for name in placed:  # the moment each placed store counts as lost, should it stay silent
             store = self.stores.get(name)
             if store is not None:
@@ -1302,23 +1270,30 @@ class SwapperCore:
         if not live:
             actions: list[Action] = []
             if placed:
-                state.placement = [[] for _ in state.placement]
-                held = state.hold_without_stores_s > 0 and state.formed
+                state.stores.placement = [[] for _ in state.stores.placement]
+                held = state.protection.hold_without_stores_s > 0 and state.recovery.formed
                 how = "training is held" if held else "training goes on unprotected"
                 actions += self._new_placement(state, now, f"every snapshot store is lost ({sorted(placed)}): {how}")
             return actions + self._hold_training(state, now)
-        if state.held_since is not None:
+        if state.protection.held_since is not None:
             return self._resume_training(state, now)
-        moved = under_placed(state.placement, names, self.config.replication)
+        moved = under_placed(state.stores.placement, names, self.config.replication)
         readdressed = sorted(
-            n for n in placed & names if (self.stores[n].host, self.stores[n].port) != state.announced_stores.get(n)
+            n
+            for n in placed & names
+            if (self.stores[n].host, self.stores[n].port) != state.stores.announced_stores.get(n)
         )
         if not moved and not readdressed:
             return []
-        before = state.placement
+        before = state.stores.placement
         if moved:
-            state.placement = place_snapshots(
-                state.ranks, state.members, live, self.config.replication, state.rank_bytes, state.placement
+            state.stores.placement = place_snapshots(
+                state.membership.ranks,
+                state.membership.members,
+                live,
+                self.config.replication,
+                state.ledger.rank_bytes,
+                state.stores.placement,
             )
         lost = sorted(placed - names)
         if lost:
@@ -1333,14 +1308,14 @@ class SwapperCore:
         """Every store is lost and the run holds training then: the generation is voided, so every rank
         stops at once (the step in flight abandoned) and awaits the next one, which comes when a store
         returns (`_resume_training`) or, past the run's bound, the job's end."""
-        if state.hold_without_stores_s <= 0 or not state.formed:
+        if state.protection.hold_without_stores_s <= 0 or not state.recovery.formed:
             return []
-        first = state.held_since is None
+        first = state.protection.held_since is None
         if first:
-            state.held_since = now
+            state.protection.held_since = now
         why = (
             f"every snapshot store is lost: training is held until one returns "
-            f"(at most {state.hold_without_stores_s:.0f} s)"
+            f"(at most {state.protection.hold_without_stores_s:.0f} s)"
         )
         voided = self._void(state, now, why)  # again for a generation that formed meanwhile (a rank's swap)
         return [Persist(state.job), *voided] if first or voided else []
@@ -1348,25 +1323,30 @@ class SwapperCore:
     def _resume_training(self, state: JobState, now: float) -> list[Action]:
         """A store is back while training is held: the same members regroup, each restoring the newest
         step every rank holds in its own buffers (no store holds their state), and stream on."""
-        state.held_since = None
-        if state.vacant_ranks():  # a rank was lost meanwhile: its rebuild restores and places (the tick)
+        state.protection.held_since = None
+        if state.membership.vacant_ranks():  # a rank was lost meanwhile: its rebuild restores and places (the tick)
             return [Persist(state.job)]
         decision = self._publish_rebuild(state, now, set(), "a store is back: training resumes", local=True)
         return [Persist(state.job), *decision.actions]
 
     def _new_placement(self, state: JobState, now: float, reason: str) -> list[Action]:
-        state.placement_version += 1
-        state.placement_sent_t, state.placement_confirmed = now, False
-        state.replicate_sent_t = now
+        state.stores.placement_version += 1
+        state.stores.placement_sent_t, state.stores.placement_confirmed = now, False
+        state.ledger.replicate_sent_t = now
         message = self._placement_message(state, reason)
         return [Persist(state.job), Publish(message), *self._replicas_wanted(state, now)]
 
     def _placement_message(self, state: JobState, reason: str) -> Placement:
-        named = sorted({name for names in state.placement for name in names})
+        named = sorted({name for names in state.stores.placement for name in names})
         stores = [StoreAddress(n, self.stores[n].host, self.stores[n].port) for n in named if n in self.stores]
-        state.announced_stores = {a.store: (a.host, a.port) for a in stores}
+        state.stores.announced_stores = {a.store: (a.host, a.port) for a in stores}
         return Placement(
-            state.job, state.generation, state.placement_version, stores, state.placement, clip_text(reason)
+            state.job,
+            state.generation,
+            state.stores.placement_version,
+            stores,
+            state.stores.placement,
+            clip_text(reason),
         )
 
     @staticmethod
@@ -1374,19 +1354,19 @@ class SwapperCore:
         """Track whether any store receives the job's snapshots: while none does, a lost rank's state
         exists nowhere but in the durable tier (if any), and status, metrics and logs say so."""
         if protected:
-            state.unprotected_since = None
-        elif state.unprotected_since is None:
-            state.unprotected_since, state.unprotected_step = now, state.committed_step
+            state.protection.unprotected_since = None
+        elif state.protection.unprotected_since is None:
+            state.protection.unprotected_since, state.protection.unprotected_step = now, state.ledger.committed_step
 
     def _replicas_wanted(self, state: JobState, now: float) -> list[Action]:
         """Copies of the committed step to make: from a surviving holder to each store of the rank's
         placement that lacks it, until the rank has as many live copies as its placement names."""
-        if state.committed_step == NO_STEP or not state.committed_holders:
+        if state.ledger.committed_step == NO_STEP or not state.ledger.committed_holders:
             return []
         live = {s.store: s for s in self.live_stores(now)}
         actions: list[Action] = []
-        for rank, placed in enumerate(state.placement):
-            holders = sorted(state.committed_holders.get(rank, set()) & set(live))
+        for rank, placed in enumerate(state.stores.placement):
+            holders = sorted(state.ledger.committed_holders.get(rank, set()) & set(live))
             if not holders:
                 continue  # every copy of it is gone: the next commit, or a rebuild, has to do
             short = len(placed) - len(holders)
@@ -1398,7 +1378,7 @@ class SwapperCore:
                             state.job,
                             state.generation,
                             rank,
-                            state.committed_step,
+                            state.ledger.committed_step,
                             holders[0],
                             StoreAddress(address.store, address.host, address.port),
                         ),
@@ -1409,12 +1389,12 @@ class SwapperCore:
     def replicas_short(self, job: str, now: float) -> int:
         """Ranks whose committed step has fewer live copies than their placement names (status, tests)."""
         state = self.jobs.get(job)
-        if state is None or state.committed_step == NO_STEP:
+        if state is None or state.ledger.committed_step == NO_STEP:
             return 0
         live = self._live_names(now)
         return sum(
-            len(state.committed_holders.get(rank, set()) & live) < len(placed)
-            for rank, placed in enumerate(state.placement)
+            len(state.ledger.committed_holders.get(rank, set()) & live) < len(placed)
+            for rank, placed in enumerate(state.stores.placement)
         )
 
     @_phased
@@ -1425,17 +1405,19 @@ class SwapperCore:
                 state.job, state.generation, done.step, failed=bool(state.failed_reason), reason=state.failed_reason
             )
             return Decision([Publish(finished)], f"done from {done.member}: the job has finished")
-        if state is None or done.generation != state.generation or done.member not in state.ranks:
+        if state is None or done.generation != state.generation or done.member not in state.membership.ranks:
             return Decision([], f"done from {done.member} in generation {done.generation}: stale")
-        if done.rank >= len(state.ranks) or state.ranks[done.rank] != done.member:
+        if done.rank >= len(state.membership.ranks) or state.membership.ranks[done.rank] != done.member:
             return Decision([], f"done from {done.member} for rank {done.rank}, which it does not hold: refused")
-        if done.step < state.committed_step:
+        if done.step < state.ledger.committed_step:
             return Decision([], f"done from {done.member} at step {done.step}, below the committed step: refused")
-        state.done[done.member] = done.step  # a member's later report replaces its earlier one
-        if len(state.done) < state.world_size or state.pending is not None:
-            return Decision([], f"{len(state.done)} of {state.world_size} ranks done")
-        if len(set(state.done.values())) > 1:  # every rank ends at the job's last step, or none has ended
-            return Decision([], f"ranks done at different steps {sorted(set(state.done.values()))}: not finished")
+        state.membership.done[done.member] = done.step  # a member's later report replaces its earlier one
+        if len(state.membership.done) < state.membership.world_size or state.recovery.pending is not None:
+            return Decision([], f"{len(state.membership.done)} of {state.membership.world_size} ranks done")
+        if len(set(state.membership.done.values())) > 1:  # every rank ends at the job's last step, or none has ended
+            return Decision(
+                [], f"ranks done at different steps {sorted(set(state.membership.done.values()))}: not finished"
+            )
         state.finished, state.finished_t = True, now
         finished = JobFinished(state.job, state.generation, done.step)
         return Decision([Persist(state.job), Publish(finished)], f"job finished at step {done.step}")

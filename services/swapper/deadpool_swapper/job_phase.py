@@ -69,13 +69,13 @@ def phase_of(state: JobState | None) -> JobPhase:
         return P.FAILED if state.failed_reason else P.FINISHED
     if not state.started():
         return P.UNFORMED
-    if state.pending is not None:
-        return P.REBUILDING if state.formed else P.FORMING
-    if 0 < state.void_generation == state.generation:
+    if state.recovery.pending is not None:
+        return P.REBUILDING if state.recovery.formed else P.FORMING
+    if 0 < state.recovery.void_generation == state.generation:
         return P.VOIDED
-    if not state.formed:
+    if not state.recovery.formed:
         return P.FORMING
-    if state.held_since is not None:
+    if state.protection.held_since is not None:
         return P.HOLDING
     return P.TRAINING
 

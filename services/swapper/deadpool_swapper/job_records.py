@@ -4,7 +4,8 @@ The record holds the whole `JobState`: membership and generation, and also the r
 command and the acks so far), the open incidents, the commit bookkeeping, the void notice, and the
 events-stream position the state includes (`applied_seq`). A new leader loads it and replays the
 events after that position, so it ends where its predecessor was, then finishes the rebuild in flight
-(it retransmits the command; members re-ack) or supersedes it.
+(it retransmits the command; members re-ack) or supersedes it. Each part of the state writes and
+reads its own entries (`job_parts`); this module puts them in one record and keeps it in the bucket.
 
 Only the swapper leader writes, with a revision check (`kv.update(..., last=revision)`): a write
 against a revision someone else changed is refused by the server. `save` then raises
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +38,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
-from deadpool_protocol import Incident, ProtocolError, Rebuild, RebuildAck
-from deadpool_protocol.codec import from_fields, to_fields
+from deadpool_protocol import ProtocolError
 from deadpool_protocol.errors import DeadPoolError
 from deadpool_protocol.job_record import (
     JOBS_BUCKET,
@@ -58,9 +57,19 @@ from deadpool_protocol.job_record import (
     unpack_record,
 )
 from deadpool_runtime.job_record_kv import read_record
-from deadpool_swapper.core import JobState, OpenIncident, PendingRebuild
-from deadpool_swapper.placement import MemberInfo
-from deadpool_swapper.restore_chain import CommittedCopies
+from deadpool_swapper.core import JobState
+from deadpool_swapper.job_parts import (
+    CommitLedger,
+    EventsPosition,
+    IncidentLog,
+    Membership,
+    Protection,
+    Recovery,
+    RestoreReports,
+    StorePlacement,
+    age,
+    copy_command,
+)
 
 __all__ = [
     "JobRecords",
@@ -89,33 +98,9 @@ class RecordTooLargeError(DeadPoolError, RuntimeError):
     refused (the caller reloads the last stored record), never retried for ever."""
 
 
-def _age(now: float, instant: float) -> float:
-    return max(0.0, now - instant)
-
-
 def state_to_record(state: JobState, now: float) -> bytes:
     """The record of `state` at `now` (this process's monotonic clock), whole."""
     return pack_record(*state_fields(state, now))
-
-
-def _member_row(i: MemberInfo, oldest: float) -> list[Any]:
-    """A member in the record: its fields, then its registration instant as the time after the
-    oldest member's (so the row stays the same from save to save)."""
-    return [
-        i.member,
-        i.host,
-        i.pid,
-        i.launcher,
-        i.rank_hint,
-        i.rendezvous_host,
-        i.rendezvous_port,
-        i.registered_at - oldest,
-    ]
-
-
-def _holders(holders: dict[int, set[str]]) -> list[list[Any]]:
-    """Per rank in order, its stores in order (a set of one is its own order: most are one or two)."""
-    return [[rank, sorted(stores) if len(stores) > 1 else list(stores)] for rank, stores in sorted(holders.items())]
 
 
 def state_fields(state: JobState, now: float, left_out: Collection[str] = ()) -> tuple[JobSummary, dict[str, Any]]:
@@ -123,68 +108,26 @@ def state_fields(state: JobState, now: float, left_out: Collection[str] = ()) ->
     swapper's private fields: timers travel as ages or time left, never as instants, and a large field
     is the same while what it says is (see the module's docstring). `left_out`: large fields the
     caller has packed already (`SectionMemo`), not built (an empty value stands in)."""
-    oldest = min((info.registered_at for info in state.members.values()), default=now)
+    membership = state.membership
     summary = JobSummary(
         job=state.job,
-        world_size=state.world_size,
+        world_size=membership.world_size,
         generation=state.generation,
-        ranks=[] if "ranks" in left_out else list(state.ranks),
-        spares=list(state.spares),
-        hosts={} if "hosts" in left_out else {m: info.host for m, info in state.members.items()},
-        failed=list(state.failed),
-        committed_step=state.committed_step,
+        ranks=[] if "ranks" in left_out else list(membership.ranks),
+        spares=list(membership.spares),
+        hosts={} if "hosts" in left_out else {m: info.host for m, info in membership.members.items()},
+        failed=list(membership.failed),
+        committed_step=state.ledger.committed_step,
         finished=state.finished,
         failed_reason=state.failed_reason,
     )
-    pending = state.pending
-    private = {
-        "members_oldest_age_s": _age(now, oldest),
-        "member_rows": [] if "member_rows" in left_out else [_member_row(i, oldest) for i in state.members.values()],
-        "restore_step": state.restore_step,
-        "placement": [] if "placement" in left_out else state.placement,
-        "completes": [
-            [step, rank, sorted(stores)] for step, ranks in state.completes.items() for rank, stores in ranks.items()
-        ],
-        "pending_command": None if pending is None or "pending_command" in left_out else to_fields(pending.command),
-        "pending_sent_age_s": None if pending is None else _age(now, pending.t_sent),
-        "pending_acks": [] if pending is None else [to_fields(a) for a in pending.acks.values()],
-        "open_incidents": [to_fields(i) for i in state.open_incidents],
-        "incidents": [to_fields(i) for i in state.incidents],
-        "done": dict(sorted(state.done.items())),
-        "finished_age_s": _age(now, state.finished_t),
-        "incident_seq": state.incident_seq,
-        "hold_left_s": max(0.0, state.hold_until - now) if state.hold_until else None,
-        "last_hello_age_s": _age(now, state.last_hello_t),
-        "silent_hosts": {h: list(v) for h, v in state.silent_hosts.items()},
-        "void_generation": state.void_generation,
-        "attempts": state.attempts,
-        "formed": state.formed,
-        "applied_seq": state.applied_seq,
-        "stream_id": state.stream_id,
-        "placement_version": state.placement_version,
-        "placement_confirmed": state.placement_confirmed,
-        "committed_generation": state.committed_generation,
-        "committed_holders": [] if "committed_holders" in left_out else _holders(state.committed_holders),
-        "rank_bytes": [] if "rank_bytes" in left_out else sorted([r, n] for r, n in state.rank_bytes.items()),
-        "previous_committed_step": [state.previous_committed.step, state.previous_committed.generation],
-        "previous_committed_holders": []
-        if "previous_committed_holders" in left_out
-        else _holders(state.previous_committed.holders),
-        "unavailable": sorted([rank, step] for rank, step in state.unavailable),
-        "durable_failed": state.durable_failed,
-        "durable_completes": _holders(state.durable_completes),
-        "awaiting_first_step": state.awaiting_first_step,
-        "awaiting_age_s": _age(now, state.awaiting_since),
-        "first_steps": sorted([rank, t] for rank, t in state.first_steps.items()),
-        "announced_stores": {name: list(address) for name, address in state.announced_stores.items()},
-        "unprotected_age_s": None if state.unprotected_since is None else _age(now, state.unprotected_since),
-        "unprotected_step": state.unprotected_step,
+    private: dict[str, Any] = {
+        "finished_age_s": age(now, state.finished_t),
         "run": state.run,
         "base_generation": state.base_generation,
-        "hold_without_stores_s": state.hold_without_stores_s,
-        "held_age_s": None if state.held_since is None else _age(now, state.held_since),
-        "local_failed": state.local_failed,
     }
+    for part in state.parts():
+        private |= part.to_record(now, left_out)
     return summary, private
 
 
@@ -192,24 +135,20 @@ def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
     return {rank: frozenset(stores) for rank, stores in holders.items()}
 
 
-def _command_copy(command: Rebuild | None) -> Rebuild | None:
-    """A rebuild command with lists of its own (the swapper's placement is the command's own list)."""
-    if command is None:
-        return None
-    return dataclasses.replace(
-        command, ranks=list(command.ranks), spares=list(command.spares), placement=[list(p) for p in command.placement]
-    )
-
-
 _REMEMBERED: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], ...] = (
-    ("summary", "hosts", lambda s: s.members, dict),
-    ("summary", "ranks", lambda s: s.ranks, list),
-    ("swapper", "member_rows", lambda s: s.members, dict),
-    ("swapper", "placement", lambda s: s.placement, lambda placement: [list(p) for p in placement]),
-    ("swapper", "committed_holders", lambda s: s.committed_holders, _frozen_holders),
-    ("swapper", "previous_committed_holders", lambda s: s.previous_committed.holders, _frozen_holders),
-    ("swapper", "rank_bytes", lambda s: s.rank_bytes, dict),
-    ("swapper", "pending_command", lambda s: None if s.pending is None else s.pending.command, _command_copy),
+    ("summary", "hosts", lambda s: s.membership.members, dict),
+    ("summary", "ranks", lambda s: s.membership.ranks, list),
+    ("swapper", "member_rows", lambda s: s.membership.members, dict),
+    ("swapper", "placement", lambda s: s.stores.placement, lambda placement: [list(p) for p in placement]),
+    ("swapper", "committed_holders", lambda s: s.ledger.committed_holders, _frozen_holders),
+    ("swapper", "previous_committed_holders", lambda s: s.ledger.previous_committed.holders, _frozen_holders),
+    ("swapper", "rank_bytes", lambda s: s.ledger.rank_bytes, dict),
+    (
+        "swapper",
+        "pending_command",
+        lambda s: None if s.recovery.pending is None else s.recovery.pending.command,
+        copy_command,
+    ),
 )
 """The large fields a save builds again only when what they are built from changed (`SectionMemo`):
 each with its source in the state, and how to copy that source so that the state's changes in place
@@ -258,76 +197,23 @@ def state_from_record(data: bytes, now: float) -> JobState:
     the records of the one it replaces (an older record's wall-clock instants are not read: its timers
     start afresh)."""
     summary, p = unpack_record(data)
-    defaults = JobState(summary.job)
-    hold_left_s = p.get("hold_left_s")
-    unprotected_age_s = p.get("unprotected_age_s")
-    state = JobState(
+    return JobState(
         job=summary.job,
-        world_size=summary.world_size,
-        generation=summary.generation,
-        ranks=list(summary.ranks),
-        spares=list(summary.spares),
-        members=_members(p, now),
-        failed=list(summary.failed),
-        committed_step=summary.committed_step,
-        restore_step=p.get("restore_step", defaults.restore_step),
-        placement=[list(x) for x in p.get("placement", [])],
-        finished=summary.finished,
-        failed_reason=summary.failed_reason,
-        incident_seq=p.get("incident_seq", 0),
-        incidents=[from_fields(Incident, i, "incident") for i in p.get("incidents", [])],
-        open_incidents=[OpenIncident(**i) for i in p.get("open_incidents", [])],
-        done=_done(p.get("done", {})),
-        finished_t=now - p.get("finished_age_s", 0.0),
-        hold_until=now + hold_left_s if hold_left_s is not None else 0.0,
-        last_hello_t=now - p.get("last_hello_age_s", 0.0),
-        silent_hosts={h: (int(v[0]), int(v[1])) for h, v in p.get("silent_hosts", {}).items()},
-        void_generation=p.get("void_generation", 0),
-        attempts=p.get("attempts", 0),
-        formed=p.get("formed", summary.generation > 1 or (summary.generation == 1 and p.get("pending") is None)),
-        applied_seq=p.get("applied_seq", 0),
-        stream_id=p.get("stream_id", ""),
-        placement_version=p.get("placement_version", 0),
-        placement_confirmed=p.get("placement_confirmed", True),
-        committed_generation=p.get("committed_generation", 0),
-        committed_holders={int(rank): set(stores) for rank, stores in p.get("committed_holders", [])},
-        rank_bytes={int(rank): int(nbytes) for rank, nbytes in p.get("rank_bytes", [])},
-        unavailable={(int(rank), int(step)) for rank, step in p.get("unavailable", [])},
-        durable_failed=bool(p.get("durable_failed", False)),
-        durable_completes={int(rank): set(stores) for rank, stores in p.get("durable_completes", [])},
-        awaiting_first_step=list(p.get("awaiting_first_step", [])),
-        awaiting_since=now - p.get("awaiting_age_s", 0.0),
-        first_steps={int(rank): float(t) for rank, t in p.get("first_steps", [])},
-        announced_stores={name: (str(a[0]), int(a[1])) for name, a in p.get("announced_stores", {}).items()},
-        unprotected_since=None if unprotected_age_s is None else now - unprotected_age_s,
-        unprotected_step=p.get("unprotected_step", defaults.unprotected_step),
         run=str(p.get("run", "")),
         base_generation=int(p.get("base_generation", 0)),
-        hold_without_stores_s=float(p.get("hold_without_stores_s", 0.0)),
-        held_since=None if p.get("held_age_s") is None else now - float(p["held_age_s"]),
-        local_failed=bool(p.get("local_failed", False)),
+        generation=summary.generation,
+        finished=summary.finished,
+        finished_t=now - p.get("finished_age_s", 0.0),
+        failed_reason=summary.failed_reason,
+        membership=Membership.from_record(summary, p, now),
+        recovery=Recovery.from_record(summary, p, now),
+        ledger=CommitLedger.from_record(summary, p, now),
+        restores=RestoreReports.from_record(summary, p, now),
+        stores=StorePlacement.from_record(summary, p, now),
+        incident_log=IncidentLog.from_record(summary, p, now),
+        protection=Protection.from_record(summary, p, now),
+        position=EventsPosition.from_record(summary, p, now),
     )
-    if "previous_committed_step" in p:
-        step, generation = p["previous_committed_step"]
-        holders = p.get("previous_committed_holders", [])
-        state.previous_committed = CommittedCopies(int(step), int(generation), {int(r): set(s) for r, s in holders})
-    elif "previous_committed" in p:  # a record written before the holders were a field of their own
-        step, generation, holders = p["previous_committed"]
-        state.previous_committed = CommittedCopies(int(step), int(generation), {int(r): set(s) for r, s in holders})
-    for step, rank, stores in p.get("completes", []):
-        state.completes.setdefault(int(step), {})[int(rank)] = set(stores)
-    old_pending = p.get("pending") or {}  # a record written before the command was a field of its own
-    raw_command = p.get("pending_command", old_pending.get("command"))
-    if raw_command is not None:
-        command = from_fields(Rebuild, raw_command, "pending.command")
-        command.check()
-        sent_age_s = p.get("pending_sent_age_s", old_pending.get("sent_age_s")) or 0.0
-        pending = PendingRebuild(command, t_sent=now - float(sent_age_s))
-        for raw in p.get("pending_acks", old_pending.get("acks", [])):
-            ack = from_fields(RebuildAck, raw, "pending.ack")
-            pending.acks[ack.member] = ack
-        state.pending = pending
-    return state
 
 
 class UnreadableRecordError(DeadPoolError, RuntimeError):
@@ -521,23 +407,3 @@ class _Encoded:
     named: set[str]
     """Every part key the head names."""
     sections: dict[str, int]
-
-
-def _members(p: dict[str, Any], now: float) -> dict[str, MemberInfo]:
-    """The members of a record, their registration instants on this process's clock."""
-    if "member_rows" in p:
-        oldest = now - float(p.get("members_oldest_age_s", 0.0))
-        rows = [
-            MemberInfo(str(m), str(host), int(pid), str(launcher), int(hint), str(rdv_host), int(rdv_port), oldest + t)
-            for m, host, pid, launcher, hint, rdv_host, rdv_port, t in p["member_rows"]
-        ]
-        return {info.member: info for info in rows}
-    return {m: MemberInfo(**(i | {"registered_at": now + i["registered_at"]})) for m, i in p["members"].items()}
-
-
-def _done(recorded: object) -> dict[str, int]:
-    """The done ranks' members and steps of a record (a record written before steps were kept lists the
-    members only: their steps are unknown, -1, and their next report says them)."""
-    if isinstance(recorded, dict):
-        return {str(member): int(step) for member, step in recorded.items()}
-    return dict.fromkeys((str(member) for member in recorded or []), -1)  # type: ignore[attr-defined]

@@ -194,7 +194,7 @@ class JobWorker:
         """Follow this job's events from just after what its state already includes."""
         if self._counts_in_stream():
             assert self.state is not None
-            start = self.state.applied_seq + 1  # 1 for a state saved while the stream was still empty
+            start = self.state.position.applied_seq + 1  # 1 for a state saved while the stream was still empty
         else:  # a new job, or a stream that was created again: from now on
             start = self._stream_last + 1
         self._start_seq = start
@@ -207,12 +207,12 @@ class JobWorker:
         Its value alone does not say so: 0 is where a job that started on an empty stream stands, and
         reading from "now" instead skipped every event stored before a new leader took over."""
         state = self.state
-        return state is not None and bool(self._stream_id) and state.stream_id == self._stream_id
+        return state is not None and bool(self._stream_id) and state.position.stream_id == self._stream_id
 
     def _adopt_position(self) -> None:
         """A state that does not count in this stream yet starts where this worker's reader starts."""
         if self.state is not None and not self._counts_in_stream():
-            self.state.stream_id, self.state.applied_seq = self._stream_id, self._start_seq - 1
+            self.state.position.stream_id, self.state.position.applied_seq = self._stream_id, self._start_seq - 1
 
     async def _on_event(self, message: Message, seq: int) -> None:
         await self.inbox.put(Event(message, seq))
@@ -223,7 +223,7 @@ class JobWorker:
         if self._dirty:
             due = min(due, self._save_retry_at)
         state = self.state
-        if state is not None and state.unprotected_since is not None and not state.finished:
+        if state is not None and state.protection.unprotected_since is not None and not state.finished:
             due = min(due, self._unprotected_log_at)
         return due
 
@@ -300,12 +300,12 @@ class JobWorker:
                     waiting=self.inbox.qsize(),
                 )
         state = self.state
-        if state is not None and item.seq <= state.applied_seq:
+        if state is not None and item.seq <= state.position.applied_seq:
             return Decision([], f"event {item.seq} already applied", routine=True)
         decision = self._dispatch(item.message, now)
         state = self.state
         if state is not None:
-            state.applied_seq = max(state.applied_seq, item.seq)
+            state.position.applied_seq = max(state.position.applied_seq, item.seq)
         return decision
 
     def _dispatch(self, message: Message, now: float) -> Decision:
@@ -328,7 +328,7 @@ class JobWorker:
 
     def _log_unprotected(self, now: float) -> None:
         state = self.state
-        if state is None or state.unprotected_since is None or state.finished:
+        if state is None or state.protection.unprotected_since is None or state.finished:
             self._unprotected_log_at = 0.0
             return
         if now < self._unprotected_log_at:
@@ -336,9 +336,9 @@ class JobWorker:
         self._unprotected_log_at = now + UNPROTECTED_LOG_S
         self.log.warning(
             "job unprotected: no snapshot store receives its snapshots",
-            since_committed_step=state.unprotected_step,
-            committed_step=state.committed_step,
-            unprotected_s=round(now - state.unprotected_since, 1),
+            since_committed_step=state.protection.unprotected_step,
+            committed_step=state.ledger.committed_step,
+            unprotected_s=round(now - state.protection.unprotected_since, 1),
             generation=state.generation,
         )
 

@@ -299,7 +299,7 @@ class SwapperService:
         """The rebuild with its first incident's `recovery` span as its trace context."""
         first = rebuild.incident.split(",")[0]
         state = self.core.jobs.get(rebuild.job)
-        opened = next((i for i in state.open_incidents if i.incident_id == first), None) if state else None
+        opened = next((i for i in state.incident_log.open_incidents if i.incident_id == first), None) if state else None
         t_fault = opened.t_fault if opened is not None else rebuild.t_decided
         context = self.tracer.recovery_context(first, rebuild.traceparent, t_fault, rebuild.job)
         return replace(rebuild, traceparent=context) if context else rebuild
@@ -319,27 +319,34 @@ class SwapperService:
             return observe
 
         self.metrics.gauge(
-            "deadpool.job.committed_step", "{step}", "the job's committed step", per_job(lambda s: s.committed_step)
+            "deadpool.job.committed_step",
+            "{step}",
+            "the job's committed step",
+            per_job(lambda s: s.ledger.committed_step),
         )
         self.metrics.gauge(
             "deadpool.job.commit_lag",
             "{step}",
             "steps stored past the committed one",
-            per_job(lambda s: max(s.completes, default=s.committed_step) - s.committed_step),
+            per_job(lambda s: max(s.ledger.completes, default=s.ledger.committed_step) - s.ledger.committed_step),
         )
-        self.metrics.gauge("deadpool.job.spares_free", "{member}", "warm spares", per_job(lambda s: len(s.spares)))
+        self.metrics.gauge(
+            "deadpool.job.spares_free", "{member}", "warm spares", per_job(lambda s: len(s.membership.spares))
+        )
         self.metrics.gauge(
             "deadpool.job.unprotected",
             "1",
             "1 while no snapshot store receives the job's snapshots (a lost rank has no RAM copy)",
-            per_job(lambda s: float(s.unprotected_since is not None)),
+            per_job(lambda s: float(s.protection.unprotected_since is not None)),
         )
         self.metrics.gauge(
             "deadpool.job.unprotected_since_step",
             "{step}",
             "the committed step when the job became unprotected (-1 while protected): every step after it "
             "is at risk (each member's deadpool.member.steps_at_risk counts them)",
-            per_job(lambda s: float(s.unprotected_step if s.unprotected_since is not None else -1)),
+            per_job(
+                lambda s: float(s.protection.unprotected_step if s.protection.unprotected_since is not None else -1)
+            ),
         )
 
     def _log_incident(self, incident: Incident) -> None:
@@ -478,25 +485,32 @@ class SwapperService:
         body = {
             "job": state.job,
             "leader": self.instance,
-            "world_size": state.world_size,
+            "world_size": state.membership.world_size,
             "generation": state.generation,
-            "ranks": state.ranks,
-            "spares": state.spares,
-            "members": {m: to_fields(i) for m, i in state.members.items()},
-            "committed_step": state.committed_step,
+            "ranks": state.membership.ranks,
+            "spares": state.membership.spares,
+            "members": {m: to_fields(i) for m, i in state.membership.members.items()},
+            "committed_step": state.ledger.committed_step,
             "finished": state.finished,
             "failed_reason": state.failed_reason,
-            "rebuild_pending": state.pending is not None,
-            "open_incidents": [to_fields(i) for i in state.open_incidents],
-            "incidents": [to_fields(i) | {"detect_s": i.detect_s, "downtime_s": i.downtime_s} for i in state.incidents],
+            "rebuild_pending": state.recovery.pending is not None,
+            "open_incidents": [to_fields(i) for i in state.incident_log.open_incidents],
+            "incidents": [
+                to_fields(i) | {"detect_s": i.detect_s, "downtime_s": i.downtime_s}
+                for i in state.incident_log.incidents
+            ],
             "stores": [to_fields(s) | {"heard_s_ago": round(now - s.last_seen, 3)} for s in self.core.live_stores(now)],
-            "placement": state.placement,
-            "placement_version": state.placement_version,
+            "placement": state.stores.placement,
+            "placement_version": state.stores.placement_version,
             "replicas_short": self.core.replicas_short(state.job, now),
-            "commit_lag_steps": max(state.completes, default=state.committed_step) - state.committed_step,
+            "commit_lag_steps": max(state.ledger.completes, default=state.ledger.committed_step)
+            - state.ledger.committed_step,
             "unprotected": None
-            if state.unprotected_since is None
-            else {"since_committed_step": state.unprotected_step, "for_s": round(now - state.unprotected_since, 1)},
+            if state.protection.unprotected_since is None
+            else {
+                "since_committed_step": state.protection.unprotected_step,
+                "for_s": round(now - state.protection.unprotected_since, 1),
+            },
             "unheard_s_max": round(worker.unheard_s_max, 4) if worker is not None else 0.0,
         }
         data = json.dumps(body).encode()
