@@ -545,7 +545,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             await nc.close()
 
     window = cpu1[2] - cpu0[2]
-    detect_ms, decide_ms, decide_own_ms = [], [], []
+    detect_ms, decide_ms, decide_own_ms, out_ms = [], [], [], []
     for victim in victims:
         if victim not in failures or victim not in silenced:
             continue
@@ -556,6 +556,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             _, (rebuild, rebuild_received) = min(later)
             decide_ms.append((rebuild_received - received) * 1000)
             decide_own_ms.append((rebuild.t_decided - failure.t_detected) * 1000)
+            out_ms.append((rebuild_received - rebuild.t_decided) * 1000)
     return {
         "members": members,
         "world_size": world_size,
@@ -568,6 +569,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "decide_ms_p50": round(statistics.median(decide_ms), 1) if decide_ms else None,
         "decide_ms_p99": round(percentile(decide_ms, 99), 1) if decide_ms else None,
         "decide_swapper_clock_ms_p99": round(percentile(decide_own_ms, 99), 1) if decide_own_ms else None,
+        "decided_to_received_ms_p50": round(statistics.median(out_ms), 1) if out_ms else None,
+        "decided_to_received_ms_p99": round(percentile(out_ms, 99), 1) if out_ms else None,
         "detector_cpu_pct": round(100 * (cpu1[0] - cpu0[0]) / window, 1),
         "swapper_cpu_pct": round(100 * (cpu1[1] - cpu0[1]) / window, 1),
         "nats_cpu_pct": round(100 * (others1[0] - others0[0]) / window, 1),

@@ -156,6 +156,8 @@ def test_decode_refuses_wrong_types(field: str, value: object, reason: str) -> N
     [
         ({"generation": -1}, "generation -1 is negative"),
         ({"job": "bad job"}, "not a valid name"),
+        ({"job": "job\n"}, "not a valid name"),  # `$` matched before a trailing newline
+        ({"spares": ["s\n"]}, r"member 's\\n' is not a valid name"),
         ({"ranks": ["m0", "m0"]}, "more than one rank"),
         ({"spares": ["m1"]}, "both rank and spare"),
         ({"rendezvous_member": "m2"}, "holds no rank"),

@@ -68,8 +68,8 @@ def test_a_circle_is_found() -> None:
 
 PROTOCOL = HOOKS.parents[1] / "protocol" / "deadpool_protocol"
 PURE_MODULES = frozenset(
-    {"__future__", "collections", "dataclasses", "enum", "functools", "hashlib", "hmac", "math", "re", "struct"}
-    | {"types", "typing", "zlib", "msgpack", "xxhash", "deadpool_protocol"}
+    {"__future__", "collections", "dataclasses", "enum", "functools", "hashlib", "hmac", "itertools", "math"}
+    | {"re", "struct", "types", "typing", "zlib", "msgpack", "xxhash", "deadpool_protocol"}
 )
 """What the protocol may stand on: computation only (no files, sockets, clocks, environment or logging)."""
 

@@ -377,7 +377,7 @@ CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     "a holder is added": lambda s: s.ledger.committed_holders[3].add("store-8"),
     "a previous holder goes": lambda s: s.ledger.previous_committed.holders[4].discard("store-4"),
     "a size changes": lambda s: s.ledger.rank_bytes.__setitem__(9, 5),
-    "another rebuild goes out": lambda s: setattr(s.recovery, "pending", PendingRebuild(rebuild_of(s, generation=4), 5.0)),
+    "another rebuild goes out": lambda s: setattr(s.recovery, "pending", PendingRebuild(rebuild_of(s, 4), 5.0)),
     "nothing changes": lambda s: None,
 }
 

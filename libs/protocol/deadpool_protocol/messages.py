@@ -14,6 +14,7 @@ built.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
@@ -44,7 +45,7 @@ from deadpool_protocol.bounds import (
     Where,
 )
 from deadpool_protocol.errors import DeadPoolError
-from deadpool_protocol.names import content_digest, is_content_digest, is_valid_name
+from deadpool_protocol.names import content_digest, first_invalid_name, is_content_digest, is_valid_name
 
 __all__ = [
     "FIRST_STEP_SECTION",
@@ -688,8 +689,8 @@ class Rebuild(JobMessage):
         _need(len(self.ranks) + len(self.spares) <= MEMBERS_PER_JOB_MAX, "more members than MEMBERS_PER_JOB_MAX")
         _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
         _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
-        for m in [*self.ranks, *self.spares, self.rendezvous_member]:
-            _need_name(m, "member")
+        if (bad := first_invalid_name([*self.ranks, *self.spares, self.rendezvous_member])) is not None:
+            _need_name(bad, "member")
         _need(self.rendezvous_member in self.ranks, "the rendezvous host holds no rank")
         _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
         _check_step(self.restore_step)
@@ -709,9 +710,9 @@ def _check_placement(stores: list[StoreAddress], placement: list[list[str]], wor
     for address in stores:
         _need_name(address.store, "store")
         _need(0 < address.port < 65536, "a store's port is out of range")
-    for names in placement:
-        _need(set(names) <= known, "placement names an unknown store")
-        _need(len(set(names)) == len(names), "placement names a store twice for one rank")
+    # One pass each in C over every rank's stores (16,384 ranks at scale), not a Python loop per rank.
+    _need(known.issuperset(itertools.chain.from_iterable(placement)), "placement names an unknown store")
+    _need(sum(map(len, map(set, placement))) == sum(map(len, placement)), "placement names a store twice for one rank")
 
 
 @dataclass(frozen=True, slots=True)

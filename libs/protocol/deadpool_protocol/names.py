@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 
 __all__ = [
     "DIGEST_CHARS",
     "NAME_MAX_CHARS",
     "content_digest",
+    "first_invalid_name",
     "is_content_digest",
     "is_valid_name",
     "name_of_host",
@@ -20,7 +22,10 @@ __all__ = [
 ]
 
 NAME_MAX_CHARS = 128
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""Matched whole (`fullmatch`): `$` would also match before a trailing newline, and a name ending in
+one went into a NATS subject (a member's launcher, in its fence request), where it ends the protocol
+line early."""
 
 
 DIGEST_CHARS = 32
@@ -41,7 +46,16 @@ def is_content_digest(value: str) -> bool:
 
 def is_valid_name(value: str) -> bool:
     """True when `value` can be used as a job, member, launcher or store name."""
-    return bool(_NAME.match(value))
+    return _NAME.fullmatch(value) is not None
+
+
+def first_invalid_name(values: Iterable[str]) -> str | None:
+    """The first of `values` that is not a valid name, else None: a rebuild's 16,384 members checked
+    in one pass of the regex engine's own loop, without a Python call per name."""
+    values = values if isinstance(values, list) else list(values)
+    if all(map(_NAME.fullmatch, values)):
+        return None
+    return next(v for v in values if not is_valid_name(v))
 
 
 def require_name(value: str, what: str) -> str:

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import operator
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -296,11 +297,20 @@ def _reservations(state: JobState, before: list[list[str]], fresh: frozenset[str
     """Tell each store the ranks of known size that the placement just put on it (not there `before`,
     or on a store in `fresh`: one restarted, its memory empty), so that it faults in their buffers
     before their first upload there (`Reserve`). O(ranks) per placement, not per step."""
+    if (
+        not fresh
+        and len(state.stores.placement) == len(before)
+        and all(map(operator.is_, state.stores.placement, before))
+    ):
+        return []  # every rank kept its stores (`place_snapshots` keeps their lists): checked in C
     by_store: dict[str, tuple[list[int], list[int]]] = {}
+    rank_bytes = state.ledger.rank_bytes
     for rank, stores in enumerate(state.stores.placement):
-        nbytes = state.ledger.rank_bytes.get(rank, 0)
         old = before[rank] if rank < len(before) else []
-        if nbytes <= 0 or (not fresh and (stores is old or stores == old)):
+        if not fresh and (stores is old or stores == old):  # kept: the same list (`place_snapshots`)
+            continue
+        nbytes = rank_bytes.get(rank, 0)
+        if nbytes <= 0:
             continue
         for store in stores:
             if store not in old or store in fresh:
@@ -756,14 +766,9 @@ class SwapperCore:
         assert len(set(state.membership.ranks)) == len(state.membership.ranks), "a member holds more than one rank"
         # A rendezvous host that keeps failing is not named again: the choice rotates with the attempt,
         # over the members' addresses first.
-        addresses = {
-            m: state.membership.members[m].rendezvous_host
-            for m in state.membership.ranks
-            if m in state.membership.members
-        }
-        rendezvous = state.membership.members[
-            pick_rendezvous(state.membership.ranks, newcomers, state.recovery.attempts, addresses)
-        ]
+        who, attempt = state.membership, state.recovery.attempts
+        addresses = {m: who.members[m].rendezvous_host for m in who.ranks if m in who.members} if attempt else {}
+        rendezvous = who.members[pick_rendezvous(who.ranks, newcomers, attempt, addresses)]
         # Until a generation has formed, every attempt starts fresh (a rank that died during formation
         # may never have stored step 0). Every later generation restores a committed step (members ack
         # formation only once their first snapshot is sealed on its stores), or, when no RAM copy of one

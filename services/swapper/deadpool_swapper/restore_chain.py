@@ -85,13 +85,14 @@ def choose_restore(
     for link, copies in candidates:
         if copies.step == NO_STEP:
             continue
+        holders, step, survivors_hold_it = copies.holders, copies.step, link.survivors_hold_it
         missing = [
             rank
             for rank in range(world_size)
-            if (rank, copies.step) in unavailable
+            if (unavailable and (rank, step) in unavailable)
             or (
-                not copies.holders.get(rank, set()) & live
-                and (not link.survivors_hold_it or rank >= len(ranks) or ranks[rank] in newcomers)
+                live.isdisjoint(holders.get(rank, ()))
+                and (not survivors_hold_it or rank >= len(ranks) or ranks[rank] in newcomers)
             )
         ]
         if not missing:
