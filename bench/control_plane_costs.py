@@ -3,7 +3,8 @@
 detector's and the swapper's work per host and period), the detector's whole work (decode and take)
 per member and second of real members' beats (`real_beats`) as their launcher's `BeatCompaction`
 batches them, with the beats it sends whole, decoding and encoding a rebuild of N ranks,
-placing a rebuild's snapshots after a swap, and saving a job record of N ranks: at a commit, while a
+placing a rebuild's snapshots after a swap, the swapper's whole decision of a swap (the tick after
+the last call that builds its rebuild), and saving a job record of N ranks: at a commit, while a
 rebuild is pending (an ack, a store report), and both without the memo of its large fields
 (`job_records.SectionMemo`).
 
@@ -31,6 +32,8 @@ from deadpool.beat_compaction import BeatCompaction
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_detector.core import DetectorConfig, DetectorCore
 from deadpool_protocol import (
+    Failure,
+    FailureReason,
     Heartbeat,
     HeartbeatBatch,
     Rebuild,
@@ -39,11 +42,12 @@ from deadpool_protocol import (
     RebuildMarks,
     RestoreSource,
     StoreAddress,
+    StoreStatus,
     encode,
 )
 from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
-from deadpool_swapper.core import JobState
+from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
 from deadpool_swapper.job_parts import PendingRebuild
 from deadpool_swapper.job_records import JobRecords, SectionMemo
 from deadpool_swapper.placement import StoreInfo, place_snapshots
@@ -158,10 +162,30 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "save_at_a_commit_ms": fastest_ms(save_after(a_commit, SectionMemo()), repeats),
         "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
+    figures["decide_a_swap_ms"] = decide_a_swap_ms(ranks, repeats)
     state.recovery.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
     figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
     return figures
+
+
+def decide_a_swap_ms(ranks: int, repeats: int) -> float:
+    """The swapper's tick that turns one rank's failure into its rebuild, after the last call: the
+    spare chosen, the restore link, the placement, the command built and checked (fastest of
+    `repeats`, each on a job of its own)."""
+    times = []
+    for i in range(repeats):
+        core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9))
+        for s, name in enumerate(STORES):
+            core.on_store_status(StoreStatus(name, "10.0.0.1", 7000 + s, 0, 1 << 50, 0, 0.0, node=f"host-{s}"), 0.0)
+        state = core.jobs["big"] = large_job(ranks)
+        victim = state.membership.ranks[100 + i]
+        core.on_failure(Failure("big", state.generation, victim, 100 + i, FailureReason.HEARTBEAT, {}, 1.0, 1.0), 1.0)
+        started = time.perf_counter()
+        decision = core.tick(1.0 + core.config.last_call_s)
+        times.append(1e3 * (time.perf_counter() - started))
+        assert state.recovery.pending is not None, decision.reason
+    return min(times)
 
 
 def main() -> None:
