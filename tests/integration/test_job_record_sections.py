@@ -112,4 +112,6 @@ async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membershi
     assert stored is not None
     summary, _ = unpack_record(stored.record)
     assert summary.ranks == state.membership.ranks and summary.hosts[joined.member] == joined.host
+    assert set(await kv.keys()) > {"big", *stored.part_keys}, "a save leaves the parts it stopped naming"
+    await records.collect("big")  # what the job's worker does once what the save decided is out
     assert set(await kv.keys()) == {"big", *stored.part_keys}, "the parts no head names are gone"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import random
 import typing
 
@@ -38,8 +40,10 @@ from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
 from deadpool_swapper.job_records import (
     _REMEMBERED,
+    KV_WRITES_IN_FLIGHT_MAX,
     JobRecords,
     SectionMemo,
+    _bounded,
     state_fields,
     state_from_record,
     state_to_record,
@@ -396,3 +400,25 @@ def test_a_save_that_remembers_its_large_fields_writes_what_a_fresh_one_does_aft
     fresh = records._encode("big", state, 5.0, first.sections, SectionMemo())
     assert again.head == fresh.head and again.parts == fresh.parts
     assert (again.head == first.head) is (change == "nothing changes")
+
+
+async def test_a_save_writes_its_parts_a_group_at_a_time_and_stops_at_the_first_group_that_fails() -> None:
+    """A save's parts go out together, at most `KV_WRITES_IN_FLIGHT_MAX` at once; after a group with a
+    failed write none of the later groups starts (and none is left unawaited)."""
+    running, most, done = [0], [0], []
+
+    async def write(i: int) -> None:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        await asyncio.sleep(0)
+        running[0] -= 1
+        if i == KV_WRITES_IN_FLIGHT_MAX + 1:
+            raise TimeoutError(f"write {i}")
+        done.append(i)
+
+    writes = [write(i) for i in range(3 * KV_WRITES_IN_FLIGHT_MAX)]
+    with pytest.raises(TimeoutError, match=f"write {KV_WRITES_IN_FLIGHT_MAX + 1}"):
+        await _bounded(writes)
+    assert all(inspect.getcoroutinestate(w) == inspect.CORO_CLOSED for w in writes)  # run, or closed unstarted
+    assert most[0] == KV_WRITES_IN_FLIGHT_MAX
+    assert sorted(done) == [i for i in range(2 * KV_WRITES_IN_FLIGHT_MAX) if i != KV_WRITES_IN_FLIGHT_MAX + 1]

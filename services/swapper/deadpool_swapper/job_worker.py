@@ -377,6 +377,7 @@ class JobWorker:
                 break  # a member that may still run is killed before anyone takes its place
             del self._held[0]
             await self._publish(action)
+        await self.records.collect(self.job)  # the parts the saves stopped naming, once the news is out
 
     async def _fenced(self, fence: Fence) -> None:
         took_s = await self._fence(fence)
