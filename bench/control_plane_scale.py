@@ -14,7 +14,8 @@ a time; each silence must become a `failure` and then a `rebuild`.
 
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, the swapper's failure -> rebuild time (as this bench receives
-them, and on the swapper's own clock) p50/p99, detector and swapper CPU (% of one core over the
+them, and on the swapper's own clock) p50/p99, and of it the time from the rebuild's decision to its
+arrival here (the record's save, the publication, the transit and this bench's decode) p50/p99, detector and swapper CPU (% of one core over the
 measurement window), heartbeat messages per second, formation seconds (workers started -> the
 formation's rebuild), commit latency (a step's last store report sent -> its commit received) p50/p99,
 and the largest job record part written to KV and the largest message on the job's swapper subjects
@@ -551,7 +552,9 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             continue
         failure, received = failures[victim]
         detect_ms.append((failure.t_detected - silenced[victim]) * 1000)
-        later = [(g, r) for g, r in rebuilds.items() if victim not in r[0].ranks and g > 1]
+        # the first rebuild after the failure that took the victim's rank (one before it may lack it too:
+        # the victim was a spare then)
+        later = [(g, r) for g, r in rebuilds.items() if victim not in r[0].ranks and g > 1 and r[1] >= received]
         if later:
             _, (rebuild, rebuild_received) = min(later)
             decide_ms.append((rebuild_received - received) * 1000)
