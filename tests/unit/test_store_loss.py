@@ -106,7 +106,9 @@ def test_a_lost_store_gets_a_new_placement_and_its_committed_copies_are_made_aga
 
 def test_a_store_given_ranks_of_known_size_by_a_new_placement_is_told_so_to_fault_in_their_buffers() -> None:
     """After a loss each store that gets a rank it did not hold is sent that rank's size (`Reserve`),
-    once per placement, and a rebuild that keeps every rank where it was reserves nothing."""
+    again with each retransmission of the placement until a step commits under it (a reservation is
+    delivered at least once, and a store takes it once), and a rebuild that keeps every rank where it
+    was reserves nothing."""
     core, formation = formed()
     complete(core, 4, formation.placement, 0.5)
     lost = formation.placement[0][0]
@@ -124,15 +126,38 @@ def test_a_store_given_ranks_of_known_size_by_a_new_placement_is_told_so_to_faul
     reserved = {(r.store, rank): n for r in reservations for rank, n in zip(r.ranks, r.nbytes, strict=True)}
     assert gained and set(reserved) == gained, (reserved, gained)
     assert set(reserved.values()) == {1000}, "each rank's size, from its snapshots' reports"
-    announce(core, 2.0, survivors)
-    assert published(core.tick(2.0), Reserve) == [], "the placement sent again reserves nothing again"
-    failure = Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 2.1, 2.11)
-    core.on_hello(MemberHello("j", 0, "s9", "h9", 100, "l-h9", -1, W, "127.0.0.1", 4000, 2.0), 2.0)
-    core.on_failure(failure, 2.11)
-    announce(core, 3.0, survivors)
-    rebuilds = core.tick(3.0)
+    announce(core, 2.7, survivors)
+    again = core.tick(2.7)
+    assert published(again, Placement) and published(again, Reserve) == reservations
+    complete(core, 5, new.placement, 2.8)
+    announce(core, 3.9, survivors)
+    assert published(core.tick(3.9), Reserve) == [], "a step committed under it: every rank has uploaded"
+    failure = Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 4.1, 4.11)
+    core.on_hello(MemberHello("j", 0, "s9", "h9", 100, "l-h9", -1, W, "127.0.0.1", 4000, 4.0), 4.0)
+    core.on_failure(failure, 4.11)
+    announce(core, 5.0, survivors)
+    rebuilds = core.tick(5.0)
     (rebuild,) = published(rebuilds, Rebuild)
     assert rebuild.placement == new.placement and published(rebuilds, Reserve) == []
+
+
+def test_a_rebuild_that_moves_ranks_sends_its_reservations_again_with_itself_until_they_ack() -> None:
+    """A store lost while a rank fails: the rebuild places that store's ranks elsewhere and reserves them
+    there, and each retransmission of the rebuild (members that missed it) carries them again."""
+    core, formation = formed()
+    complete(core, 4, formation.placement, 0.5)
+    core.on_hello(MemberHello("j", 0, "s9", "h9", 100, "l-h9", -1, W, "127.0.0.1", 4000, 0.6), 0.6)
+    lost = formation.placement[0][0]
+    survivors = tuple(s for s in STORES if s != lost)
+    core.on_failure(Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 1.5, 1.5), 1.5)
+    announce(core, 1.6, survivors)
+    first = core.tick(1.6)
+    (rebuild,) = published(first, Rebuild)
+    reservations = published(first, Reserve)
+    assert reservations and all(r.store != lost for r in reservations)
+    announce(core, 2.7, survivors)
+    again = core.tick(2.7)
+    assert published(again, Rebuild) == [rebuild] and published(again, Reserve) == reservations
 
 
 def test_the_new_placement_is_sent_again_until_a_step_commits_under_it() -> None:

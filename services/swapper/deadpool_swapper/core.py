@@ -296,7 +296,13 @@ class JobState:
 def _reservations(state: JobState, before: list[list[str]], fresh: frozenset[str] = frozenset()) -> list[Action]:
     """Tell each store the ranks of known size that the placement just put on it (not there `before`,
     or on a store in `fresh`: one restarted, its memory empty), so that it faults in their buffers
-    before their first upload there (`Reserve`). O(ranks) per placement, not per step."""
+    before their first upload there (`Reserve`). O(ranks) per placement, not per step. They are kept
+    (`StorePlacement.reserving`) to go again with the placement's retransmissions."""
+    state.stores.reserving = _reserves(state, before, fresh)
+    return [Publish(r) for r in state.stores.reserving]
+
+
+def _reserves(state: JobState, before: list[list[str]], fresh: frozenset[str]) -> list[Reserve]:
     if (
         not fresh
         and len(state.stores.placement) == len(before)
@@ -317,12 +323,12 @@ def _reservations(state: JobState, before: list[list[str]], fresh: frozenset[str
                 ranks, sizes = by_store.setdefault(store, ([], []))
                 ranks.append(rank)
                 sizes.append(nbytes)
-    actions: list[Action] = []
+    reserves: list[Reserve] = []
     for store, (ranks, sizes) in sorted(by_store.items()):
         for i in range(0, len(ranks), SEALED_PER_REPORT_MAX):
             window = slice(i, i + SEALED_PER_REPORT_MAX)
-            actions.append(Publish(Reserve(state.job, state.generation, store, ranks[window], sizes[window])))
-    return actions
+            reserves.append(Reserve(state.job, state.generation, store, ranks[window], sizes[window]))
+    return reserves
 
 
 F = typing.TypeVar("F", bound=Callable[..., typing.Any])
@@ -1124,6 +1130,7 @@ class SwapperCore:
             state.stores.placement_sent_t = now  # until a step commits under it, a member may not have it
             clock.due(now + retransmit)
             actions.append(Publish(self._placement_message(state, "sent again")))
+            actions += [Publish(r) for r in state.stores.reserving]
         if state.recovery.pending is None and clock.due(state.ledger.replicate_sent_t + retransmit):
             wanted = self._replicas_wanted(state, now)
             if wanted:
@@ -1135,6 +1142,7 @@ class SwapperCore:
             pending.t_sent = now
             clock.due(now + retransmit)
             actions.append(Publish(pending.command))
+            actions += [Publish(r) for r in state.stores.reserving]
         voided = 0 < state.recovery.void_generation == state.generation and state.recovery.pending is None
         if voided and clock.due(state.recovery.void_sent_t + retransmit):
             state.recovery.void_sent_t = now
@@ -1243,6 +1251,7 @@ class SwapperCore:
         state.ledger.committed_generation = state.generation
         state.ledger.committed_holders = {rank: set(stores) for rank, stores in state.ledger.completes[step].items()}
         state.stores.placement_confirmed = True
+        state.stores.reserving = []  # every rank has uploaded to its stores: nothing left to fault in first
         state.ledger.commit_progress.drop_through(state.ledger.completes, step)
         commit = Commit(state.job, state.generation, step, state.ledger.snapshot_bytes_max())
         return Decision([Persist(state.job), Publish(commit)], f"step {step} committed")
@@ -1336,6 +1345,7 @@ class SwapperCore:
 
     def _new_placement(self, state: JobState, now: float, reason: str) -> list[Action]:
         state.stores.placement_version += 1
+        state.stores.reserving = []  # those of the placement before (`_reservations` says this one's)
         state.stores.placement_sent_t, state.stores.placement_confirmed = now, False
         state.ledger.replicate_sent_t = now
         message = self._placement_message(state, reason)

@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
-from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck
+from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck, Reserve
 from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.job_record import JobSummary
 from deadpool_swapper.commit_progress import CommitProgress
@@ -298,6 +298,9 @@ class StorePlacement:
     announced_stores: dict[str, tuple[str, int]] = field(default_factory=dict)
     """store -> (host, port) as the members were last told (in a rebuild or a placement): a store heard
     on another address (restarted under its name) gets a new placement."""
+    reserving: list[Reserve] = field(default_factory=list)
+    """The reservations of the newest placement, sent again with it until a step commits under it (then
+    every rank has uploaded to its stores). Not in the record: a hint, which a new leader does not send."""
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
         return {
