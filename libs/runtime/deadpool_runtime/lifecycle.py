@@ -23,6 +23,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from deadpool_runtime.bus import connect
+from deadpool_runtime.gc_policy import freeze_old_objects
 from deadpool_runtime.logs import configure_logging, get_logger
 
 __all__ = [
@@ -193,8 +194,10 @@ def run_nats_service(
             return
         running = asyncio.ensure_future(body(nc, log, stop))
         stopping = asyncio.ensure_future(stop.wait())
+        freezing = asyncio.ensure_future(freeze_old_objects(stop))  # full GC passes walk the young only
         await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        freezing.cancel()
         deadline = StopDeadline.after(SHUTDOWN_BUDGET_S)
         try:
             if not running.done():
