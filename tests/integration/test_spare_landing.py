@@ -18,12 +18,22 @@ import signal
 from pathlib import Path
 
 from deadpool.host_copy_dir import DIR_PREFIX, SHM_ROOT
+from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 
 from .jobs import assert_same_as_uninterrupted, every_rank_at, finish, kill, launch, stop_all, tail, until, watcher
 
 JOB = "spare-landing"
 STEPS = 60
+
+
+async def rank_1_once_the_landing_is_warm(watch: JobWatch, log: Path) -> str:
+    """The member holding rank 1, once the job trains and the spare's landing buffer is faulted in."""
+    await until(watch, lambda: every_rank_at(watch, 5), log, "training")
+    await until(watch, lambda: "landing buffer warm" in log.read_text(), log, "the spare's landing warm")
+    victim = watch.holder_of(1)
+    assert victim is not None
+    return victim
 
 
 async def test_a_warm_spare_restores_into_its_faulted_in_landing_and_training_ends_bit_identical(
@@ -37,10 +47,7 @@ async def test_a_warm_spare_restores_into_its_faulted_in_landing_and_training_en
             stack.nats_args, JOB, log, steps=STEPS, nproc=2, spares=1, out=tmp_path / "job", launch_args=no_copy
         )
         try:
-            await until(watch, lambda: every_rank_at(watch, 5), log, "training")
-            await until(watch, lambda: "landing buffer warm" in log.read_text(), log, "the spare's landing warm")
-            victim = watch.holder_of(1)
-            assert victim is not None
+            victim = await rank_1_once_the_landing_is_warm(watch, log)
             kill(watch, victim, signal.SIGKILL)
             await until(watch, lambda: bool(watch.incidents), log, "the rank swapped")
             incident = watch.incidents[0]
@@ -64,10 +71,7 @@ async def test_a_landing_taken_for_crash_copies_that_fail_their_checks_is_given_
         log = tmp_path / "job.log"
         launcher = await launch(stack.nats_args, job, log, steps=STEPS, nproc=2, spares=1, out=tmp_path / "job")
         try:
-            await until(watch, lambda: every_rank_at(watch, 5), log, "training")
-            await until(watch, lambda: "landing buffer warm" in log.read_text(), log, "the spare's landing warm")
-            victim = watch.holder_of(1)
-            assert victim is not None
+            victim = await rank_1_once_the_landing_is_warm(watch, log)
             kill(watch, victim, signal.SIGSTOP)  # no capture rewrites its copies meanwhile
             copies = list(SHM_ROOT.glob(f"{DIR_PREFIX}{job}-*/{victim}/slot-*.bin"))
             assert len(copies) == 3, copies

@@ -748,8 +748,9 @@ class Reserve(JobMessage):
     """The swapper placed these ranks' snapshots on `store`, each `nbytes[i]` long: the store faults in
     the buffers their uploads will take now, not at their first upload (a GB of memory the host never
     touched costs seconds to fault in). Sent when a placement moves ranks of known size to a store
-    (after a store is lost or returns, in a rebuild); the first placement knows no sizes. A store
-    takes a rank's reservation once (at its size): a message sent again changes nothing."""
+    (after a store is lost or returns, in a rebuild), and again with each retransmission of that
+    placement until a step commits under it; the first placement knows no sizes. A store takes a
+    rank's reservation once (at its size): a message sent again changes nothing."""
 
     KIND: ClassVar[str] = "reserve"
     store: Name

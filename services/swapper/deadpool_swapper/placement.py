@@ -180,5 +180,7 @@ def _free(store: StoreInfo, planned: Mapping[str, int]) -> int:
 
 def under_placed(placement: Sequence[Sequence[str]], live: set[str], replication: int) -> bool:
     """Whether a placement names a store that is gone, or gives a rank fewer stores than it could have."""
-    want = min(replication, len(live))
-    return any(not set(names) <= live or len(names) < want for names in placement)
+    want = min(replication, len(live))  # checked in C, as `_kept_whole`: the shell asks at every tick
+    return (
+        not live.issuperset(itertools.chain.from_iterable(placement)) or min(map(len, placement), default=want) < want
+    )
