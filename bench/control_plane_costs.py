@@ -4,7 +4,8 @@ detector's and the swapper's work per host and period), the detector's whole wor
 per member and second of real members' beats (`real_beats`) as their launcher's `BeatCompaction`
 batches them, with the beats it sends whole, decoding and encoding a rebuild of N ranks,
 placing a rebuild's snapshots after a swap, the swapper's whole decision of a swap (the tick after
-the last call that builds its rebuild), and saving a job record of N ranks: at a commit, while a
+the last call that builds its rebuild), the detector's passes over every member (its review of
+stragglers and stalls, its hang rules), and saving a job record of N ranks: at a commit, while a
 rebuild is pending (an ack, a store report), and both without the memo of its large fields
 (`job_records.SectionMemo`).
 
@@ -30,7 +31,7 @@ from real_beats import real_beat
 
 from deadpool.beat_compaction import BeatCompaction
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
-from deadpool_detector.core import DetectorConfig, DetectorCore
+from deadpool_detector.core import BUSY_SAMPLES_PER_BEAT_MAX, DetectorConfig, DetectorCore, _sample_busy
 from deadpool_protocol import (
     Failure,
     FailureReason,
@@ -47,6 +48,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
+from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
 from deadpool_swapper.job_parts import PendingRebuild
 from deadpool_swapper.job_records import JobRecords, SectionMemo
@@ -188,6 +190,23 @@ def decide_a_swap_ms(ranks: int, repeats: int) -> float:
     return min(times)
 
 
+def detector_review_ms(ranks: int, repeats: int) -> dict[str, float]:
+    """The detector's passes over every member of a job of `ranks` ranks whose straggler windows are
+    full: the review once a second (stragglers, stalls) and the hang rules four times a second."""
+    core = DetectorCore(DetectorConfig())
+    members = tuple(f"sim-{k:05d}" for k in range(ranks))
+    formed(core, 0.0, ranks=members, spares=())
+    periods = BUSY_SAMPLES_PER_BEAT_MAX
+    for k, watched in enumerate(core.jobs["j"].members.values()):
+        for i in range(core.config.straggler_window // periods + 1):
+            _sample_busy(watched, (i + k) % 3 != 0, (i + 1) * periods * HEARTBEAT_PERIOD_S_DEFAULT)
+    now = 1.0  # every member heard at 0: none silent, none stalled
+    return {
+        "detector_review_ms": fastest_ms(lambda: (core.stragglers(now), core.stalls(now)), repeats),
+        "detector_hang_rules_ms": fastest_ms(lambda: core.check(now, hang_rules=True), repeats),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8192, 16384])
@@ -198,7 +217,7 @@ def main() -> None:
         print(f"{name:>36}: {value:8.2f}")
     sizes = []
     for ranks in args.ranks:
-        figures = at_size(ranks, args.repeats)
+        figures = at_size(ranks, args.repeats) | detector_review_ms(ranks, args.repeats)
         for name, value in figures.items():
             print(f"{ranks:>6} ranks {name:>31}: {value:10.1f}")
         sizes.append({"ranks": ranks, **{k: round(v, 2) for k, v in figures.items()}})

@@ -64,9 +64,9 @@ def test_a_names_waiting_bit_is_what_the_straggler_rule_samples_and_a_rebuild_ke
     watched = core.jobs["j"].members["m0"]
     assert watched.in_step and not watched.waiting
     core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0], [True]), 0.25)
-    assert watched.waiting and watched.busy[-1] is False, "in a step but waiting on its peers: not busy"
+    assert watched.waiting and watched.busy_share(1) == 0, "in a step but waiting on its peers: not busy"
     core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0], [False]), 0.5)
-    assert not watched.waiting and watched.busy[-1] is True
+    assert not watched.waiting and watched.busy_share(1) == 1
     core.on_batch(HeartbeatBatch("j", 1, "l0", [], ["m0"], [0]), 0.75)  # no bits: as last heard
     assert not watched.waiting
     rebuilding = dataclasses.replace(beat("m0", 1.0), rebuilding=True)
