@@ -545,14 +545,16 @@ def _plain_items(values: list[Any], hint: Any) -> bool:
 
 @functools.cache
 def _plain_check(hint: Any) -> Callable[[list[Any]], bool] | None:
-    """A check, in one pass, that every item of a list is at a glance a valid `hint`: an int, a str
-    within its bound in characters, or a list of those within its bound (a rebuild's placement: a
+    """A check, in one pass, that every item of a list is at a glance a valid `hint`: an int, a bool, a
+    str within its bound in characters, or a list of those within its bound (a rebuild's placement: a
     list of stores per rank). A list of thousands (a store's sealed ranks, a rebuild's members) is
     checked so; any other list, or one with an item that is not, is checked item by item (which says
     which item is wrong). None where `hint` has no such check."""
     base, bound, kind = _resolved(hint)
     if base is int:
         return lambda values: all(type(v) is int for v in values)
+    if base is bool:  # a launcher's batch says each named member's waiting bit (`HeartbeatBatch`)
+        return lambda values: all(type(v) is bool for v in values)
     if bound is None or bound.unit == "bytes":
         return None
     most = bound.most

@@ -458,11 +458,12 @@ class HeartbeatBatch(JobMessage):
             if beat.job != self.job:
                 raise ProtocolError(f"a beat of job {beat.job!r} in a batch of job {self.job!r}")
             beat.check()
-        for member in self.alive:
-            _need_name(member, "member")
+        if (bad := first_invalid_name(self.alive)) is not None:
+            raise ProtocolError(f"member {bad!r} is not a valid name")
         _need(len(self.alive_waiting) in (0, len(self.alive)), "alive_waiting does not match the names")
         _need(len(self.ages_ms) in (0, len(self.beats) + len(self.alive)), "ages_ms does not match the beats and names")
-        _need(all(0 <= age <= BEAT_AGE_MS_MAX for age in self.ages_ms), f"a beat's age past {BEAT_AGE_MS_MAX} ms")
+        ages = self.ages_ms
+        _need(not ages or (min(ages) >= 0 and max(ages) <= BEAT_AGE_MS_MAX), f"a beat's age past {BEAT_AGE_MS_MAX} ms")
 
     def age_s(self, i: int) -> float:
         """The age of the i-th beat (`beats`, then `alive`), in seconds."""
