@@ -51,6 +51,7 @@ from nats.aio.msg import Msg
 from real_beats import real_beat
 
 from deadpool.beat_compaction import HEARTBEAT_REFRESH_S, BeatCompaction
+from deadpool.control_link import HELLO_RETRY_S, HELLO_TIMEOUT_S
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -87,7 +88,6 @@ from deadpool_runtime.logs import get_logger
 JOB = "scale"
 RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
-HELLO_CONCURRENCY = 64
 MEMBERS_PER_STORE = 512
 GOALS = {
     "detect_ms_p99_over_timeout_max": 200.0,
@@ -187,7 +187,6 @@ async def worker_main(
     await nc.subscribe(subjects.fence(launcher), cb=on_fence)
     await nc.subscribe("bench.silence", cb=on_silence)
 
-    gate = asyncio.Semaphore(HELLO_CONCURRENCY)
     start = RunStart(JOB, 0, RUN, world_size, launcher, time.time())
     while True:  # every simulated launcher starts the one run, as a job's launchers do
         try:
@@ -198,28 +197,30 @@ async def worker_main(
         await asyncio.sleep(0.2)
 
     async def hello(member: SimulatedMember) -> None:
-        async with gate:
-            message = MemberHello(
-                JOB,
-                0,
-                member.name,
-                hosts[member.name],
-                os.getpid(),
-                launcher,
-                member.rank_hint,
-                world_size,
-                "127.0.0.1",
-                1,
-                time.time(),
-                run=RUN,
-            )
-            while True:
-                try:
-                    reply = decode((await nc.request(subjects.hello, encode(message), timeout=5)).data, HelloReply)
-                    if reply.accepted:
-                        return
-                except Exception:
-                    await asyncio.sleep(0.2)
+        """A member's registration, as `ControlLink` makes it: every member at once, each asking again
+        when its answer is late."""
+        message = MemberHello(
+            JOB,
+            0,
+            member.name,
+            hosts[member.name],
+            os.getpid(),
+            launcher,
+            member.rank_hint,
+            world_size,
+            "127.0.0.1",
+            1,
+            time.time(),
+            run=RUN,
+        )
+        while True:
+            try:
+                data = (await nc.request(subjects.hello, encode(message), timeout=HELLO_TIMEOUT_S)).data
+                if decode(data, HelloReply).accepted:
+                    return
+            except Exception:
+                pass
+            await asyncio.sleep(HELLO_RETRY_S)
 
     async def beat_host_real(host: str, members: list[SimulatedMember]) -> None:
         """A launcher's batching of real members' beats, by `deadpool launch`'s own compaction."""
@@ -322,15 +323,13 @@ async def worker_main(
             await asyncio.sleep(batch_s)
 
     async def start_host(host: str, members: list[SimulatedMember]) -> None:
-        """A host's launcher forwards its members' beats once they said hello (a member beats from its
-        own registration on): not once every member of this worker did, which held a whole worker's
-        members silent past their naming when one of its hellos was answered late."""
-        await asyncio.gather(*(hello(m) for m in members))
-        await (beat_host if static_beats else beat_host_real)(host, members)
+        """A host's members say hello and beat from the start, through their launcher, as
+        `ControlLink` does: not once every member of this worker was answered, which held a whole
+        worker's members silent past their naming when one of its hellos was answered late."""
+        await asyncio.gather((beat_host if static_beats else beat_host_real)(host, members), *map(hello, members))
 
     async def start_member(member: SimulatedMember) -> None:
-        await hello(member)
-        await beat(member)
+        await asyncio.gather(beat(member), hello(member))
 
     if batching:
         by_host: dict[str, list[SimulatedMember]] = {}

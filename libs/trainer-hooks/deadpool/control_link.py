@@ -57,6 +57,8 @@ from deadpool_runtime import EventPublisher, connect, subscribe_validated
 __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
 
 CONNECT_TIMEOUT_S = 30.0
+HELLO_TIMEOUT_S = 2.0
+"""How long a member waits for the answer to its hello before it asks again."""
 HELLO_RETRY_S = 0.5
 CLOSE_EVENTS_WAIT_S = 5.0
 """At close, how long the link waits for events still being stored (a done report, an error)."""
@@ -265,10 +267,15 @@ class ControlLink:
         if self._on_snapshot_size_cb is not None:
             self._commits = await subscribe_validated(self._nc, self.subjects.commit, Commit, self._on_commit, self.log)
         self._ready.set()
-        await self._register()
+        # Beats go from the start, not once the hello is answered: the formation may name a member
+        # whose answer is late (16,384 hellos at once: its request timed out and goes again), and a
+        # named member must be heard within the heartbeat timeout. Unnamed, it is only noted.
         beat = asyncio.create_task(self._heartbeats())
-        await self._stop.wait()
-        beat.cancel()
+        try:
+            await self._register()
+            await self._stop.wait()
+        finally:
+            beat.cancel()
         await self._events.drain(CLOSE_EVENTS_WAIT_S)
         await self._nc.drain()
 
@@ -278,7 +285,7 @@ class ControlLink:
         while not self._stop.is_set():
             attempts += 1
             try:
-                msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=2.0)
+                msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=HELLO_TIMEOUT_S)
                 if msg.headers and msg.headers.get("Nats-Service-Error-Code"):
                     raise ProtocolError(msg.headers.get("Nats-Service-Error", "hello rejected"))
                 reply = decode(msg.data, HelloReply)
