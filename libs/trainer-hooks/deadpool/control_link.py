@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +59,11 @@ __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
 
 CONNECT_TIMEOUT_S = 30.0
 HELLO_TIMEOUT_S = 2.0
-"""How long a member waits for the answer to its hello before it asks again."""
+"""How long a member first waits for the answer to its hello before it asks again."""
+HELLO_TIMEOUT_MAX_S = 8.0
+"""Each hello whose answer did not come in time doubles the next wait, up to this: when thousands of
+members say hello at once, a swapper that needs 3 s to answer them all must not get every hello
+again at 2 s, then again (every answer late, for ever)."""
 HELLO_RETRY_S = 0.5
 CLOSE_EVENTS_WAIT_S = 5.0
 """At close, how long the link waits for events still being stored (a done report, an error)."""
@@ -282,17 +287,20 @@ class ControlLink:
     async def _register(self) -> None:
         assert self._nc is not None and self._stop is not None
         attempts = 0
+        timeout_s = HELLO_TIMEOUT_S
         while not self._stop.is_set():
             attempts += 1
             try:
-                msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=HELLO_TIMEOUT_S)
+                msg = await self._nc.request(self.subjects.hello, encode(self._hello), timeout=timeout_s)
                 if msg.headers and msg.headers.get("Nats-Service-Error-Code"):
                     raise ProtocolError(msg.headers.get("Nats-Service-Error", "hello rejected"))
                 reply = decode(msg.data, HelloReply)
-            except (NoRespondersError, NatsTimeoutError):
+            except (NoRespondersError, NatsTimeoutError) as exc:
                 if attempts % 20 == 1:  # every ~10 s, not every retry
                     self.log.info("waiting for the swapper to answer hello", attempts=attempts)
-                await asyncio.sleep(HELLO_RETRY_S)
+                if isinstance(exc, NatsTimeoutError):  # heard, not answered in time: a busy swapper
+                    timeout_s = min(2 * timeout_s, HELLO_TIMEOUT_MAX_S)
+                await asyncio.sleep(HELLO_RETRY_S * random.uniform(0.5, 1.5))  # the members' retries spread
                 continue
             except ProtocolError as exc:
                 reply = HelloReply(self.config.job, 0, self.config.member, False, str(exc))
