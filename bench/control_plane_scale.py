@@ -51,7 +51,7 @@ from nats.aio.msg import Msg
 from real_beats import real_beat
 
 from deadpool.beat_compaction import HEARTBEAT_REFRESH_S, BeatCompaction
-from deadpool.control_link import HELLO_RETRY_S, HELLO_TIMEOUT_S
+from deadpool.control_link import HELLO_RETRY_S, HELLO_TIMEOUT_MAX_S, HELLO_TIMEOUT_S
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -88,6 +88,9 @@ from deadpool_runtime.logs import get_logger
 JOB = "scale"
 RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
+HELLO_CONCURRENCY = 64
+"""Hellos in flight per worker process by default (`--hello-concurrency`): 2 shared cores cannot play
+16,384 members saying hello at once (the workers' own beats then lag past the heartbeat timeout)."""
 MEMBERS_PER_STORE = 512
 GOALS = {
     "detect_ms_p99_over_timeout_max": 200.0,
@@ -134,6 +137,7 @@ async def worker_main(
     step_s: float,
     batch_s: float,
     static_beats: bool = False,
+    hello_concurrency: int = HELLO_CONCURRENCY,
 ) -> None:
     nc = await nats.connect(url, max_reconnect_attempts=-1, nkeys_seed=nkey or None)
     subjects = Subjects.for_job(JOB)
@@ -187,6 +191,7 @@ async def worker_main(
     await nc.subscribe(subjects.fence(launcher), cb=on_fence)
     await nc.subscribe("bench.silence", cb=on_silence)
 
+    gate = asyncio.Semaphore(hello_concurrency or len(sim))
     start = RunStart(JOB, 0, RUN, world_size, launcher, time.time())
     while True:  # every simulated launcher starts the one run, as a job's launchers do
         try:
@@ -197,8 +202,12 @@ async def worker_main(
         await asyncio.sleep(0.2)
 
     async def hello(member: SimulatedMember) -> None:
-        """A member's registration, as `ControlLink` makes it: every member at once, each asking again
-        when its answer is late."""
+        """A member's registration, as `ControlLink` makes it (asking again with a longer wait when its
+        answer is late), `hello_concurrency` of this worker's at a time."""
+        async with gate:
+            await register(member)
+
+    async def register(member: SimulatedMember) -> None:
         message = MemberHello(
             JOB,
             0,
@@ -213,14 +222,17 @@ async def worker_main(
             time.time(),
             run=RUN,
         )
+        timeout_s = HELLO_TIMEOUT_S
         while True:
             try:
-                data = (await nc.request(subjects.hello, encode(message), timeout=HELLO_TIMEOUT_S)).data
+                data = (await nc.request(subjects.hello, encode(message), timeout=timeout_s)).data
                 if decode(data, HelloReply).accepted:
                     return
+            except nats.errors.TimeoutError:
+                timeout_s = min(2 * timeout_s, HELLO_TIMEOUT_MAX_S)
             except Exception:
                 pass
-            await asyncio.sleep(HELLO_RETRY_S)
+            await asyncio.sleep(HELLO_RETRY_S * random.uniform(0.5, 1.5))
 
     async def beat_host_real(host: str, members: list[SimulatedMember]) -> None:
         """A launcher's batching of real members' beats, by `deadpool launch`'s own compaction."""
@@ -508,6 +520,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         "--batch-s",
                         str(args.batch_s),
                         *(["--static-beats"] if args.static_beats else []),
+                        "--hello-concurrency",
+                        str(args.hello_concurrency),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
@@ -602,6 +616,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "beats": "static" if args.static_beats else "real",
         "window_s": round(window, 1),
         "formation_s": round(formation_s, 1),
+        "hello_concurrency": args.hello_concurrency,
         "stores": len(stores.names),
         "step_s": args.step_s,
         "store_reports": stores.reports,
@@ -715,6 +730,12 @@ def main() -> None:
         action="store_true",
         help="members' beats say the same thing until their step moves (kinder than a real job's)",
     )
+    parser.add_argument(
+        "--hello-concurrency",
+        type=int,
+        default=HELLO_CONCURRENCY,
+        help="hellos in flight per worker process (0: every member's at once, as a real job's)",
+    )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
@@ -735,6 +756,7 @@ def main() -> None:
                 args.step_s,
                 args.batch_s,
                 args.static_beats,
+                args.hello_concurrency,
             )
         )
         return
