@@ -1,13 +1,13 @@
 """What the control plane's per-message and per-save work costs, one piece at a time, at the sizes of
 `control_plane_scale.py`: decoding a launcher's batch of 8 whole beats, of 8 names and of 8 acks (the
-detector's and the swapper's work per host and period), the detector's whole work (decode and take)
-per member and second of real members' beats (`real_beats`) as their launcher's `BeatCompaction`
-batches them, with the beats it sends whole, decoding and encoding a rebuild of N ranks,
-placing a rebuild's snapshots after a swap, the swapper's whole decision of a swap (the tick after
-the last call that builds its rebuild), the detector's passes over every member (its review of
-stragglers and stalls, its hang rules), and saving a job record of N ranks: at a commit, while a
-rebuild is pending (an ack, a store report), and both without the memo of its large fields
-(`job_records.SectionMemo`).
+detector's and the swapper's work per host and period), the detector's whole work (decode and take) per
+member and second of real members' beats (`real_beats`) as their launcher's `BeatCompaction` batches
+them, with the beats it sends whole, decoding and encoding a rebuild of N ranks, placing a rebuild's
+snapshots after a swap, the swapper's whole decision of a swap (the tick after the last call that builds
+its rebuild), the detector's passes over every member (its review of stragglers and stalls, its hang
+rules, the pass that finds a sixteenth of the hosts silent), and saving a job record of N ranks: at a
+commit, while a rebuild is pending (an ack, a store report), and both without the memo of its large
+fields (`job_records.SectionMemo`).
 
     .venv/bin/python bench/control_plane_costs.py [--ranks 8192 16384] [--repeats 5]
 
@@ -207,6 +207,23 @@ def detector_review_ms(ranks: int, repeats: int) -> dict[str, float]:
     }
 
 
+def detector_lost_rack_ms(ranks: int, repeats: int) -> float:
+    """The detector's pass that finds a sixteenth of a job's hosts of 8 silent at once (a rack, a
+    switch): every silent member declared, with its host's count (fastest of `repeats`)."""
+    times = []
+    for _ in range(repeats):
+        core = DetectorCore(DetectorConfig())
+        formed(core, 0.0, ranks=tuple(f"sim-{k:05d}" for k in range(ranks)), spares=())
+        for k, watched in enumerate(core.jobs["j"].members.values()):
+            watched.host = f"host-{k // 8}"
+            watched.last_seen = -5.0 if k // 8 % 16 == 0 else 0.5
+        started = time.perf_counter()
+        declared = core.check(1.0, hang_rules=False)
+        times.append(1e3 * (time.perf_counter() - started))
+        assert len(declared) == len(range(0, ranks, 128)) * 8, len(declared)
+    return min(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8192, 16384])
@@ -218,6 +235,7 @@ def main() -> None:
     sizes = []
     for ranks in args.ranks:
         figures = at_size(ranks, args.repeats) | detector_review_ms(ranks, args.repeats)
+        figures["detector_lost_rack_ms"] = detector_lost_rack_ms(ranks, args.repeats)
         for name, value in figures.items():
             print(f"{ranks:>6} ranks {name:>31}: {value:10.1f}")
         sizes.append({"ranks": ranks, **{k: round(v, 2) for k, v in figures.items()}})

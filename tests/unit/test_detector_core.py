@@ -283,6 +283,28 @@ def test_a_silent_host_is_declared_whole_in_one_pass() -> None:
     assert all(f.lost_host == "a" and f.lost_host_members == 2 for f in failures)
 
 
+def test_hosts_lost_together_are_each_declared_whole_with_their_own_count() -> None:
+    """A rack lost: every silent host in one pass, each verdict counting its own host's members; a
+    host with a member still beating is not lost (its silent member is declared alone)."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    hosts = {"m0": "a", "m1": "a", "m2": "b", "m3": "b", "m4": "b", "m5": "c", "m6": "c"}
+    last_beat = {"m0": 0.1, "m1": 0.2, "m2": 0.1, "m3": 0.2, "m4": 0.6, "m5": 0.2, "m6": 1.2}
+    formed(core, 0.0, ranks=tuple(hosts), spares=())
+    for member, t in last_beat.items():
+        rank = int(member[1:])
+        core.on_heartbeat(Heartbeat("j", 1, member, rank, 100, 3, True, t, t, host=hosts[member]), t)
+    failures = {f.member: f for f in core.check(1.25)}
+    assert sorted(failures) == ["m0", "m1", "m2", "m3", "m4", "m5"]  # m4: silent half the timeout, with b
+    assert {m: (f.lost_host, f.lost_host_members) for m, f in failures.items()} == {
+        "m0": ("a", 2),
+        "m1": ("a", 2),
+        "m2": ("b", 3),
+        "m3": ("b", 3),
+        "m4": ("b", 3),
+        "m5": ("", 0),
+    }
+
+
 def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:
     core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)

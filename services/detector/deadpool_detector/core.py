@@ -94,7 +94,7 @@ from __future__ import annotations
 import statistics
 import time
 from bisect import bisect_left
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -775,7 +775,9 @@ class DetectorCore:
             if view.finished:
                 continue
             silent = [w for w in view.members.values() if w.last_seen < silent_before and not w.done]
-            silent += self._silent_host_mates(view, silent, now)
+            if silent:
+                silent += self._silent_host_mates(view, silent, now)
+            silent_on_host = Counter(w.host for w in silent if w.host)
             for w in silent:
                 del view.members[w.member]
                 evidence = {
@@ -783,7 +785,7 @@ class DetectorCore:
                     "last_step": str(w.last_step),
                     "pid": str(w.pid),
                 }
-                lost_host = [m for m in silent if w.host and m.host == w.host]
+                lost_host = silent_on_host[w.host] if w.host else 0
                 failures.append(
                     self._declare(
                         view,
@@ -793,7 +795,7 @@ class DetectorCore:
                         evidence,
                         self._wall(w.last_seen),
                         now,
-                        lost_host=(w.host, len(lost_host)) if len(lost_host) > 1 else ("", 0),
+                        lost_host=(w.host, lost_host) if lost_host > 1 else ("", 0),
                     )
                 )
             if not hang_rules:
@@ -912,10 +914,14 @@ class DetectorCore:
         when every member of that host is: the host is gone, and all of it is declared in one pass
         (their heartbeats stopped together but cross the timeout up to a period apart)."""
         declared = {w.member for w in silent}
+        hosts = {w.host for w in silent if w.host}
+        mates_of: dict[str, list[Watched]] = {host: [] for host in hosts}
+        for w in view.members.values():  # one pass over the job, not one per silent host (a lost rack)
+            if w.host in mates_of and not w.done and w.member not in declared:
+                mates_of[w.host].append(w)
+        half = self.config.heartbeat_timeout_s / 2
         extra: list[Watched] = []
-        for host in {w.host for w in silent if w.host}:
-            mates = [w for w in view.members.values() if w.host == host and not w.done and w.member not in declared]
-            half = self.config.heartbeat_timeout_s / 2
+        for mates in mates_of.values():
             if mates and all(now - w.last_seen > half for w in mates):
                 extra += mates
         return extra
