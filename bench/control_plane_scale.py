@@ -250,10 +250,14 @@ async def worker_main(
                 elapsed = mono - age - started
                 member.step = int(elapsed / step_s)
                 into = (elapsed % step_s) / step_s
-                beat = real_beat(
-                    JOB, member.generation, member.name, member.rank, os.getpid(), hosts[member.name],
-                    member.step, into, step_s, started_wall, now - age,
-                )  # fmt: skip
+                if member.generation:
+                    beat = real_beat(
+                        JOB, member.generation, member.name, member.rank, os.getpid(), hosts[member.name],
+                        member.step, into, step_s, started_wall, now - age,
+                    )  # fmt: skip
+                else:  # before the formation a member trains not: its beats say the same, but for their time
+                    pid, host = os.getpid(), hosts[member.name]
+                    beat = Heartbeat(JOB, 0, member.name, NO_RANK, pid, -1, False, 0.0, now - age, host=host)
                 received[member.name] = (beat, mono - age)
                 member.last_beat = now - age
                 member.sent += max(1, round(batch_s / HEARTBEAT_PERIOD_S))  # the beats this batch stands for
