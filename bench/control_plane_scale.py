@@ -4,9 +4,10 @@
 
 For each size: an embedded nats-server, the detector (heartbeat timeout `--timeout-s`, default 1 s)
 and the swapper, as separate processes; `--processes` worker processes simulate the members, each
-member a light asyncio task in a host of 8: it registers with the swapper (the real hello), heartbeats
-every 100 ms, steps every `--step-s` (default 2 s), acks every rebuild that names it and answers fence
-requests, like a member and its launcher would. `--spares` of them are spares. `--stores` simulated
+member a light asyncio task in a host of 8: it registers with the swapper (the real hello, at most
+`--hello-concurrency` of a worker's at a time), heartbeats every 100 ms from its start (its beats say
+the same thing until its first rebuild), steps every `--step-s` (default 2 s), acks every rebuild that
+names it and answers fence requests, like a member and its launcher would. `--spares` of them are spares. `--stores` simulated
 stores (default one per 512 members) announce themselves and, at every step, report the ranks the
 newest placement puts on them as sealed, as a store does (one report per store per step), so the
 swapper commits every step. After the job forms, `--failures` members holding ranks go silent one at
