@@ -2,16 +2,16 @@
 
     .venv/bin/python bench/control_plane_scale.py --members 1024 [--members 128 512 1024 4096]
 
-For each size: an embedded nats-server, the detector (heartbeat timeout `--timeout-s`, default 1 s)
-and the swapper, as separate processes; `--processes` worker processes simulate the members, each
-member a light asyncio task in a host of 8: it registers with the swapper (the real hello, at most
+For each size: an embedded nats-server, the detector (heartbeat timeout `--timeout-s`, default 1 s) and
+the swapper, as separate processes; `--processes` worker processes simulate the members, each member a
+light asyncio task in a host of 8: it registers with the swapper (the real hello, at most
 `--hello-concurrency` of a worker's at a time), heartbeats every 100 ms from its start (its beats say
 the same thing until its first rebuild), steps every `--step-s` (default 2 s), acks every rebuild that
-names it and answers fence requests, like a member and its launcher would. `--spares` of them are spares. `--stores` simulated
-stores (default one per 512 members) announce themselves and, at every step, report the ranks the
-newest placement puts on them as sealed, as a store does (one report per store per step), so the
-swapper commits every step. After the job forms, `--failures` members holding ranks go silent one at
-a time; each silence must become a `failure` and then a `rebuild`.
+names it and answers fence requests, like a member and its launcher would. `--spares` of them are
+spares. `--stores` simulated stores (default one per 512 members) announce themselves and, at every
+step, report the ranks the newest placement puts on them as sealed, as a store does (one report per
+store per step), so the swapper commits every step. After the job forms, `--failures` members holding
+ranks go silent one at a time; each silence must become a `failure` and then a `rebuild`.
 
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, false verdicts (members declared failed that were never
