@@ -5,13 +5,14 @@
 For each size: an embedded nats-server, the detector (heartbeat timeout `--timeout-s`, default 1 s) and
 the swapper, as separate processes; `--processes` worker processes simulate the members, each member a
 light asyncio task in a host of 8: it registers with the swapper (the real hello, at most
-`--hello-concurrency` of a worker's at a time), heartbeats every 100 ms from its start (its beats say
-the same thing until its first rebuild), steps every `--step-s` (default 2 s), acks every rebuild that
-names it and answers fence requests, like a member and its launcher would. `--spares` of them are
-spares. `--stores` simulated stores (default one per 512 members) announce themselves and, at every
-step, report the ranks the newest placement puts on them as sealed, as a store does (one report per
-store per step), so the swapper commits every step. After the job forms, `--failures` members holding
-ranks go silent one at a time; each silence must become a `failure` and then a `rebuild`.
+`--hello-concurrency` of a worker's at a time), heartbeats every 100 ms from its start (with real beats,
+the same beat until its first rebuild: it does not train before), steps every `--step-s` (default 2 s),
+acks every rebuild that names it and answers fence requests, like a member and its launcher would.
+`--spares` of them are spares. `--stores` simulated stores (default one per 512 members) announce
+themselves and, at every step, report the ranks the newest placement puts on them as sealed, as a store
+does (one report per store per step), so the swapper commits every step. After the job forms,
+`--failures` members holding ranks go silent one at a time; each silence must become a `failure` and
+then a `rebuild`.
 
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, false verdicts (members declared failed that were never
@@ -257,8 +258,7 @@ async def worker_main(
                         member.step, into, step_s, started_wall, now - age,
                     )  # fmt: skip
                 else:  # before the formation a member trains not: its beats say the same, but for their time
-                    pid, host = os.getpid(), hosts[member.name]
-                    beat = Heartbeat(JOB, 0, member.name, NO_RANK, pid, -1, False, 0.0, now - age, host=host)
+                    beat = Heartbeat(JOB, 0, member.name, NO_RANK, os.getpid(), -1, False, 0.0, now - age, host=host)
                 received[member.name] = (beat, mono - age)
                 member.last_beat = now - age
                 member.sent += max(1, round(batch_s / HEARTBEAT_PERIOD_S))  # the beats this batch stands for

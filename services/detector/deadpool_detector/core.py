@@ -987,7 +987,7 @@ def _sample_busy(watched: Watched, busy: bool, now: float) -> None:
 def _median_without(ordered: list[float], value: float) -> float:
     """The median of sorted `ordered` less one element equal to `value` (which it holds), as
     `statistics.median` gives it: each rank's share against the others' in O(log n), not a sort of
-    the others per rank (at 4,096 ranks that was a second of the detector's loop per review)."""
+    the others per rank (at 4,096 ranks that was half a second of the detector's loop per review)."""
     gone = bisect_left(ordered, value)
     rest = len(ordered) - 1
 
