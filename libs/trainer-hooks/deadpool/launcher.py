@@ -25,7 +25,7 @@ import secrets
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ from deadpool_runtime.host import LOOPBACK, address_towards, interface_of
 from deadpool_runtime.lifecycle import CONNECTION_CLOSE_S, SHUTDOWN_BUDGET_S, StopDeadline, close_connection
 from deadpool_runtime.log_limit import RefusalLog
 
-__all__ = ["LaunchConfig", "Launcher"]
+__all__ = ["LaunchConfig", "Launcher", "unclean_after_finish"]
 
 PR_SET_PDEATHSIG = 1
 TERMINATE_GRACE_S = 10.0
@@ -163,6 +163,20 @@ class Child:
     slot: int
     """Its place on this host (LOCAL_RANK, and its device): a respawn takes the slot of the dead."""
     process: asyncio.subprocess.Process
+
+
+def unclean_after_finish(alive_at_finish: Collection[str], exit_codes: Mapping[str, int]) -> str:
+    """Why the launcher exits 1 although the job finished ('' when it does not): members that were
+    still running when every rank had said it was done, and then did not exit cleanly. Their code
+    after the training loop (a final save, an evaluation) ran once, on them: no spare replays it."""
+    unclean = sorted(m for m in alive_at_finish if exit_codes.get(m) != 0)
+    if not unclean:
+        return ""
+    codes = ", ".join(f"{m} (exit {exit_codes.get(m, 'unknown')})" for m in unclean)
+    return (
+        f"the job finished, but {codes} did not exit cleanly after it: the code after the training loop "
+        "is not replayed on a spare, so what it writes (a final save) may be missing"
+    )
 
 
 class Launcher:
@@ -279,6 +293,8 @@ class Launcher:
         await close_connection(self._nc, deadline.left_s() if stop.is_set() else CONNECTION_CLOSE_S, self.log)
         if self.failed_reason:
             print(f"deadpool launch: the job was ended: {self.failed_reason}", file=sys.stderr, flush=True)
+        elif self.finished and (unclean := unclean_after_finish(self._alive_at_finish, self.exit_codes)):
+            print(f"deadpool launch: {unclean}", file=sys.stderr, flush=True)
         return self._exit_code()
 
     async def _start_run(self, stop: asyncio.Event) -> str:
