@@ -53,7 +53,7 @@ from nats.aio.msg import Msg
 from real_beats import real_beat
 
 from deadpool.beat_compaction import HEARTBEAT_REFRESH_S, BeatCompaction
-from deadpool.control_link import HELLO_RETRY_S, HELLO_TIMEOUT_MAX_S, HELLO_TIMEOUT_S
+from deadpool.control_link import HELLO_TIMEOUT_S, hello_retry_pause_s, longer_hello_wait
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_protocol import (
@@ -231,10 +231,10 @@ async def worker_main(
                 if decode(data, HelloReply).accepted:
                     return
             except nats.errors.TimeoutError:
-                timeout_s = min(2 * timeout_s, HELLO_TIMEOUT_MAX_S)
+                timeout_s = longer_hello_wait(timeout_s)
             except Exception:
                 pass
-            await asyncio.sleep(HELLO_RETRY_S * random.uniform(0.5, 1.5))
+            await asyncio.sleep(hello_retry_pause_s())
 
     async def beat_host_real(host: str, members: list[SimulatedMember]) -> None:
         """A launcher's batching of real members' beats, by `deadpool launch`'s own compaction."""

@@ -65,6 +65,19 @@ HELLO_TIMEOUT_MAX_S = 8.0
 members say hello at once, a swapper that needs 3 s to answer them all must not get every hello
 again at 2 s, then again (every answer late, for ever)."""
 HELLO_RETRY_S = 0.5
+
+
+def longer_hello_wait(wait_s: float) -> float:
+    """The wait for the next hello's answer after one that did not come within `wait_s`."""
+    return min(2 * wait_s, HELLO_TIMEOUT_MAX_S)
+
+
+def hello_retry_pause_s() -> float:
+    """The pause before a hello is asked again, spread so that members that asked together do not ask
+    again together."""
+    return HELLO_RETRY_S * random.uniform(0.5, 1.5)
+
+
 CLOSE_EVENTS_WAIT_S = 5.0
 """At close, how long the link waits for events still being stored (a done report, an error)."""
 
@@ -299,8 +312,8 @@ class ControlLink:
                 if attempts % 20 == 1:  # every ~10 s, not every retry
                     self.log.info("waiting for the swapper to answer hello", attempts=attempts)
                 if isinstance(exc, NatsTimeoutError):  # heard, not answered in time: a busy swapper
-                    timeout_s = min(2 * timeout_s, HELLO_TIMEOUT_MAX_S)
-                await asyncio.sleep(HELLO_RETRY_S * random.uniform(0.5, 1.5))  # the members' retries spread
+                    timeout_s = longer_hello_wait(timeout_s)
+                await asyncio.sleep(hello_retry_pause_s())
                 continue
             except ProtocolError as exc:
                 reply = HelloReply(self.config.job, 0, self.config.member, False, str(exc))

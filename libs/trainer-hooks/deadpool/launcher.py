@@ -360,7 +360,7 @@ class Launcher:
         when the swapper ended the job."""
         if not self.finished or self.failed_reason:
             return 1
-        return 0 if all(self.exit_codes.get(m) == 0 for m in self._alive_at_finish) else 1
+        return 1 if unclean_after_finish(self._alive_at_finish, self.exit_codes) else 0  # what it says is why
 
     def _torchrun_env(self, rank_hint: int, slot: int) -> dict[str, str]:
         """The variables torchrun sets that mean the same here. `RANK` only for a member started to hold
