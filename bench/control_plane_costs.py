@@ -6,8 +6,9 @@ them, with the beats it sends whole, decoding and encoding a rebuild of N ranks,
 snapshots after a swap, the swapper's whole decision of a swap (the tick after the last call that builds
 its rebuild), the detector's passes over every member (its review of stragglers and stalls, its hang
 rules, the pass that finds a sixteenth of the hosts silent), and saving a job record of N ranks: at a
-commit, while a rebuild is pending (an ack, a store report), and both without the memo of its large
-fields (`job_records.SectionMemo`).
+commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
+fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save) and
+once a swap is decided.
 
     .venv/bin/python bench/control_plane_costs.py [--ranks 8192 16384] [--repeats 5]
 
@@ -50,10 +51,12 @@ from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
-from deadpool_swapper.job_parts import PendingRebuild
-from deadpool_swapper.job_records import JobRecords, SectionMemo
+from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery
+from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.placement import StoreInfo, place_snapshots
+from deadpool_swapper.section_memo import SectionMemo
 from tests.integration.test_job_record_sections import STORES, commit, large_job
+from tests.integration.test_job_record_sections import member as member_info
 from tests.unit.test_detector_core import formed
 
 
@@ -165,10 +168,57 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
     figures["decide_a_swap_ms"] = decide_a_swap_ms(ranks, repeats)
+    figures["save_in_formation_ms"] = save_in_formation_ms(ranks, repeats)
+    figures["save_after_a_swap_ms"] = save_after_a_swap_ms(ranks, repeats)
     state.recovery.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
     figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
     return figures
+
+
+FORMATION_BATCH = 16
+"""Members that register between two saves of a forming job (hellos decided together, one save)."""
+
+
+def save_in_formation_ms(ranks: int, repeats: int) -> float:
+    """A save of a job that forms, `ranks` members registered, `FORMATION_BATCH` of them since the
+    last save (fastest of `repeats`; each save's new sections compressed, as a save writes them)."""
+    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
+    state = JobState("big", run="run-1", membership=Membership(world_size=ranks), recovery=Recovery())
+    infos = [member_info(i, ranks) for i in range(ranks + (repeats + 1) * FORMATION_BATCH)]
+    state.membership.members = {info.member: info for info in infos[:ranks]}
+    memo = SectionMemo()
+    stored = records._encode("big", state, 100.0, {}, memo).sections
+    times = []
+    for start in range(ranks, ranks + repeats * FORMATION_BATCH, FORMATION_BATCH):
+        state.membership.members |= {info.member: info for info in infos[start : start + FORMATION_BATCH]}
+        started = time.perf_counter()
+        records._encode("big", state, 100.0, stored, memo)
+        times.append(1e3 * (time.perf_counter() - started))
+    return min(times)
+
+
+def save_after_a_swap_ms(ranks: int, repeats: int) -> float:
+    """The save of a job of `ranks` ranks once a swap is decided: a spare holds the failed rank, its
+    stores changed, the rebuild command is new (fastest of `repeats`, each a swap of its own)."""
+    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
+    state = large_job(ranks)
+    memo = SectionMemo()
+    stored = records._encode("big", state, 100.0, {}, memo).sections
+    times = []
+    for rank in range(100, 100 + repeats):
+        who = state.membership
+        failed, spare = who.ranks[rank], who.spares.pop(0)
+        del who.members[failed]
+        who.ranks[rank] = spare
+        who.failed.append(failed)
+        state.stores.placement[rank] = state.stores.placement[rank][::-1]
+        state.recovery.pending = PendingRebuild(rebuild_of(state), 100.0)
+        state.generation += 1
+        started = time.perf_counter()
+        records._encode("big", state, 100.0, stored, memo)
+        times.append(1e3 * (time.perf_counter() - started))
+    return min(times)
 
 
 def decide_a_swap_ms(ranks: int, repeats: int) -> float:

@@ -40,10 +40,8 @@ from deadpool_protocol.job_record import (
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
 from deadpool_swapper.job_records import (
-    _REMEMBERED,
     KV_WRITES_IN_FLIGHT_MAX,
     JobRecords,
-    SectionMemo,
     _bounded,
     state_fields,
     state_from_record,
@@ -51,6 +49,7 @@ from deadpool_swapper.job_records import (
 )
 from deadpool_swapper.placement import MemberInfo
 from deadpool_swapper.restore_chain import CommittedCopies
+from deadpool_swapper.section_memo import FIELDS_KEPT, SectionMemo
 from tests.unit.test_swapper_core import ack, fail, first_steps, formed_core, published
 
 
@@ -178,7 +177,7 @@ def test_a_sectioned_record_reads_back_whole_and_a_hostile_head_or_a_swapped_sec
     parts = {s.digest: section_parts(s, 1024) for s in sections}
     head = pack_head(inline, [(s.group, s.field, s.digest, len(parts[s.digest])) for s in sections])
     fields, refs = sections_of(head) or ({}, [])
-    values = {(group, field): section_value(digest, parts[digest]) for group, field, digest, _ in refs}
+    values = [(group, field, section_value(digest, parts[digest])) for group, field, digest, _ in refs]
     assert state_from_record(join_sections(fields, values), 5.0).stores.placement == state.stores.placement
     other = split_record(
         *state_fields(dataclasses.replace(state, stores=StorePlacement(placement=state.stores.placement[::-1])), 5.0)
@@ -398,7 +397,7 @@ def test_a_save_that_remembers_its_large_fields_writes_what_a_fresh_one_does_aft
     records = JobRecords(typing.cast(typing.Any, None), None)
     state, memo = large_state(), SectionMemo()
     first = records._encode("big", state, 5.0, {}, memo)
-    remembered = {f for _, f, *_ in _REMEMBERED} - {"ranks"}  # 400 ranks' names fit in the head
+    remembered = FIELDS_KEPT - {"ranks"}  # 400 ranks' names fit in the head
     assert remembered <= {s.field for s in split_record(*state_fields(state, 5.0))[1]}, "the case: all sections"
     CHANGES_IN_PLACE[change](state)
     again = records._encode("big", state, 5.0, first.sections, memo)

@@ -15,6 +15,11 @@ job of 16,384 ranks (about 2 MB). Parts are written before the head that names t
 count), so a reader that reads the head finds parts that match it or none (then it reads again). The
 head is the key under the revision check; no head or part is larger than `RECORD_PART_BYTES_MAX`.
 
+A large list or map may be stored as several sections, its *chunks*: the head names each under the
+field's name, in order, and the field's value is their values joined (lists end to end, maps merged).
+The swapper chunks the members and the rank maps, so a save during a formation, or after a swap,
+writes the chunks that changed rather than the membership of the whole job.
+
 The earlier stored form (`encode_stored`, `decode_stored`: the whole record compressed, split into
 parts under one tag when large) is still read. A record larger than `RECORD_BYTES_MAX` is refused,
 never retried.
@@ -37,6 +42,7 @@ from deadpool_protocol.names import DIGEST_CHARS, content_digest, is_valid_name
 __all__ = [
     "JOBS_BUCKET",
     "RECORD_BYTES_MAX",
+    "RECORD_GROUPS",
     "RECORD_PART_BYTES_MAX",
     "RECORD_VERSION",
     "JobSummary",
@@ -65,8 +71,11 @@ RECORD_BYTES_MAX = 64 * 1024 * 1024
 """The largest record, uncompressed (a job of 16,384 ranks with long names is about 6 MB)."""
 STORED_VERSION = 2
 """The stored form: a head, compressed, with its parts under keys of their own when it is large."""
-SECTIONED_VERSION = 3
-"""The stored form by field: small fields in the head, large ones in sections named by digest."""
+SECTIONED_VERSION = 4
+"""The stored form by field: small fields in the head, large ones in sections named by digest, a
+field possibly in several (its chunks). Version 3 (one section per field) is still read; a reader
+of version 3 refuses a head of version 4 rather than read one chunk of a field as all of it."""
+SECTIONED_VERSIONS_READ = (3, SECTIONED_VERSION)
 SECTION_INLINE_BYTES = 2048
 """A field whose packed value is larger is stored as a section of its own."""
 RECORD_PART_BYTES_MAX = 256 * 1024
@@ -160,21 +169,22 @@ class Section:
 
 
 def split_record(
-    summary: JobSummary, private: dict[str, Any], packed: dict[tuple[str, str], Section] | None = None
+    summary: JobSummary, private: dict[str, Any], packed: dict[tuple[str, str], list[Section]] | None = None
 ) -> tuple[dict[str, dict[str, Any]], list[Section]]:
     """The record's fields by group: the small ones (for the head) and the large ones as sections.
-    `packed`: sections the caller knows already, by (group, field), taken as they are whatever the
-    field's value says. Raises ProtocolError when the record exceeds `RECORD_BYTES_MAX`."""
+    `packed`: sections the caller knows already (a field's chunks, in order), by (group, field),
+    taken as they are whatever the field's value says. Raises ProtocolError when the record exceeds
+    `RECORD_BYTES_MAX`."""
     inline: dict[str, dict[str, Any]] = {group: {} for group in RECORD_GROUPS}
     sections: list[Section] = []
     known = packed or {}
     total = 0
     for group, fields in zip(RECORD_GROUPS, (to_fields(summary), private), strict=True):
         for name, value in fields.items():
-            section = known.get((group, name))
-            if section is not None:
-                sections.append(section)
-                total += len(section.packed)
+            chunks = known.get((group, name))
+            if chunks is not None:
+                sections += chunks
+                total += sum(len(chunk.packed) for chunk in chunks)
                 continue
             packed_value: bytes = msgpack.packb(value, use_bin_type=True)
             total += len(packed_value)
@@ -213,7 +223,7 @@ def sections_of(head: bytes) -> tuple[dict[str, dict[str, Any]], list[SectionRef
     """A sectioned head's inline fields and the sections it names, checked; None for a head of an
     earlier form (`decode_stored` reads those). Raises ProtocolError."""
     body = _unpacked(head)
-    if not isinstance(body, dict) or body.get("v") != SECTIONED_VERSION:
+    if not isinstance(body, dict) or body.get("v") not in SECTIONED_VERSIONS_READ:
         return None
     inline, raw_refs = body.get("inline"), body.get("sections")
     if not isinstance(inline, dict) or set(inline) != set(RECORD_GROUPS) or not isinstance(raw_refs, list):
@@ -245,14 +255,28 @@ def section_value(digest: str, parts: list[bytes]) -> Any:
         raise ProtocolError(f"job record section is not msgpack: {exc}") from exc
 
 
-def join_sections(inline: dict[str, dict[str, Any]], values: dict[tuple[str, str], Any]) -> bytes:
+def join_sections(inline: dict[str, dict[str, Any]], values: list[tuple[str, str, Any]]) -> bytes:
     """The whole record (as `pack_record` makes it) from a head's inline fields and its sections'
-    values by (group, field)."""
+    values as (group, field, value), in the head's order: a field named more than once is its chunks
+    joined. Raises ProtocolError for chunks that cannot be joined (not all lists, nor all maps)."""
+    chunks: dict[tuple[str, str], list[Any]] = {}
+    for group, field, value in values:
+        chunks.setdefault((group, field), []).append(value)
     groups = {group: dict(fields) for group, fields in inline.items()}
-    for (group, field), value in values.items():
-        groups[group][field] = value
+    for (group, field), parts in chunks.items():
+        groups[group][field] = _joined(field, parts)
     data: bytes = msgpack.packb({"v": RECORD_VERSION, **groups}, use_bin_type=True)
     return data
+
+
+def _joined(field: str, chunks: list[Any]) -> Any:
+    if len(chunks) == 1:
+        return chunks[0]
+    if all(isinstance(chunk, list) for chunk in chunks):
+        return [item for chunk in chunks for item in chunk]
+    if all(isinstance(chunk, dict) for chunk in chunks):
+        return {key: value for chunk in chunks for key, value in chunk.items()}
+    raise ProtocolError(f"job record field {field} has chunks that are neither all lists nor all maps")
 
 
 def _unpacked(data: bytes) -> Any:

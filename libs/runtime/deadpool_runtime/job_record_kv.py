@@ -10,12 +10,14 @@ bounded.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 from typing import Any
 
 from nats.js.errors import KeyNotFoundError
 
 from deadpool_protocol import ProtocolError
 from deadpool_protocol.job_record import (
+    RECORD_GROUPS,
     decode_stored,
     join_parts,
     join_sections,
@@ -43,9 +45,13 @@ class StoredHead:
         self.sections = sections or {}
 
 
-async def read_record(kv: Any, job: str, timeout_s: float) -> StoredHead | None:
+async def read_record(
+    kv: Any, job: str, timeout_s: float, groups: Collection[str] = RECORD_GROUPS
+) -> StoredHead | None:
     """The job's record as stored now (None if there is none). Raises ProtocolError when it cannot be
-    read, and the KV's own errors (a timeout) as they are."""
+    read, and the KV's own errors (a timeout) as they are. `groups`: the record's parts to read the
+    sections of (a detector reads the summary alone, not the swapper's membership rows, placement and
+    rebuild command: at 16,384 ranks most of the record); the others' inline fields come as they are."""
     for attempt in range(RECORD_READ_ATTEMPTS):
         try:
             entry = await asyncio.wait_for(kv.get(job), timeout_s)
@@ -57,10 +63,12 @@ async def read_record(kv: Any, job: str, timeout_s: float) -> StoredHead | None:
         try:
             if sectioned is not None:
                 fields, refs = sectioned
-                values = {}
+                values = []
                 for group, field, digest, count in refs:
+                    if group not in groups:
+                        continue
                     parts = [await _part(kv, part_key(job, digest, i), timeout_s) for i in range(count)]
-                    values[(group, field)] = section_value(digest, parts)
+                    values.append((group, field, section_value(digest, parts)))
                 keys = [part_key(job, digest, i) for _, _, digest, count in refs for i in range(count)]
                 digests = {digest: count for _, _, digest, count in refs}
                 return StoredHead(join_sections(fields, values), entry.revision, entry.value, keys, digests)

@@ -289,7 +289,7 @@ class DetectorService:
         last rebuild); the others stay unwatched (`DetectorCore.name_from_record`)."""
         try:
             kv = await self.nc.jetstream(timeout=KV_GET_TIMEOUT_S).key_value(JOBS_BUCKET)
-            stored = await read_record(kv, job, KV_GET_TIMEOUT_S)
+            stored = await read_record(kv, job, KV_GET_TIMEOUT_S, groups=("summary",))
             if stored is None:
                 return
             summary, _ = unpack_record(stored.record)
@@ -311,7 +311,7 @@ class DetectorService:
         now = time.monotonic()
         for key in filter(is_record_key, keys):  # not a record's parts, nor an archived run
             try:
-                stored = await read_record(kv, key, KV_GET_TIMEOUT_S)
+                stored = await read_record(kv, key, KV_GET_TIMEOUT_S, groups=("summary",))
                 if stored is None:
                     continue
                 summary, _ = unpack_record(stored.record)

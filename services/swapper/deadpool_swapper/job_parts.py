@@ -19,6 +19,7 @@ already (an empty value stands in).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
@@ -42,6 +43,7 @@ __all__ = [
     "Recovery",
     "RestoreReports",
     "StorePlacement",
+    "member_row",
 ]
 
 Private = Mapping[str, Any]
@@ -117,14 +119,14 @@ class Membership:
         return [r for r, m in enumerate(self.ranks) if m not in self.members]
 
     def oldest_registration(self, now: float) -> float:
-        return min((info.registered_at for info in self.members.values()), default=now)
+        return min(map(_registered_at, self.members.values()), default=now)
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
         """Its private entries; the ranks, spares, hosts and failed go in the summary (`JobSummary`)."""
         oldest = self.oldest_registration(now)
         return {
             "members_oldest_age_s": age(now, oldest),
-            "member_rows": [] if "member_rows" in left_out else [_member_row(i, oldest) for i in self.members.values()],
+            "member_rows": [] if "member_rows" in left_out else [member_row(i, oldest) for i in self.members.values()],
             "done": dict(sorted(self.done.items())),
             "last_hello_age_s": age(now, self.last_hello_t),
         }
@@ -408,7 +410,10 @@ class EventsPosition:
         return cls(applied_seq=p.get("applied_seq", 0), stream_id=p.get("stream_id", ""))
 
 
-def _member_row(i: MemberInfo, oldest: float) -> list[Any]:
+_registered_at = operator.attrgetter("registered_at")
+
+
+def member_row(i: MemberInfo, oldest: float) -> list[Any]:
     """A member in the record: its fields, then its registration instant as the time after the
     oldest member's (so the row stays the same from save to save)."""
     return [

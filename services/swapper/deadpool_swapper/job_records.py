@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Coroutine, Iterable
+from collections.abc import Collection, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,6 @@ from deadpool_protocol.job_record import (
     PART_SEPARATOR,
     RECORD_PART_BYTES_MAX,
     JobSummary,
-    Section,
     SectionRef,
     archive_key,
     is_record_key,
@@ -68,8 +67,8 @@ from deadpool_swapper.job_parts import (
     RestoreReports,
     StorePlacement,
     age,
-    copy_command,
 )
+from deadpool_swapper.section_memo import SectionMemo
 
 __all__ = [
     "JobRecords",
@@ -132,65 +131,6 @@ def state_fields(state: JobState, now: float, left_out: Collection[str] = ()) ->
     for part in state.parts():
         private |= part.to_record(now, left_out)
     return summary, private
-
-
-def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
-    return {rank: frozenset(stores) for rank, stores in holders.items()}
-
-
-_REMEMBERED: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], ...] = (
-    ("summary", "hosts", lambda s: s.membership.members, dict),
-    ("summary", "ranks", lambda s: s.membership.ranks, list),
-    ("swapper", "member_rows", lambda s: s.membership.members, dict),
-    ("swapper", "placement", lambda s: s.stores.placement, lambda placement: [list(p) for p in placement]),
-    ("swapper", "committed_holders", lambda s: s.ledger.committed_holders, _frozen_holders),
-    ("swapper", "previous_committed_holders", lambda s: s.ledger.previous_committed.holders, _frozen_holders),
-    ("swapper", "rank_bytes", lambda s: s.ledger.rank_bytes, dict),
-    (
-        "swapper",
-        "pending_command",
-        lambda s: None if s.recovery.pending is None else s.recovery.pending.command,
-        copy_command,
-    ),
-)
-"""The large fields a save builds again only when what they are built from changed (`SectionMemo`):
-each with its source in the state, and how to copy that source so that the state's changes in place
-do not reach the copy (a member's info is kept as it is: `MemberInfo` is frozen). The rebuild in
-flight's command is one: every save while its acks came in packed its 16,384 ranks and their stores
-again, 10 ms."""
-
-
-class SectionMemo:
-    """One job's large fields as its last save packed them, beside copies of what they were built
-    from: a field whose source equals (`==`) its copy is not built, packed or digested again.
-
-    At 16,384 ranks a save built, packed and digested 5.5 MB of membership, placement and holders,
-    53 ms, to find most of it unchanged; comparing the sources costs a few ms (the same member infos,
-    the same strings: compared by identity first)."""
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple[str, str], tuple[Any, Section]] = {}
-
-    def unchanged(self, state: JobState) -> dict[tuple[str, str], Section]:
-        """The sections of `state` that are as last kept, by (group, field)."""
-        found = {}
-        for group, field_name, source, _ in _REMEMBERED:
-            kept = self._kept.get((group, field_name))
-            if kept is not None and kept[0] == source(state):
-                found[(group, field_name)] = kept[1]
-        return found
-
-    def keep(self, state: JobState, sections: list[Section]) -> None:
-        """Remember the sections just packed from `state` (a field small enough for the head is not
-        a section: nothing is kept for it)."""
-        packed = {(s.group, s.field): s for s in sections}
-        for group, field_name, source, copy in _REMEMBERED:
-            section = packed.get((group, field_name))
-            kept = self._kept.get((group, field_name))
-            if section is None:
-                self._kept.pop((group, field_name), None)
-            elif kept is None or kept[1] is not section:
-                self._kept[(group, field_name)] = (copy(source(state)), section)
 
 
 def state_from_record(data: bytes, now: float) -> JobState:
@@ -319,11 +259,11 @@ class JobRecords:
 
     def _encode(self, key: str, state: JobState, now: float, known: dict[str, int], memo: SectionMemo) -> _Encoded:
         """The head of `state`'s record under `key`, and the parts of its sections not in `known`
-        (the large fields unchanged since `memo` last saw them are not built again)."""
+        (what is unchanged since `memo` last saw it is not built again)."""
         try:
-            unchanged = memo.unchanged(state)
-            summary, private = state_fields(state, now, left_out={name for _, name in unchanged})
-            inline, sections = split_record(summary, private, unchanged)
+            packed = memo.packed(state)
+            summary, private = state_fields(state, now, left_out={name for _, name in packed})
+            inline, sections = split_record(summary, private, packed)
             memo.keep(state, sections)
             refs: list[SectionRef] = []
             parts: dict[str, bytes] = {}

@@ -22,7 +22,7 @@ __all__ = [
 @dataclass(frozen=True)
 class MemberInfo:
     """A registered member. Never changed in place (a new hello makes a new one): a record's save
-    knows the membership unchanged when the same infos are there (`job_records.SectionMemo`)."""
+    knows the membership unchanged when the same infos are there (`section_memo.SectionMemo`)."""
 
     member: str
     host: str
