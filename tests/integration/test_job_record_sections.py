@@ -95,6 +95,18 @@ async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membershi
     state.membership.spares.append(joined.member)
     await records.save(state, now + 3.0)
     assert await fields_written(records) == {"hosts", "member_rows", "spares"}  # not the placement, nor the ranks
+    whole = sum(size for _, size in first)
+    assert sum(size for _, size in records.written) < whole / 8, "a chunk of the members, not all of them"
+
+    who = state.membership  # a swap: a spare takes rank 100, whose stores change
+    failed = who.ranks[100]
+    del who.members[failed]
+    who.ranks[100] = who.spares.pop(0)
+    who.failed.append(failed)
+    state.stores.placement[100] = state.stores.placement[100][::-1]
+    await records.save(state, now + 4.0)
+    assert await fields_written(records) == {"hosts", "member_rows", "ranks", "spares", "placement"}
+    assert sum(size for _, size in records.written) < whole / 8, "a chunk of each, not the membership"
 
     loaded = await JobRecords(records.kv, get_logger()).load("big", now + 10.0)
     assert loaded is not None

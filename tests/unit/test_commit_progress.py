@@ -35,7 +35,7 @@ def scanned(table: StepTable, live: frozenset[str], placement: list[list[str]], 
 placements = st.lists(st.lists(st.sampled_from(STORES), min_size=1, max_size=2, unique=True), min_size=4, max_size=4)
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(0, 3), st.integers(0, 5), st.sampled_from(STORES)),
+        st.tuples(st.just("add"), st.integers(0, 3), st.lists(st.integers(0, 5), max_size=8), st.sampled_from(STORES)),
         st.tuples(st.just("live"), st.frozensets(st.sampled_from(STORES))),
         st.tuples(st.just("place"), placements),
         st.tuples(st.just("drop"), st.integers(0, 3)),
@@ -55,8 +55,8 @@ def test_the_counts_say_what_a_scan_of_every_rank_says(first: list[list[str]], o
     placement, live, world = first, frozenset(STORES), 4
     for op in ops:
         if op[0] == "add":
-            _, step, rank, store = op
-            progress.add(table, step, rank, store, live, placement, world)  # rank 4, 5: past the world
+            _, step, ranks, store = op  # a report: ranks repeated, or 4 and 5, past the world
+            progress.add(table, step, ranks, store, live, placement, world)
         elif op[0] == "live":
             live = op[1]
         elif op[0] == "place":
@@ -77,9 +77,7 @@ def test_a_report_costs_the_ranks_it_names_not_a_recount_of_the_job() -> None:
     placement = [[stores[r % 4], stores[(r + 1) % 4]] for r in range(world)]
     progress, table, live = CommitProgress(), {}, frozenset(stores)  # type: ignore[var-annotated]
     for store_index, store in enumerate(stores):
-        for rank in range(world):
-            if store in placement[rank]:
-                progress.add(table, 7, rank, store, live, placement, world)
+        progress.add(table, 7, [r for r in range(world) if store in placement[r]], store, live, placement, world)
         done = progress.complete_steps(table, live, placement, world)
         assert done == ([7] if store_index == 3 else [])
     assert progress.recounts == 1

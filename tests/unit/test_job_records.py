@@ -10,6 +10,8 @@ import typing
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from deadpool_protocol import (
     Failure,
@@ -25,18 +27,21 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX
 from deadpool_protocol.job_record import (
+    PART_SEPARATOR,
     RECORD_BYTES_MAX,
     decode_stored,
     encode_stored,
     join_parts,
     join_sections,
     pack_head,
+    part_key,
     section_parts,
     section_value,
     sections_of,
     split_record,
     unpack_record,
 )
+from deadpool_swapper import section_memo
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
 from deadpool_swapper.job_records import (
@@ -380,7 +385,7 @@ CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     ),
     "a member leaves": lambda s: s.membership.members.pop("m5"),
     "the oldest member leaves (every row's instant moves)": lambda s: s.membership.members.pop("m0"),
-    "a rank changes hands": lambda s: s.membership.ranks.__setitem__(2, "m401"),
+    "a rank changes hands": lambda s: (s.membership.ranks.__setitem__(2, "m401"), s.membership.spares.remove("m401")),
     "a rank's stores change": lambda s: s.stores.placement[7].__setitem__(1, "store-9"),
     "a holder is added": lambda s: s.ledger.committed_holders[3].add("store-8"),
     "a previous holder goes": lambda s: s.ledger.previous_committed.holders[4].discard("store-4"),
@@ -390,10 +395,21 @@ CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
 }
 
 
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few members and ranks, so that a job of 400 has dozens of each (none cut at its
+    longest: where a name cuts is this process's, and a cut by length moves when a member leaves)."""
+    monkeypatch.setattr(section_memo, "MEMBER_CHUNK_MEAN", 8)
+    monkeypatch.setattr(section_memo, "CHUNK_ITEMS_MAX", 10_000)
+    monkeypatch.setattr(section_memo, "RANK_CHUNK_ITEMS", 16)
+
+
+@pytest.mark.parametrize("chunks", ["as shipped", "small"])
 @pytest.mark.parametrize("change", CHANGES_IN_PLACE)
 def test_a_save_that_remembers_its_large_fields_writes_what_a_fresh_one_does_after_any_change_in_place(
-    change: str,
+    change: str, chunks: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if chunks == "small":
+        small_chunks(monkeypatch)
     records = JobRecords(typing.cast(typing.Any, None), None)
     state, memo = large_state(), SectionMemo()
     first = records._encode("big", state, 5.0, {}, memo)
@@ -404,6 +420,76 @@ def test_a_save_that_remembers_its_large_fields_writes_what_a_fresh_one_does_aft
     fresh = records._encode("big", state, 5.0, first.sections, SectionMemo())
     assert again.head == fresh.head and again.parts == fresh.parts
     assert (again.head == first.head) is (change == "nothing changes")
+    assert_loads_as(again, first.parts | again.parts, state)
+
+
+def assert_loads_as(encoded: typing.Any, parts: dict[str, bytes], state: JobState) -> None:
+    """The record `encoded` names, read from `parts` as a reader would, holds `state`'s membership,
+    ranks and placement (each field joined from its chunks)."""
+    fields, refs = sections_of(encoded.head) or ({}, [])
+    values = [
+        (group, field, section_value(digest, [parts[part_key("big", digest, i)] for i in range(count)]))
+        for group, field, digest, count in refs
+    ]
+    loaded = state_from_record(join_sections(fields, values), 5.0)
+    assert list(loaded.membership.members.items()) == list(state.membership.members.items())
+    assert loaded.membership.ranks == state.membership.ranks and loaded.stores.placement == state.stores.placement
+
+
+@given(
+    names=st.lists(st.text("abcdefgh0123456789-", min_size=1, max_size=12), unique=True, max_size=200),
+    longest=st.integers(1, 40),
+)
+def test_members_are_cut_in_order_after_a_cut_name_or_at_the_longest_chunk(names: list[str], longest: int) -> None:
+    members = {n: MemberInfo(n, "h", 1, "l", -1, "h", 1, 0.0) for n in names}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(section_memo, "MEMBER_CHUNK_MEAN", 4)
+        patch.setattr(section_memo, "CHUNK_ITEMS_MAX", longest)
+        chunks = section_memo.member_chunks(members)
+    assert [info.member for _, items in chunks for info in items] == names
+    assert all(key == items[0].member and 0 < len(items) <= longest for key, items in chunks)
+    for _, items in chunks[:-1]:
+        assert len(items) == longest or hash(items[-1].member) & 3 == 0
+    assert all(hash(info.member) & 3 for _, items in chunks for info in items[:-1])
+
+
+def test_a_save_while_a_job_forms_or_after_a_swap_writes_one_chunk_of_each_field_that_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A member that registers changes the members' last chunk; a swap changes the chunk of the
+    member that failed, and the placement's chunk where its rank is: each save writes those and the
+    head, never the membership of the whole job."""
+    small_chunks(monkeypatch)
+    records = JobRecords(typing.cast(typing.Any, None), None)
+    state, memo = large_state(), SectionMemo()
+    first = records._encode("big", state, 5.0, {}, memo)
+    stored, parts = dict(first.sections), dict(first.parts)
+    refs = sections_of(first.head)[1]  # type: ignore[index]
+    chunked = ("hosts", "member_rows", "placement")  # 400 ranks' names fit in the head
+    assert all(sum(1 for _, f, _, _ in refs if f == field) > 10 for field in chunked), "the case: chunks of each"
+
+    def written(encoded: typing.Any) -> list[str]:
+        stored.update(encoded.sections)
+        parts.update(encoded.parts)
+        refs = sections_of(encoded.head)[1]  # type: ignore[index]
+        new = {key.split(PART_SEPARATOR)[1].split(".")[0] for key in encoded.parts}
+        return sorted(field for _, field, digest, _ in refs if digest in new)
+
+    for i in range(20):  # members register, one save each
+        info = MemberInfo(f"late-{i}", "host-late", 1, "l", -1, "host-late", 1, 500.0 + i)
+        state.membership.members[info.member] = info
+        again = records._encode("big", state, 5.0, stored, memo)
+        assert written(again) == ["hosts", "member_rows"]
+        assert_loads_as(again, parts, state)
+    who = state.membership
+    for rank in (3, 150, 399):  # swaps: a spare takes the rank, its stores change
+        del who.members[who.ranks[rank]]
+        who.ranks[rank] = who.spares.pop(0)
+        state.stores.placement[rank] = state.stores.placement[rank][::-1]
+        again = records._encode("big", state, 5.0, stored, memo)
+        # the rebuild in flight's command is whole (here it shares the placement: a swap sends a new one)
+        assert written(again) == ["hosts", "member_rows", "pending_command", "placement"]
+        assert_loads_as(again, parts, state)
 
 
 async def test_a_save_writes_its_parts_a_group_at_a_time_and_stops_at_the_first_group_that_fails() -> None:

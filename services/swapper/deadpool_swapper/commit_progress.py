@@ -41,21 +41,29 @@ class CommitProgress:
         self,
         table: StepTable,
         step: int,
-        rank: int,
+        ranks: Sequence[int],
         store: str,
         live: frozenset[str],
         placement: Sequence[Sequence[str]],
         world_size: int,
     ) -> None:
-        """Note that `store` holds `rank`'s snapshot of `step` (idempotent)."""
-        self._sync(table, live, placement, world_size)
-        stores = table.setdefault(step, {}).setdefault(rank, set())
-        if store in stores:
+        """Note that `store` holds each of `ranks`' snapshots of `step` (idempotent): a store's report,
+        its view checked once."""
+        if not ranks:
             return
-        was = _enough(stores, live, placement, rank)
-        stores.add(store)
-        if not was and _enough(stores, live, placement, rank) and rank < world_size:
-            self._satisfied[step] = self._satisfied.get(step, 0) + 1
+        self._sync(table, live, placement, world_size)
+        by_rank = table.setdefault(step, {})
+        satisfied = 0
+        for rank in ranks:
+            stores = by_rank.setdefault(rank, set())
+            if store in stores:
+                continue
+            was = _enough(stores, live, placement, rank)
+            stores.add(store)
+            if not was and rank < world_size and _enough(stores, live, placement, rank):
+                satisfied += 1
+        if satisfied:
+            self._satisfied[step] = self._satisfied.get(step, 0) + satisfied
 
     def complete_steps(
         self, table: StepTable, live: frozenset[str], placement: Sequence[Sequence[str]], world_size: int

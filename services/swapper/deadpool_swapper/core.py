@@ -1191,10 +1191,12 @@ class SwapperCore:
         live = self._live_names(now)
         refused: list[str] = []
         changed = False
+        sealed: list[int] = []
+        placements = self._placements(state)
         for rank, nbytes in zip(sc.ranks, sc.nbytes, strict=True):
             if rank >= state.membership.world_size:
                 refused.append(f"rank {rank}: no such rank")
-            elif not self._placed(state, rank, sc.store):
+            elif not any(rank < len(placement) and sc.store in placement[rank] for placement in placements):
                 refused.append(f"rank {rank}: not placed there")
             elif durable:
                 state.restores.durable_completes.setdefault(rank, set()).add(sc.store)  # the resumed step, sealed
@@ -1205,15 +1207,17 @@ class SwapperCore:
                 holders.add(sc.store)
             else:
                 state.ledger.rank_bytes[rank] = nbytes
-                state.ledger.commit_progress.add(
-                    state.ledger.completes,
-                    sc.step,
-                    rank,
-                    sc.store,
-                    live,
-                    state.stores.placement,
-                    state.membership.world_size,
-                )
+                sealed.append(rank)
+        if sealed:
+            state.ledger.commit_progress.add(
+                state.ledger.completes,
+                sc.step,
+                sealed,
+                sc.store,
+                live,
+                state.stores.placement,
+                state.membership.world_size,
+            )
         what = f"snapshot step {sc.step} on {sc.store}: {len(sc.ranks) - len(refused)} rank(s)"
         if refused:
             what += f", {len(refused)} refused ({'; '.join(refused[:4])})"
@@ -1226,13 +1230,14 @@ class SwapperCore:
         return Decision(committed.actions, f"{what}; {committed.reason}")
 
     @staticmethod
-    def _placed(state: JobState, rank: int, store: str) -> bool:
-        """Whether the job's placement (or the pending rebuild's) puts `rank`'s copies on `store`: a
-        report from any other store counts for nothing (forged reports once committed a step far ahead)."""
+    def _placements(state: JobState) -> list[list[list[str]]]:
+        """The placements a store's report may follow: the job's, and the pending rebuild's. A report
+        of a rank from a store neither puts it on counts for nothing (forged reports once committed a
+        step far ahead)."""
         placements = [state.stores.placement]
         if state.recovery.pending is not None:
             placements.append(state.recovery.pending.command.placement)
-        return any(rank < len(placement) and store in placement[rank] for placement in placements)
+        return placements
 
     def _commit_newest(self, state: JobState, live: frozenset[str]) -> Decision | None:
         """Commit the newest step every rank has complete on the `live` stores, if any is newer than the
@@ -1379,9 +1384,14 @@ class SwapperCore:
         if state.ledger.committed_step == NO_STEP or not state.ledger.committed_holders:
             return []
         live = {s.store: s for s in self.live_stores(now)}
+        live_names = live.keys()
+        committed_holders = state.ledger.committed_holders
         actions: list[Action] = []
         for rank, placed in enumerate(state.stores.placement):
-            holders = sorted(state.ledger.committed_holders.get(rank, set()) & set(live))
+            held = committed_holders.get(rank)
+            if not held or held.issuperset(placed):
+                continue  # none held (below), or every store of its placement holds it
+            holders = sorted(held & live_names)
             if not holders:
                 continue  # every copy of it is gone: the next commit, or a rebuild, has to do
             short = len(placed) - len(holders)
