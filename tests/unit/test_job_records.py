@@ -376,6 +376,11 @@ def rebuild_of(state: JobState, generation: int) -> Rebuild:
     )
 
 
+def hand_over(state: JobState, rank: int, spare: str) -> None:
+    state.membership.spares.remove(spare)
+    state.membership.ranks[rank] = spare
+
+
 CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     "a member joins": lambda s: s.membership.members.__setitem__(
         "new", MemberInfo("new", "h", 1, "l", -1, "h", 1, 0.5)
@@ -385,7 +390,7 @@ CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     ),
     "a member leaves": lambda s: s.membership.members.pop("m5"),
     "the oldest member leaves (every row's instant moves)": lambda s: s.membership.members.pop("m0"),
-    "a rank changes hands": lambda s: (s.membership.ranks.__setitem__(2, "m401"), s.membership.spares.remove("m401")),
+    "a rank changes hands": lambda s: hand_over(s, 2, "m401"),
     "a rank's stores change": lambda s: s.stores.placement[7].__setitem__(1, "store-9"),
     "a holder is added": lambda s: s.ledger.committed_holders[3].add("store-8"),
     "a previous holder goes": lambda s: s.ledger.previous_committed.holders[4].discard("store-4"),
