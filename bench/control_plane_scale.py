@@ -16,7 +16,9 @@ then a `rebuild`.
 
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, false verdicts (members declared failed that were never
-silenced: more of them than spares leave the job waiting for spares), the swapper's failure -> rebuild
+silenced: more of them than spares leave the job waiting for spares) beside the longest pause of a
+worker's loop (a pause past the timeout silences its launchers: those verdicts are the simulator's),
+the swapper's failure -> rebuild
 time (as this bench receives them, and on the swapper's own clock) p50/p99, and of it the time from the
 rebuild's decision to its arrival here (the record's save, the publication, the transit and this bench's
 decode) p50/p99, detector and swapper CPU (% of one core over the measurement window), heartbeat
@@ -94,6 +96,10 @@ HELLO_CONCURRENCY = 64
 """Hellos in flight per worker process by default (`--hello-concurrency`): 2 shared cores cannot play
 16,384 members saying hello at once (the workers' own beats then lag past the heartbeat timeout)."""
 MEMBERS_PER_STORE = 512
+PAUSE_PROBE_S = 0.05
+"""How often a worker checks that its loop runs on time: a worker that pauses past the heartbeat timeout
+(two cores shared by the services and 16,384 simulated members) silences its launchers, and the
+verdicts that follow are the simulator's, not the detector's (`simulator_paused_ms_max`)."""
 GOALS = {
     "detect_ms_p99_over_timeout_max": 200.0,
     "decide_ms_p99_max": 100.0,
@@ -356,14 +362,29 @@ async def worker_main(
     else:
         tasks = [asyncio.create_task(start_member(m)) for m in sim.values()]
 
+    paused = [0.0]
+    """The longest this worker's loop was late (its launchers' batches with it)."""
+
+    async def watch_pauses() -> None:
+        while True:
+            asked = time.monotonic()
+            await asyncio.sleep(PAUSE_PROBE_S)
+            paused[0] = max(paused[0], time.monotonic() - asked - PAUSE_PROBE_S)
+
     async def report() -> None:
         while True:
             await asyncio.sleep(1.0)
             sent = sum(m.sent for m in sim.values())
-            body = {"worker": index, "sent": sent, "messages": messages[0], "whole": whole_beats[0]}
+            body = {
+                "worker": index,
+                "sent": sent,
+                "messages": messages[0],
+                "whole": whole_beats[0],
+                "paused": paused[0],
+            }
             await nc.publish("bench.sent", json.dumps(body).encode())
 
-    tasks.append(asyncio.create_task(report()))
+    tasks += [asyncio.create_task(report()), asyncio.create_task(watch_pauses())]
     await asyncio.gather(*tasks)
 
 
@@ -448,6 +469,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         sent: dict[int, int] = {}
         sent_messages: dict[int, int] = {}
         sent_whole: dict[int, int] = {}
+        paused: dict[int, float] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
@@ -486,6 +508,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             sent[body["worker"]] = body["sent"]
             sent_messages[body["worker"]] = body["messages"]
             sent_whole[body["worker"]] = body["whole"]
+            paused[body["worker"]] = body.get("paused", 0.0)
 
         for subject, cb in (
             (subjects.failure, on_failure),
@@ -631,6 +654,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
+        "simulator_paused_ms_max": round(1000 * max(paused.values(), default=0.0), 1),
     }
 
 
@@ -643,7 +667,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"size {members}: detect p50 {r['detect_ms_p50']} p99 {r['detect_ms_p99']} ms; failure->rebuild p50 "
             f"{r['decide_ms_p50']} p99 {r['decide_ms_p99']} ms ({r['rebuilds_seen']} of {r['failures_injected']} "
-            f"rebuilt); false verdicts {r['false_verdicts']}; detector CPU {r['detector_cpu_pct']} %, swapper CPU "
+            f"rebuilt); false verdicts {r['false_verdicts']} (the simulator's longest pause "
+            f"{r['simulator_paused_ms_max']} ms); detector CPU {r['detector_cpu_pct']} %, swapper CPU "
             f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole "
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
