@@ -353,7 +353,9 @@ def large_state(ranks: int = 400) -> JobState:
     state.ledger.committed_holders = {r: set(p) for r, p in enumerate(state.stores.placement)}
     state.ledger.previous_committed = CommittedCopies(1, 3, {r: set(p) for r, p in enumerate(state.stores.placement)})
     state.ledger.rank_bytes = dict.fromkeys(range(ranks), 1 << 30)
-    state.recovery.pending = PendingRebuild(rebuild_of(state, generation=3), 4.0)
+    moved = [list(stores) for stores in state.stores.placement]  # the rebuild moves rank 0's copies:
+    moved[0].reverse()  # its placement is its own (a section), its ranks the job's (named, not held)
+    state.recovery.pending = PendingRebuild(dataclasses.replace(rebuild_of(state, generation=3), placement=moved), 4.0)
     return state
 
 
@@ -517,3 +519,32 @@ async def test_a_save_writes_its_parts_a_group_at_a_time_and_stops_at_the_first_
     assert all(inspect.getcoroutinestate(w) == inspect.CORO_CLOSED for w in writes)  # run, or closed unstarted
     assert most[0] == KV_WRITES_IN_FLIGHT_MAX
     assert sorted(done) == [i for i in range(2 * KV_WRITES_IN_FLIGHT_MAX) if i != KV_WRITES_IN_FLIGHT_MAX + 1]
+
+
+def test_a_rebuild_command_names_the_jobs_ranks_while_it_shares_them_and_holds_its_own_once_they_differ() -> None:
+    """The command in flight is saved less the lists it shares with the job (the record holds those
+    already); once the job's ranks move on and the command's do not, the next save holds the
+    command's own, and a reader gets each back as it was."""
+    records = JobRecords(typing.cast(typing.Any, None), None)
+    state, memo = large_state(), SectionMemo()
+    pending = state.recovery.pending
+    assert pending is not None
+    command = dataclasses.replace(  # lists of its own: its ranks equal the job's, not the same list
+        pending.command, ranks=list(state.membership.ranks), spares=list(state.membership.spares)
+    )
+    state.recovery.pending = PendingRebuild(command, 4.0)
+    first = records._encode("big", state, 5.0, {}, memo)
+    assert (sections_of(first.head) or ({}, []))[0]["swapper"]["pending_command_shares"] == ["ranks"]
+    hand_over(state, 5, "m401")  # the job moves on; the command in flight does not
+    again = records._encode("big", state, 5.0, first.sections, memo)
+    assert (sections_of(again.head) or ({}, []))[0]["swapper"]["pending_command_shares"] == []
+    for encoded in (first, again):
+        fields, refs = sections_of(encoded.head) or ({}, [])
+        parts = first.parts | again.parts
+        values = [
+            (group, field, section_value(digest, [parts[part_key("big", digest, i)] for i in range(count)]))
+            for group, field, digest, count in refs
+        ]
+        loaded = state_from_record(join_sections(fields, values), 5.0)
+        assert loaded.recovery.pending is not None and loaded.recovery.pending.command == command
+    assert loaded.membership.ranks == state.membership.ranks != command.ranks

@@ -162,9 +162,10 @@ class Recovery:
     """host -> (failures arrived, members the detector said went silent) while a rebuild is held."""
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
+        """Its entries but the rebuild in flight's command, which names the job's ranks and placement
+        rather than hold them twice (`command_entries`, with the state's)."""
         pending = self.pending
         return {
-            "pending_command": None if pending is None or "pending_command" in left_out else to_fields(pending.command),
             "pending_sent_age_s": None if pending is None else age(now, pending.t_sent),
             "pending_acks": [] if pending is None else [to_fields(a) for a in pending.acks.values()],
             "hold_left_s": max(0.0, self.hold_until - now) if self.hold_until else None,
@@ -179,7 +180,7 @@ class Recovery:
         hold_left_s = p.get("hold_left_s")
         formed = summary.generation > 1 or (summary.generation == 1 and p.get("pending") is None)
         return cls(
-            pending=_pending(p, now),
+            pending=_pending(summary, p, now),
             attempts=p.get("attempts", 0),
             formed=p.get("formed", formed),
             void_generation=p.get("void_generation", 0),
@@ -448,13 +449,53 @@ def _done(recorded: object) -> dict[str, int]:
     return dict.fromkeys((str(member) for member in recorded or []), -1)  # type: ignore[attr-defined]
 
 
-def _pending(p: Private, now: float) -> PendingRebuild | None:
-    """The rebuild in flight of a record: its command, when it was sent, the acks so far."""
+SHARED_WITH_THE_JOB = ("ranks", "placement")
+"""A rebuild command's large lists that are most often the job's own: its rank map and placement."""
+
+
+def command_shares(command: Rebuild, ranks: list[str], placement: list[list[str]]) -> tuple[str, ...]:
+    """Which of the command's large lists equal the job's `ranks` and `placement` (the same objects
+    most often: compared by identity first)."""
+    return tuple(
+        name for name, job in zip(SHARED_WITH_THE_JOB, (ranks, placement), strict=True) if getattr(command, name) == job
+    )
+
+
+def command_entries(
+    pending: PendingRebuild | None, shares: tuple[str, ...], left_out: Collection[str]
+) -> dict[str, Any]:
+    """The rebuild in flight's command in the record, less the lists it `shares` with the job (which
+    the record holds already): at 16,384 ranks the command packed 937 kB, its ranks and placement
+    again, at every save that decided a rebuild. A record's reader takes them from the job's
+    (`_pending`). `left_out`: the command is packed already (`SectionMemo`), not built."""
+    if pending is None:
+        return {"pending_command": None, "pending_command_shares": []}
+    if "pending_command" in left_out:
+        command = None
+    else:
+        shared = pending.command
+        command = to_fields(
+            dataclasses.replace(
+                shared,
+                ranks=[] if "ranks" in shares else shared.ranks,
+                placement=[] if "placement" in shares else shared.placement,
+            )
+        )
+    return {"pending_command": command, "pending_command_shares": list(shares)}
+
+
+def _pending(summary: JobSummary, p: Private, now: float) -> PendingRebuild | None:
+    """The rebuild in flight of a record: its command (with the job's ranks and placement where it
+    shares them), when it was sent, the acks so far."""
     old_pending = p.get("pending") or {}  # a record written before the command was an entry of its own
     raw_command = p.get("pending_command", old_pending.get("command"))
     if raw_command is None:
         return None
-    command = from_fields(Rebuild, raw_command, "pending.command")
+    shares = p.get("pending_command_shares") or []
+    if not isinstance(raw_command, dict) or not set(shares) <= set(SHARED_WITH_THE_JOB):
+        raise ValueError("the rebuild in flight's command in the record is malformed")
+    job_lists = {"ranks": list(summary.ranks), "placement": p.get("placement", [])}
+    command = from_fields(Rebuild, raw_command | {name: job_lists[name] for name in shares}, "pending.command")
     command.check()
     sent_age_s = p.get("pending_sent_age_s", old_pending.get("sent_age_s")) or 0.0
     pending = PendingRebuild(command, t_sent=now - float(sent_age_s))

@@ -67,8 +67,9 @@ from deadpool_swapper.job_parts import (
     RestoreReports,
     StorePlacement,
     age,
+    command_entries,
 )
-from deadpool_swapper.section_memo import SectionMemo
+from deadpool_swapper.section_memo import SectionMemo, pending_shares
 
 __all__ = [
     "JobRecords",
@@ -130,7 +131,7 @@ def state_fields(state: JobState, now: float, left_out: Collection[str] = ()) ->
     }
     for part in state.parts():
         private |= part.to_record(now, left_out)
-    return summary, private
+    return summary, private | command_entries(state.recovery.pending, pending_shares(state), left_out)
 
 
 def state_from_record(data: bytes, now: float) -> JobState:

@@ -27,10 +27,11 @@ from typing import Any
 
 import msgpack
 
+from deadpool_protocol import Rebuild
 from deadpool_protocol.job_record import SECTION_INLINE_BYTES, Section
 from deadpool_protocol.names import content_digest
 from deadpool_swapper.core import JobState
-from deadpool_swapper.job_parts import copy_command, member_row
+from deadpool_swapper.job_parts import command_shares, copy_command, member_row
 from deadpool_swapper.placement import MemberInfo
 
 __all__ = [
@@ -127,6 +128,21 @@ _CHUNKED = (
 """The fields kept in chunks (a member's info is kept as it is: `MemberInfo` is frozen)."""
 
 
+def pending_shares(state: JobState) -> tuple[str, ...]:
+    """The lists the rebuild in flight's command shares with the job (`job_parts.command_entries`)."""
+    pending = state.recovery.pending
+    return () if pending is None else command_shares(pending.command, state.membership.ranks, state.stores.placement)
+
+
+def _pending_command(state: JobState) -> tuple[Rebuild, tuple[str, ...]] | None:
+    pending = state.recovery.pending
+    return None if pending is None else (pending.command, pending_shares(state))
+
+
+def _copy_pending(kept: tuple[Rebuild, tuple[str, ...]] | None) -> tuple[Rebuild | None, tuple[str, ...]] | None:
+    return None if kept is None else (copy_command(kept[0]), kept[1])
+
+
 def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
     return {rank: frozenset(stores) for rank, stores in holders.items()}
 
@@ -135,16 +151,11 @@ _WHOLE: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], 
     ("swapper", "committed_holders", lambda s: s.ledger.committed_holders, _frozen_holders),
     ("swapper", "previous_committed_holders", lambda s: s.ledger.previous_committed.holders, _frozen_holders),
     ("swapper", "rank_bytes", lambda s: s.ledger.rank_bytes, dict),
-    (
-        "swapper",
-        "pending_command",
-        lambda s: None if s.recovery.pending is None else s.recovery.pending.command,
-        copy_command,
-    ),
+    ("swapper", "pending_command", _pending_command, _copy_pending),
 )
 """The large fields kept whole: each with its source in the state and how to copy it. The rebuild in
-flight's command is one: every save while its acks came in packed its 16,384 ranks and their stores
-again, 10 ms."""
+flight's command is one (with the lists it shares with the job: what its entry leaves out): every
+save while its acks came in packed it again, 10 ms at 16,384 ranks."""
 
 FIELDS_KEPT = frozenset({spec.field for spec in _CHUNKED} | {name for _, name, *_ in _WHOLE})
 """Every field a memo keeps, in chunks or whole."""
