@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -362,8 +363,9 @@ async def worker_main(
     else:
         tasks = [asyncio.create_task(start_member(m)) for m in sim.values()]
 
-    paused = [0.0]
-    """The longest this worker's loop was late (its launchers' batches with it)."""
+    paused = [0.0, 0.0]
+    """The longest this worker's loop was late (its launchers' batches with it), and the longest round
+    trip through its connection to the server (what it published before waits in its buffers)."""
 
     async def watch_pauses() -> None:
         while True:
@@ -374,13 +376,17 @@ async def worker_main(
     async def report() -> None:
         while True:
             await asyncio.sleep(1.0)
+            asked = time.monotonic()
+            with contextlib.suppress(Exception):
+                await nc.flush(timeout=10)
+            paused[1] = max(paused[1], time.monotonic() - asked)
             sent = sum(m.sent for m in sim.values())
             body = {
                 "worker": index,
                 "sent": sent,
                 "messages": messages[0],
                 "whole": whole_beats[0],
-                "paused": paused[0],
+                "paused": paused,
             }
             await nc.publish("bench.sent", json.dumps(body).encode())
 
@@ -469,7 +475,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         sent: dict[int, int] = {}
         sent_messages: dict[int, int] = {}
         sent_whole: dict[int, int] = {}
-        paused: dict[int, float] = {}
+        paused: dict[int, list[float]] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
@@ -508,7 +514,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             sent[body["worker"]] = body["sent"]
             sent_messages[body["worker"]] = body["messages"]
             sent_whole[body["worker"]] = body["whole"]
-            paused[body["worker"]] = body.get("paused", 0.0)
+            paused[body["worker"]] = body.get("paused", [0.0, 0.0])
 
         for subject, cb in (
             (subjects.failure, on_failure),
@@ -654,7 +660,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
-        "simulator_paused_ms_max": round(1000 * max(paused.values(), default=0.0), 1),
+        "simulator_paused_ms_max": round(1000 * max((p[0] for p in paused.values()), default=0.0), 1),
+        "simulator_round_trip_ms_max": round(1000 * max((p[1] for p in paused.values()), default=0.0), 1),
     }
 
 
@@ -668,7 +675,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"size {members}: detect p50 {r['detect_ms_p50']} p99 {r['detect_ms_p99']} ms; failure->rebuild p50 "
             f"{r['decide_ms_p50']} p99 {r['decide_ms_p99']} ms ({r['rebuilds_seen']} of {r['failures_injected']} "
             f"rebuilt); false verdicts {r['false_verdicts']} (the simulator's longest pause "
-            f"{r['simulator_paused_ms_max']} ms); detector CPU {r['detector_cpu_pct']} %, swapper CPU "
+            f"{r['simulator_paused_ms_max']} ms, round trip {r['simulator_round_trip_ms_max']} ms); "
+            f"detector CPU {r['detector_cpu_pct']} %, swapper CPU "
             f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole "
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
