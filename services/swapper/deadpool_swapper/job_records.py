@@ -19,8 +19,9 @@ A save writes what changed (`deadpool_protocol.job_record`): the small fields go
 large field is a section stored under its digest and written only when its content is new. So the
 large fields are encoded to stay equal while the job does not change: members' registration instants
 relative to the oldest one (one age in the head), holders sorted by rank, the rebuild in flight's
-command apart from its acks and its age. A commit of a job of 16,384 ranks writes a head of a few kB;
-its membership and placement are written when they change. A record too large even so is refused
+command apart from its acks and its age, less the ranks and placement it shares with the job. A
+commit of a job of 16,384 ranks writes a head of a few kB; its membership and placement are written
+when they change, a chunk at a time (`section_memo`). A record too large even so is refused
 (`RecordTooLargeError`), never retried for ever.
 """
 
