@@ -8,7 +8,9 @@ the part again from them on the loader's clock. An entry a record of an older ve
 default, so an upgraded swapper reads its predecessor's records.
 
 The encodings are those of before (same keys, same values): a record written by a swapper before this
-split loads here, and the other way round. Timers travel as ages or time left, never as instants
+split loads here. The rebuild in flight's command is the one entry written otherwise since: less the
+ranks and placement it shares with the job (`command_entries`), in a record of a stored form that an
+older reader refuses (`deadpool_protocol.job_record`). Timers travel as ages or time left, never as instants
 (another host's clock means nothing here); retransmission instants do not travel at all (a new leader
 sends what is outstanding at once: each message is idempotent). Large entries are built to stay equal
 while what they say does (members' registration instants relative to the oldest one, holders sorted
