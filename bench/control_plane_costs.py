@@ -5,7 +5,8 @@ member and second of real members' beats (`real_beats`) as their launcher's `Bea
 them, with the beats it sends whole, decoding and encoding a rebuild of N ranks, placing a rebuild's
 snapshots after a swap, the swapper's whole decision of a swap (the tick after the last call that builds
 its rebuild), the detector's passes over every member (its review of stragglers and stalls, its hang
-rules, the pass that finds a sixteenth of the hosts silent), and saving a job record of N ranks: at a
+rules, the pass that finds a sixteenth of the hosts silent), the swapper's work of a committed step (the
+stores' reports) and of a tick with no replica to make, and saving a job record of N ranks: at a
 commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
 fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save) and
 once a swap is decided.
@@ -43,6 +44,7 @@ from deadpool_protocol import (
     RebuildAckBatch,
     RebuildMarks,
     RestoreSource,
+    SnapshotComplete,
     StoreAddress,
     StoreStatus,
     encode,
@@ -170,6 +172,7 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
     figures["decide_a_swap_ms"] = decide_a_swap_ms(ranks, repeats)
     figures["save_in_formation_ms"] = save_in_formation_ms(ranks, repeats)
     figures["save_after_a_swap_ms"] = save_after_a_swap_ms(ranks, repeats)
+    figures |= step_reports_ms(ranks, repeats)
     state.recovery.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
     figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
@@ -221,16 +224,51 @@ def save_after_a_swap_ms(ranks: int, repeats: int) -> float:
     return min(times)
 
 
+def a_core_with(state: JobState) -> SwapperCore:
+    """A swapper core that knows `STORES`, live, and holds `state` (formed, a step committed)."""
+    core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9))
+    for s, name in enumerate(STORES):
+        core.on_store_status(StoreStatus(name, "10.0.0.1", 7000 + s, 0, 1 << 50, 0, 0.0, node=f"host-{s}"), 0.0)
+    core.jobs[state.job] = state
+    return core
+
+
+def step_reports_ms(ranks: int, repeats: int) -> dict[str, float]:
+    """The swapper's work of one committed step of a job of `ranks` ranks: each store's report of the
+    ranks it sealed (one per store), the last one committing the step; and a tick that finds no
+    replica to make (every rank's stores hold its copy), which every tick asks (fastest of `repeats`)."""
+    state = large_job(ranks)
+    core = a_core_with(state)
+    by_store: dict[str, list[int]] = {}
+    for rank, stores in enumerate(state.stores.placement):
+        for store in stores:
+            by_store.setdefault(store, []).append(rank)
+    times = []
+    for _ in range(repeats):
+        step = state.ledger.committed_step + 1
+        reports = [
+            SnapshotComplete("big", state.generation, store, step, ranks_there, [1000] * len(ranks_there))
+            for store, ranks_there in by_store.items()
+        ]
+        started = time.perf_counter()
+        for report in reports:
+            core.on_snapshot_complete(report, 1.0)
+        times.append(1e3 * (time.perf_counter() - started))
+        assert state.ledger.committed_step == step
+    return {
+        "a_steps_store_reports_ms": min(times),
+        "a_tick_with_no_replica_to_make_ms": fastest_ms(lambda: core._replicas_wanted(state, 1.0), repeats),
+    }
+
+
 def decide_a_swap_ms(ranks: int, repeats: int) -> float:
     """The swapper's tick that turns one rank's failure into its rebuild, after the last call: the
     spare chosen, the restore link, the placement, the command built and checked (fastest of
     `repeats`, each on a job of its own)."""
     times = []
     for i in range(repeats):
-        core = SwapperCore(SwapperConfig(replication=2, store_timeout_s=1e9))
-        for s, name in enumerate(STORES):
-            core.on_store_status(StoreStatus(name, "10.0.0.1", 7000 + s, 0, 1 << 50, 0, 0.0, node=f"host-{s}"), 0.0)
-        state = core.jobs["big"] = large_job(ranks)
+        state = large_job(ranks)
+        core = a_core_with(state)
         victim = state.membership.ranks[100 + i]
         core.on_failure(Failure("big", state.generation, victim, 100 + i, FailureReason.HEARTBEAT, {}, 1.0, 1.0), 1.0)
         started = time.perf_counter()

@@ -33,7 +33,10 @@ from deadpool_runtime.logs import get_logger
 from .jobs import every_rank_at
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-STEPS = 24
+STEPS = 120
+"""Enough that the ranks are frozen mid-run: they are frozen once every rank was heard at step 8, and
+with 24 steps a fast machine once finished the run in the time that took (the stores had dropped the
+job's copies, and nothing was left to corrupt)."""
 RUN_TIMEOUT_S = 180.0
 SETTLE_S = 0.3
 """After freezing the ranks, time for snapshots already on the wire to be sealed and committed."""
@@ -82,6 +85,7 @@ async def test_a_corrupt_replica_is_refused_and_the_other_one_restores_bit_ident
             try:
                 await asyncio.sleep(SETTLE_S)
                 status = json.loads((await nc.request(SWAPPER_STATUS, job.encode(), timeout=5)).data)
+                assert status["committed_step"] < STEPS - 1, f"the run ended before its ranks were frozen: {status}"
                 first_store = status["placement"][1][0]
                 body = json.dumps({"job": job, "rank": 1, "forge": forge}).encode()
                 corrupt = f"deadpool.store.{first_store}.corrupt"
