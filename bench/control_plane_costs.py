@@ -57,7 +57,7 @@ from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery
 from deadpool_swapper.job_records import JobRecords
 from deadpool_swapper.placement import StoreInfo, place_snapshots
 from deadpool_swapper.section_memo import SectionMemo
-from tests.integration.test_job_record_sections import STORES, commit, large_job
+from tests.integration.test_job_record_sections import STORES, commit, large_job, swap
 from tests.integration.test_job_record_sections import member as member_info
 from tests.unit.test_detector_core import formed
 
@@ -210,12 +210,7 @@ def save_after_a_swap_ms(ranks: int, repeats: int) -> float:
     stored = records._encode("big", state, 100.0, {}, memo).sections
     times = []
     for rank in range(100, 100 + repeats):
-        who = state.membership
-        failed, spare = who.ranks[rank], who.spares.pop(0)
-        del who.members[failed]
-        who.ranks[rank] = spare
-        who.failed.append(failed)
-        state.stores.placement[rank] = state.stores.placement[rank][::-1]
+        swap(state, rank)
         state.recovery.pending = PendingRebuild(rebuild_of(state), 100.0)
         state.generation += 1
         started = time.perf_counter()

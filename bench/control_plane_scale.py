@@ -17,16 +17,16 @@ then a `rebuild`.
 Reported per size: detection latency (last heartbeat sent -> failure published by the detector, both
 stamped on this machine's clock) p50/p99, false verdicts (members declared failed that were never
 silenced: more of them than spares leave the job waiting for spares) beside the longest pause of a
-worker's loop (a pause past the timeout silences its launchers: those verdicts are the simulator's),
-the swapper's failure -> rebuild
-time (as this bench receives them, and on the swapper's own clock) p50/p99, and of it the time from the
-rebuild's decision to its arrival here (the record's save, the publication, the transit and this bench's
-decode) p50/p99, detector and swapper CPU (% of one core over the measurement window), heartbeat
-messages per second, formation seconds (workers started -> the formation's rebuild), commit latency (a
-step's last store report sent -> its commit received) p50/p99, and the largest job record part written
-to KV and the largest message on the job's swapper subjects and store reports, in bytes. By default the
-members' heartbeats travel in batches of their (simulated) host's 8 members, one message every
-`--batch-s` (default 0.25 s, each member's newest beat with its age), as `deadpool launch` sends them;
+worker's loop and its longest round trip to the server (a worker that pauses past the timeout silences
+its launchers: those verdicts are the simulator's), the swapper's failure -> rebuild time (as this bench
+receives them, and on the swapper's own clock) p50/p99, and of it the time from the rebuild's decision
+to its arrival here (the record's save, the publication, the transit and this bench's decode) p50/p99,
+detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
+formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
+report sent -> its commit received) p50/p99, and the largest job record part written to KV and the
+largest message on the job's swapper subjects and store reports, in bytes. By default the members'
+heartbeats travel in batches of their (simulated) host's 8 members, one message every `--batch-s`
+(default 0.25 s, each member's newest beat with its age), as `deadpool launch` sends them;
 `--no-batching` has every member publish its own. A member's beats say what a real member's do within a
 step (its frame and whether it waits on its peers change beat by beat: forward, backward, optimizer) and
 the batches are compacted by the launcher's own `BeatCompaction`; `--static-beats` has them say the same

@@ -64,6 +64,17 @@ def commit(state: JobState, step: int) -> None:
     state.position.applied_seq += 64
 
 
+def swap(state: JobState, rank: int) -> None:
+    """What a swap changes in the membership and placement: the first spare takes `rank`, whose member
+    is gone and failed, and the rank's stores change (the rebuild command is the caller's)."""
+    who = state.membership
+    failed = who.ranks[rank]
+    del who.members[failed]
+    who.ranks[rank] = who.spares.pop(0)
+    who.failed.append(failed)
+    state.stores.placement[rank] = state.stores.placement[rank][::-1]
+
+
 async def fields_written(records: JobRecords) -> set[str]:
     """The fields whose sections the last save wrote, by the stored head's names for them."""
     head = (await records.kv.get("big")).value
@@ -98,12 +109,7 @@ async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membershi
     whole = sum(size for _, size in first)
     assert sum(size for _, size in records.written) < whole / 8, "a chunk of the members, not all of them"
 
-    who = state.membership  # a swap: a spare takes rank 100, whose stores change
-    failed = who.ranks[100]
-    del who.members[failed]
-    who.ranks[100] = who.spares.pop(0)
-    who.failed.append(failed)
-    state.stores.placement[100] = state.stores.placement[100][::-1]
+    swap(state, 100)
     await records.save(state, now + 4.0)
     assert await fields_written(records) == {"hosts", "member_rows", "ranks", "spares", "placement"}
     assert sum(size for _, size in records.written) < whole / 8, "a chunk of each, not the membership"

@@ -10,12 +10,12 @@ default, so an upgraded swapper reads its predecessor's records.
 The encodings are those of before (same keys, same values): a record written by a swapper before this
 split loads here. The rebuild in flight's command is the one entry written otherwise since: less the
 ranks and placement it shares with the job (`command_entries`), in a record of a stored form that an
-older reader refuses (`deadpool_protocol.job_record`). Timers travel as ages or time left, never as instants
-(another host's clock means nothing here); retransmission instants do not travel at all (a new leader
-sends what is outstanding at once: each message is idempotent). Large entries are built to stay equal
-while what they say does (members' registration instants relative to the oldest one, holders sorted
-by rank), so a save writes only what changed; `left_out` names the large entries the caller has packed
-already (an empty value stands in).
+older reader refuses (`deadpool_protocol.job_record`). Timers travel as ages or time left, never as
+instants (another host's clock means nothing here); retransmission instants do not travel at all (a new
+leader sends what is outstanding at once: each message is idempotent). Large entries are built to stay
+equal while what they say does (members' registration instants relative to the oldest one, holders
+sorted by rank), so a save writes only what changed; `left_out` names the large entries the caller has
+packed already (an empty value stands in).
 """
 
 from __future__ import annotations
