@@ -46,12 +46,12 @@ async def test_a_failing_detector_pass_does_not_end_the_detector(nc: Client, nat
     passes = {"failed": 0, "after": 0}
     real_check = service.core.check
 
-    def check(now: float, hang_rules: bool = True) -> Any:
+    def check(now: float, hang_rules: bool = True, timeouts: bool = True) -> Any:
         if passes["failed"] < 3:
             passes["failed"] += 1
             raise RuntimeError("a pass that fails")
         passes["after"] += 1
-        return real_check(now, hang_rules)
+        return real_check(now, hang_rules, timeouts)
 
     service.core.check = check  # type: ignore[method-assign]
     stop = asyncio.Event()
@@ -131,8 +131,8 @@ async def test_a_detector_behind_on_reading_heartbeats_declares_nobody_for_the_b
     verdicts: list[Failure] = []
     real_check = service.core.check
 
-    def check(now: float, hang_rules: bool = True) -> list[Failure]:
-        found = real_check(now, hang_rules)
+    def check(now: float, hang_rules: bool = True, timeouts: bool = True) -> list[Failure]:
+        found = real_check(now, hang_rules, timeouts)
         verdicts.extend(found)
         return found
 

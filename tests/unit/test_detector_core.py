@@ -89,6 +89,23 @@ def test_silence_longer_than_the_timeout_is_a_heartbeat_failure() -> None:
     assert failure.t_fault == 11.9
 
 
+def test_overdue_says_whether_the_check_would_declare_a_silence() -> None:
+    """The service asks `overdue` before reading the beats on their way, and checks for silences only
+    when it says so: it must find exactly the silences `check` declares, a member done excepted."""
+    config = DetectorConfig(heartbeat_timeout_s=2, hang_floor_s=1000, first_step_s=1000)
+    for now in (11.0, 12.9, 13.1, 13.9, 14.1, 20.0):
+        core = detector(config)
+        formed(core, 10.0, ranks=("m0", "m1"), spares=("m2",))
+        core.on_heartbeat(beat("m0", 11.0), 11.0)
+        core.on_heartbeat(beat("m1", 12.0, rank=1), 12.0)
+        core.on_heartbeat(beat("m2", 11.5, rank=-1), 11.5)
+        core.on_done(MemberDone("j", 1, "m0", 0, 10))
+        overdue = core.overdue(now)
+        declared = [f for f in core.check(now, hang_rules=False) if f.reason == "heartbeat"]
+        assert overdue == bool(declared), now
+        assert core.check(now, hang_rules=False, timeouts=False) == []
+
+
 def test_members_named_in_a_rebuild_are_watched_before_their_first_heartbeat() -> None:
     core = detector(DetectorConfig(heartbeat_timeout_s=2))
     formed(core, 0.0)

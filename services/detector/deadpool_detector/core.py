@@ -766,15 +766,28 @@ class DetectorCore:
                     events.append(Straggler(view.job, view.generation, w.member, w.rank, evidence, self._wall(now)))
         return events
 
-    def check(self, now: float, hang_rules: bool = True) -> list[Failure]:
-        """Heartbeat timeouts, then (with `hang_rules`) ranks stuck in their rebuild, then hangs (see the
-        module docstring)."""
+    def overdue(self, now: float) -> bool:
+        """Whether a member's heartbeat is overdue at `now`: `check` would declare it (the service first
+        reads the beats on their way to it)."""
+        silent_before = now - self.config.heartbeat_timeout_s
+        return any(
+            w.last_seen < silent_before and not w.done
+            for view in self.jobs.values()
+            if not view.finished
+            for w in view.members.values()
+        )
+
+    def check(self, now: float, hang_rules: bool = True, timeouts: bool = True) -> list[Failure]:
+        """Heartbeat timeouts (with `timeouts`: the service passes False when `overdue` found none),
+        then (with `hang_rules`) ranks stuck in their rebuild, then hangs (see the module docstring)."""
         failures: list[Failure] = []
         silent_before = now - self.config.heartbeat_timeout_s
         for view in self.jobs.values():
             if view.finished:
                 continue
-            silent = [w for w in view.members.values() if w.last_seen < silent_before and not w.done]
+            silent = (
+                [w for w in view.members.values() if w.last_seen < silent_before and not w.done] if timeouts else []
+            )
             if silent:
                 silent += self._silent_host_mates(view, silent, now)
             silent_on_host = Counter(w.host for w in silent if w.host)
