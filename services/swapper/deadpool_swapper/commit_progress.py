@@ -54,14 +54,20 @@ class CommitProgress:
         self._sync(table, live, placement, world_size)
         by_rank = table.setdefault(step, {})
         satisfied = 0
+        counts = store in live  # a copy on a store not live satisfies no rank more than before
+        placed = len(placement)
         for rank in ranks:
-            stores = by_rank.setdefault(rank, set())
-            if store in stores:
+            stores = by_rank.get(rank)
+            if stores is None:
+                stores = by_rank[rank] = set()
+            elif store in stores:
                 continue
-            was = _enough(stores, live, placement, rank)
+            if counts and rank < world_size:
+                # satisfied by this copy: one live copy short of its placement's count (at least one) before it
+                needed = (len(placement[rank]) or 1) if rank < placed else 1
+                if len(stores & live) + 1 == needed:
+                    satisfied += 1
             stores.add(store)
-            if not was and rank < world_size and _enough(stores, live, placement, rank):
-                satisfied += 1
         if satisfied:
             self._satisfied[step] = self._satisfied.get(step, 0) + satisfied
 

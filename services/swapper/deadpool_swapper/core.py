@@ -334,6 +334,16 @@ def _reserves(state: JobState, before: list[list[str]], fresh: frozenset[str]) -
 F = typing.TypeVar("F", bound=Callable[..., typing.Any])
 
 
+def _placed_on(store: str, placements: list[list[list[str]]]) -> Callable[[int], bool]:
+    """Whether a rank is put on `store` by one of `placements` (the job's, and the pending rebuild's):
+    asked for every rank a store's report names, so the usual case, one placement, is one lookup."""
+    if len(placements) == 1:
+        (only,) = placements
+        placed = len(only)
+        return lambda rank: rank < placed and store in only[rank]
+    return lambda rank: any(rank < len(placement) and store in placement[rank] for placement in placements)
+
+
 def _phased(method: F) -> F:
     """An entry point whose decision is checked against the legal changes of phase (`job_phase`): the
     job is its first argument's (a message's `job`, or the name itself)."""
@@ -1193,10 +1203,11 @@ class SwapperCore:
         changed = False
         sealed: list[int] = []
         placements = self._placements(state)
+        placed_here = _placed_on(sc.store, placements)
         for rank, nbytes in zip(sc.ranks, sc.nbytes, strict=True):
             if rank >= state.membership.world_size:
                 refused.append(f"rank {rank}: no such rank")
-            elif not any(rank < len(placement) and sc.store in placement[rank] for placement in placements):
+            elif not placed_here(rank):
                 refused.append(f"rank {rank}: not placed there")
             elif durable:
                 state.restores.durable_completes.setdefault(rank, set()).add(sc.store)  # the resumed step, sealed
@@ -1254,7 +1265,8 @@ class SwapperCore:
             state.ledger.previous_committed = state.ledger.committed_copies()
         state.ledger.committed_step = step
         state.ledger.committed_generation = state.generation
-        state.ledger.committed_holders = {rank: set(stores) for rank, stores in state.ledger.completes[step].items()}
+        # the step's table is the committed holders now: dropped from the table below, nothing else holds it
+        state.ledger.committed_holders = state.ledger.completes[step]
         state.stores.placement_confirmed = True
         state.stores.reserving = []  # every rank has uploaded to its stores: nothing left to fault in first
         state.ledger.commit_progress.drop_through(state.ledger.completes, step)
