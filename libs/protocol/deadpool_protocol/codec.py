@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 import types
 import typing
@@ -563,7 +564,11 @@ def _plain_check(hint: Any) -> Callable[[list[Any]], bool] | None:
     inner = _plain_check(typing.get_args(base)[0]) if kind is list else None
     if inner is None:
         return None
-    return lambda values: all(type(v) is list and len(v) <= most and inner(v) for v in values)
+    # Each inner check is a conjunction over its items, so the lists' items are checked in one call
+    # over them all (a rebuild's placement: 16,384 lists of stores, not 16,384 calls).
+    return lambda values: (
+        all(type(v) is list and len(v) <= most for v in values) and inner(list(itertools.chain.from_iterable(values)))
+    )
 
 
 def _check_base(value: Any, hint: Any, where: str) -> Any:
