@@ -4,13 +4,14 @@ name as the member alive in the state it last said, and refuses it where it woul
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import msgpack
 import pytest
 
 from deadpool.beat_compaction import BeatCompaction
 from deadpool_detector.core import DetectorConfig
-from deadpool_protocol import Heartbeat, HeartbeatBatch, ProtocolError, decode, encode
+from deadpool_protocol import Heartbeat, HeartbeatBatch, MemberPhase, ProtocolError, RebuildState, decode, encode
 from deadpool_protocol.bounds import BEAT_AGE_MS_MAX
 from tests.unit.test_detector_core import beat, detector, formed
 
@@ -40,6 +41,32 @@ def test_a_beat_that_repeats_the_last_one_sent_is_named_and_a_change_or_the_refr
     assert split(compaction, [sent("m1", 1.1, step=4)], 1.1) == ([], ["m1"])
     back = sent("m0", 1.2)  # m0 sent nothing in the last period: forgotten, so whole again
     assert split(compaction, [back], 1.2) == ([back], [])
+
+
+ANOTHER_VALUE: dict[str, Any] = {
+    "job": "k", "generation": 2, "rank": 1, "pid": 101, "step": 4, "in_step": False, "step_started_t": 0.5,
+    "t": 0.1, "snapshots_skipped": 1, "waiting": True, "where": "a.py:1 f", "section": "evaluation",
+    "host": "h1", "awaiting_rebuild": True, "rebuilding": True, "step_completed_t": 0.5,
+    "phase": MemberPhase.TRAINING, "rebuild_state": RebuildState.RESTORE, "local_step": 2, "snapshot_every": 2,
+}  # fmt: skip
+"""A value for each field of a beat (its member aside: the key it is compared under) other than `sent`'s."""
+
+
+@pytest.mark.parametrize("field", sorted(ANOTHER_VALUE))
+def test_every_field_but_the_moment_makes_a_beat_whole(field: str) -> None:
+    """A beat is named only when every field but its send time, frame and waiting flag is what the last
+    whole one said: a change in any other, one at a time, sends it whole."""
+    first = sent("m0", 0.0)
+    changed = dataclasses.replace(first, **{field: ANOTHER_VALUE[field]})
+    assert getattr(changed, field) != getattr(first, field)
+    compaction = BeatCompaction(refresh_s=1.0)
+    compaction.split([first], 0.0)
+    whole, named = split(compaction, [changed], 0.1)
+    assert (whole, named) == (([], ["m0"]) if field in {"t", "where", "waiting"} else ([changed], []))
+
+
+def test_a_beat_names_every_field_the_test_above_changes() -> None:
+    assert set(ANOTHER_VALUE) | {"member"} == {f.name for f in dataclasses.fields(Heartbeat)}
 
 
 def test_where_and_waiting_changing_within_a_step_leave_a_beat_named_with_its_waiting_bit() -> None:
