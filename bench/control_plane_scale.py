@@ -30,8 +30,11 @@ heartbeats travel in batches of their (simulated) host's 8 members, one message 
 `--no-batching` has every member publish its own. A member's beats say what a real member's do within a
 step (its frame and whether it waits on its peers change beat by beat: forward, backward, optimizer) and
 the batches are compacted by the launcher's own `BeatCompaction`; `--static-beats` has them say the same
-thing until the step moves, as this bench did before (kinder to the detector than a real job). The last
-line is one JSON object."""
+thing until the step moves, as this bench did before (kinder to the detector than a real job). The
+workers run late when the machine is short of cores: `heartbeat_messages_of_nominal` says what share of
+the nominal rate of beat messages they sent, and `--simulator-nice 19` runs them after the services (as
+if the members ran on hosts of their own: the services then get the cores they ask for, and the
+workers what is left). The last line is one JSON object."""
 
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -383,6 +387,7 @@ async def worker_main(
             sent = sum(m.sent for m in sim.values())
             body = {
                 "worker": index,
+                "t": time.time(),
                 "sent": sent,
                 "messages": messages[0],
                 "whole": whole_beats[0],
@@ -472,9 +477,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         failures: dict[str, tuple[Failure, float]] = {}
         rebuilds: dict[int, tuple[Rebuild, float]] = {}
         silenced: dict[str, float] = {}
-        sent: dict[int, int] = {}
-        sent_messages: dict[int, int] = {}
-        sent_whole: dict[int, int] = {}
+        counts: dict[int, tuple[float, int, int, int]] = {}
+        """worker -> (when, heartbeats, messages, whole beats) as its last report said them."""
         paused: dict[int, list[float]] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
@@ -511,9 +515,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
         async def on_sent(msg: Msg) -> None:
             body = json.loads(msg.data)
-            sent[body["worker"]] = body["sent"]
-            sent_messages[body["worker"]] = body["messages"]
-            sent_whole[body["worker"]] = body["whole"]
+            counts[body["worker"]] = (body["t"], body["sent"], body["messages"], body["whole"])
             paused[body["worker"]] = body.get("paused", [0.0, 0.0])
 
         for subject, cb in (
@@ -556,6 +558,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         *(["--static-beats"] if args.static_beats else []),
                         "--hello-concurrency",
                         str(args.hello_concurrency),
+                        "--simulator-nice",
+                        str(args.simulator_nice),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
@@ -583,7 +587,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
             cpu0 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others0 = others()
-            sent0, messages0, whole0 = sum(sent.values()), sum(sent_messages.values()), sum(sent_whole.values())
+            counts0 = dict(counts)
             victims: list[str] = []
             for _ in range(args.failures):
                 latest = rebuilds[max(rebuilds)][0]
@@ -597,7 +601,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(args.gap_s)
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
-            sent1, messages1, whole1 = sum(sent.values()), sum(sent_messages.values()), sum(sent_whole.values())
+            counts1 = dict(counts)
         finally:
             stopped = time.time()  # the members stop beating: verdicts from here on are the bench's end
             for task in background:
@@ -609,6 +613,11 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             await nc.close()
 
     window = cpu1[2] - cpu0[2]
+    rates = sent_rates(counts0, counts1)
+    hosts = sum(math.ceil(len(range(w, members, args.processes)) / 8) for w in range(args.processes))
+    nominal_messages_per_s = (
+        hosts / args.batch_s if not args.no_batching else members / HEARTBEAT_PERIOD_S
+    )  # what the workers would send if they never ran late: a batch per host every `batch_s`
     detect_ms, decide_ms, decide_own_ms, out_ms = [], [], [], []
     for victim in victims:
         if victim not in failures or victim not in silenced:
@@ -642,9 +651,11 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "swapper_cpu_pct": round(100 * (cpu1[1] - cpu0[1]) / window, 1),
         "nats_cpu_pct": round(100 * (others1[0] - others0[0]) / window, 1),
         "simulator_cpu_pct": round(100 * (others1[1] - others0[1]) / window, 1),
-        "heartbeats_per_s": round((sent1 - sent0) / window),
-        "heartbeat_messages_per_s": round((messages1 - messages0) / window),
-        "whole_beats_per_s": round((whole1 - whole0) / window),
+        "heartbeats_per_s": round(rates[0]),
+        "heartbeat_messages_per_s": round(rates[1]),
+        "whole_beats_per_s": round(rates[2]),
+        "heartbeat_messages_of_nominal": round(rates[1] / nominal_messages_per_s, 3),
+        "simulator_nice": args.simulator_nice,
         "batch_s": args.batch_s,
         "batching": not args.no_batching,
         "beats": "static" if args.static_beats else "real",
@@ -665,6 +676,21 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def sent_rates(
+    before: dict[int, tuple[float, int, int, int]], after: dict[int, tuple[float, int, int, int]]
+) -> tuple[float, float, float]:
+    """Heartbeats, heartbeat messages and whole beats sent per second, summed over the workers, each
+    over the time between its two reports (a report is up to a second old: dividing by the bench's own
+    window instead made a short run's rates off by a fifth)."""
+    totals = [0.0, 0.0, 0.0]
+    for worker, (t1, *now) in after.items():
+        if worker in before and t1 > before[worker][0]:
+            t0, *then = before[worker]
+            for i in range(3):
+                totals[i] += (now[i] - then[i]) / (t1 - t0)
+    return totals[0], totals[1], totals[2]
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for members in args.members:
@@ -677,7 +703,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"rebuilt); false verdicts {r['false_verdicts']} (the simulator's longest pause "
             f"{r['simulator_paused_ms_max']} ms, round trip {r['simulator_round_trip_ms_max']} ms); "
             f"detector CPU {r['detector_cpu_pct']} %, swapper CPU "
-            f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole "
+            f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole, "
+            f"{r['heartbeat_messages_of_nominal']} of the nominal message rate (simulator nice {r['simulator_nice']}) "
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']})",
@@ -774,6 +801,12 @@ def main() -> None:
         default=HELLO_CONCURRENCY,
         help="hellos in flight per worker process (0: every member's at once, as a real job's)",
     )
+    parser.add_argument(
+        "--simulator-nice",
+        type=int,
+        default=0,
+        help="the worker processes' niceness (19: the services first, as if the members ran on hosts of their own)",
+    )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
@@ -781,6 +814,7 @@ def main() -> None:
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker >= 0:
+        os.nice(args.simulator_nice)
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
         batching = not args.no_batching
         asyncio.run(
