@@ -82,6 +82,7 @@ from deadpool_protocol import (
     RunReply,
     RunStart,
     SnapshotComplete,
+    StepResumed,
     StoreStatus,
     Subjects,
     decode,
@@ -97,6 +98,8 @@ from deadpool_runtime.logs import get_logger
 JOB = "scale"
 RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
+FIRST_STEPS_IN_FLIGHT = 256
+"""A worker's `StepResumed` events stored at once (`--step-resumed`)."""
 HELLO_CONCURRENCY = 64
 """Hellos in flight per worker process by default (`--hello-concurrency`): 2 shared cores cannot play
 16,384 members saying hello at once (the workers' own beats then lag past the heartbeat timeout)."""
@@ -151,8 +154,11 @@ async def worker_main(
     batch_s: float,
     static_beats: bool = False,
     hello_concurrency: int = HELLO_CONCURRENCY,
+    step_resumed: bool = False,
 ) -> None:
     nc = await nats.connect(url, max_reconnect_attempts=-1, nkeys_seed=nkey or None)
+    js = nc.jetstream(timeout=10)
+    first_step_tasks: set[asyncio.Task[None]] = set()
     subjects = Subjects.for_job(JOB)
     launcher = f"worker-{index}"
     sim = {name: SimulatedMember(name, hint, launcher) for name, hint in members}
@@ -188,6 +194,28 @@ async def worker_main(
         for acks in by_host.values():
             batch = RebuildAckBatch(JOB, rebuild.generation, launcher, acks)  # the name its members said hello with
             await nc.publish(subjects.rebuild_ack_batch, encode(batch))
+        named = [m for acks in by_host.values() for m in (sim[a.member] for a in acks)]
+        if step_resumed and named:
+            task = asyncio.create_task(first_steps(rebuild.generation, named))
+            first_step_tasks.add(task)
+            task.add_done_callback(first_step_tasks.discard)
+
+    async def first_steps(generation: int, named: list[SimulatedMember]) -> None:
+        """Each member named completes its first step of `generation` a step later and stores that as
+        an event of its own, as `deadpool`'s member does (`StepResumed`): one JetStream event per rank
+        per rebuild."""
+        await asyncio.sleep(step_s)
+        for at in range(0, len(named), FIRST_STEPS_IN_FLIGHT):
+            resumed = [
+                StepResumed(JOB, generation, m.name, m.rank, m.step + 1, time.time())
+                for m in named[at : at + FIRST_STEPS_IN_FLIGHT]
+                if m.generation == generation and not m.silent_at
+            ]
+            stored = await asyncio.gather(
+                *(js.publish(subjects.step_resumed, encode(r)) for r in resumed), return_exceptions=True
+            )
+            for failed in {repr(e) for e in stored if isinstance(e, BaseException)}:
+                print(f"step_resumed not stored: {failed}", file=sys.stderr, flush=True)
 
     async def on_fence(msg: Msg) -> None:
         request = decode(msg.data, FenceRequest)
@@ -560,6 +588,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                         str(args.hello_concurrency),
                         "--simulator-nice",
                         str(args.simulator_nice),
+                        *(["--step-resumed"] if args.step_resumed else []),
                     ],
                     stdout=subprocess.DEVNULL,
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
@@ -656,6 +685,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "whole_beats_per_s": round(rates[2]),
         "heartbeat_messages_of_nominal": round(rates[1] / nominal_messages_per_s, 3),
         "simulator_nice": args.simulator_nice,
+        "step_resumed": args.step_resumed,
         "batch_s": args.batch_s,
         "batching": not args.no_batching,
         "beats": "static" if args.static_beats else "real",
@@ -807,6 +837,11 @@ def main() -> None:
         default=0,
         help="the worker processes' niceness (19: the services first, as if the members ran on hosts of their own)",
     )
+    parser.add_argument(
+        "--step-resumed",
+        action="store_true",
+        help="every rank named by a rebuild stores its first step as an event of its own, as a member does",
+    )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
@@ -829,6 +864,7 @@ def main() -> None:
                 args.batch_s,
                 args.static_beats,
                 args.hello_concurrency,
+                args.step_resumed,
             )
         )
         return
