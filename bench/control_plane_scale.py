@@ -34,7 +34,9 @@ thing until the step moves, as this bench did before (kinder to the detector tha
 workers run late when the machine is short of cores: `heartbeat_messages_of_nominal` says what share of
 the nominal rate of beat messages they sent, and `--simulator-nice 19` runs them after the services (as
 if the members ran on hosts of their own: the services then get the cores they ask for, and the
-workers what is left). The last line is one JSON object."""
+workers what is left). `--step-resumed` has every rank named by a rebuild store its first step of it,
+a step later, as an event of its own, as a member does (`StepResumed`: 16,384 events a rebuild at that
+size; off by default, so that figures compare with earlier runs). The last line is one JSON object."""
 
 from __future__ import annotations
 
