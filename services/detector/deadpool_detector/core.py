@@ -95,7 +95,7 @@ import statistics
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -771,10 +771,7 @@ class DetectorCore:
         reads the beats on their way to it)."""
         silent_before = now - self.config.heartbeat_timeout_s
         return any(
-            w.last_seen < silent_before and not w.done
-            for view in self.jobs.values()
-            if not view.finished
-            for w in view.members.values()
+            next(_silent(view, silent_before), None) is not None for view in self.jobs.values() if not view.finished
         )
 
     def check(self, now: float, hang_rules: bool = True, timeouts: bool = True) -> list[Failure]:
@@ -785,9 +782,7 @@ class DetectorCore:
         for view in self.jobs.values():
             if view.finished:
                 continue
-            silent = (
-                [w for w in view.members.values() if w.last_seen < silent_before and not w.done] if timeouts else []
-            )
+            silent = list(_silent(view, silent_before)) if timeouts else []
             if silent:
                 silent += self._silent_host_mates(view, silent, now)
             silent_on_host = Counter(w.host for w in silent if w.host)
@@ -975,6 +970,12 @@ class DetectorCore:
             del view.declared[oldest]
             view.unanswered.pop(oldest, None)
         return failure
+
+
+def _silent(view: JobView, silent_before: float) -> Iterator[Watched]:
+    """The members of `view` last heard before `silent_before` (and not done): what `check` declares,
+    and what `overdue` looks for."""
+    return (w for w in view.members.values() if w.last_seen < silent_before and not w.done)
 
 
 def _sample_busy(watched: Watched, busy: bool, now: float) -> None:

@@ -63,7 +63,8 @@ class CommitProgress:
             elif store in stores:
                 continue
             if counts and rank < world_size:
-                # satisfied by this copy: one live copy short of its placement's count (at least one) before it
+                # satisfied by this copy: one live copy short of its placement's count (at least one) before
+                # it; the count `_enough` asks for, inline here (per rank of every report)
                 needed = (len(placement[rank]) or 1) if rank < placed else 1
                 if len(stores & live) + 1 == needed:
                     satisfied += 1
