@@ -257,6 +257,45 @@ async def test_beats_held_on_their_way_to_the_detector_are_read_before_a_verdict
         await link.close()
 
 
+async def test_a_detector_that_cannot_read_what_is_on_its_way_still_declares_after_its_bound(
+    nats_server: NatsServer, nc: Client
+) -> None:
+    """The round trip before a verdict never comes back while everything the server sends the
+    detector is held: each pass counts as behind, and after `BEHIND_DEFER_MAX_S` the detector declares
+    from what it read (an overloaded detector must still find a failure), while still held."""
+    link = HeldLink(nats_server.port)
+    config = DetectorServiceConfig(await link.start(), DetectorConfig(heartbeat_timeout_s=1.0, hang_floor_s=30))
+    detector_nc = await nats.connect(config.nats_url)
+    stop = asyncio.Event()
+    running = asyncio.create_task(DetectorService(config, detector_nc, get_logger(test="never-read")).run(stop))
+    failures = await failures_of(nc)
+    quiet = asyncio.Event()
+
+    async def beats() -> None:
+        while not quiet.is_set():
+            await nc.publish(S.heartbeat, encode(Heartbeat("j", 1, "quiet", 0, 77, 1, True, 0.0, time.time())))
+            await asyncio.sleep(0.1)
+
+    beating = asyncio.create_task(beats())
+    try:
+        await wait_for_micro_service(nc, "deadpool-detector")
+        await named(nc, ["quiet"])
+        link.flowing.clear()
+        quiet.set()
+        # the timeout, the first round trip, the bound, a pass of a round trip, and room on a busy machine
+        held_s = 1.0 + 2 * detector_service.INTAKE_ROUND_TRIP_MAX_S + detector_service.BEHIND_DEFER_MAX_S + 5.0
+        failure = await asyncio.wait_for(failures.get(), held_s)  # the link is held all along
+        assert (failure.member, failure.reason) == ("quiet", "heartbeat")
+        assert failure.t_detected - failure.t_fault >= detector_service.BEHIND_DEFER_MAX_S, "it waited its bound"
+    finally:
+        beating.cancel()
+        link.flowing.set()
+        stop.set()
+        await asyncio.wait_for(running, 10)
+        await detector_nc.close()
+        await link.close()
+
+
 async def watched(nc: Client) -> dict[str, object]:
     reply = await nc.request("deadpool.detector.status", b"", timeout=2.0)
     members: dict[str, object] = json.loads(reply.data).get("j", {}).get("watched", {})
