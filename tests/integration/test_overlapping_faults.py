@@ -64,7 +64,8 @@ async def test_overlapping_kills_are_swapped_and_training_ends_bit_identical(tmp
         assert returncode == 0
         assert {i.rank for i in double} == {1, 3} and len({i.generation for i in double}) == 1, double
         assert double[0].generation > before
-        assert len(watch.incidents) == 4 and len({i.generation for i in watch.incidents[2:]}) == 1
+        said = [(i.incident_id, i.generation, i.rank, i.member, i.replacement) for i in watch.incidents]
+        assert len(watch.incidents) == 4 and len({i.generation for i in watch.incidents[2:]}) == 1, said
         # From a crash copy at most 1 step; a rank restored from the stores (its rebuild superseded) at most
         # 2K-1 for the job's snapshot interval K (1 while the stores keep up).
         bound = 2 * watch.snapshot_every_max - 1

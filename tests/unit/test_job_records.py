@@ -277,7 +277,7 @@ def every_field_set(saved_at: float) -> JobState:
         )
     ]
     log.incident_seq, log.awaiting_first_step, log.awaiting_since = 7, ["s1"], saved_at - 4.0
-    log.first_steps = {0: 1234.5}
+    log.first_step_ranks, log.first_step_t = {0, 2, 3}, 1234.5
     protection = state.protection
     protection.unprotected_since, protection.unprotected_step = saved_at - 6.0, 38
     protection.hold_without_stores_s, protection.held_since = 9.0, saved_at - 8.0
@@ -490,12 +490,17 @@ def test_a_save_while_a_job_forms_or_after_a_swap_writes_one_chunk_of_each_field
         assert_loads_as(again, parts, state)
     who = state.membership
     for rank in (3, 150, 399):  # swaps: a spare takes the rank, its stores change
-        del who.members[who.ranks[rank]]
+        gone = who.ranks[rank]
+        # a member alone in its chunk takes the chunk with it: nothing of the members is new (where the
+        # cuts fall is this process's hash of the names: one run in some 30 draws such a member)
+        alone = [gone] in ([info.member for info in items] for _, items in section_memo.member_chunks(who.members))
+        del who.members[gone]
         who.ranks[rank] = who.spares.pop(0)
         state.stores.placement[rank] = state.stores.placement[rank][::-1]
         again = records._encode("big", state, 5.0, stored, memo)
         # the rebuild in flight's command is whole (here it shares the placement: a swap sends a new one)
-        assert written(again) == ["hosts", "member_rows", "pending_command", "placement"]
+        members = [] if alone else ["hosts", "member_rows"]
+        assert written(again) == sorted([*members, "pending_command", "placement"])
         assert_loads_as(again, parts, state)
 
 

@@ -145,7 +145,14 @@ class JobWatch:
         self.failures.append(failure)
 
     async def _on_incident(self, incident: Incident, _msg: Msg) -> None:
-        self.incidents.append(incident)
+        """An incident report; one said again (a new leader publishes what the last may have sent before
+        it stopped) takes the place of the first."""
+        for index, seen in enumerate(self.incidents):
+            if seen.incident_id == incident.incident_id:
+                self.incidents[index] = incident
+                break
+        else:
+            self.incidents.append(incident)
         await self._notify()
 
     async def _on_finished(self, finished: JobFinished, _msg: Msg) -> None:
