@@ -34,9 +34,10 @@ thing until the step moves, as this bench did before (kinder to the detector tha
 workers run late when the machine is short of cores: `heartbeat_messages_of_nominal` says what share of
 the nominal rate of beat messages they sent, and `--simulator-nice 19` runs them after the services (as
 if the members ran on hosts of their own: the services then get the cores they ask for, and the
-workers what is left). `--step-resumed` has every rank named by a rebuild store its first step of it,
-a step later, as an event of its own, as a member does (`StepResumed`: 16,384 events a rebuild at that
-size; off by default, so that figures compare with earlier runs). The last line is one JSON object."""
+workers what is left). `--step-resumed` has every rank named by a rebuild complete its first step of
+it a step later, each host's stored as one event, as a launcher does (`StepResumedBatch`: 2,048 events
+a rebuild at 16,384; off by default, so that figures compare with earlier runs); `incidents_with_first_step`
+says how many incidents closed with every rank's first step. The last line is one JSON object."""
 
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ from deadpool_protocol import (
     Heartbeat,
     HeartbeatBatch,
     HelloReply,
+    Incident,
     MemberHello,
     Placement,
     Rebuild,
@@ -85,6 +87,7 @@ from deadpool_protocol import (
     RunStart,
     SnapshotComplete,
     StepResumed,
+    StepResumedBatch,
     StoreStatus,
     Subjects,
     decode,
@@ -101,7 +104,7 @@ JOB = "scale"
 RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
 FIRST_STEPS_IN_FLIGHT = 256
-"""A worker's `StepResumed` events stored at once (`--step-resumed`)."""
+"""A worker's `StepResumedBatch` events stored at once (`--step-resumed`)."""
 HELLO_CONCURRENCY = 64
 """Hellos in flight per worker process by default (`--hello-concurrency`): 2 shared cores cannot play
 16,384 members saying hello at once (the workers' own beats then lag past the heartbeat timeout)."""
@@ -203,18 +206,20 @@ async def worker_main(
             task.add_done_callback(first_step_tasks.discard)
 
     async def first_steps(generation: int, named: list[SimulatedMember]) -> None:
-        """Each member named completes its first step of `generation` a step later and stores that as
-        an event of its own, as `deadpool`'s member does (`StepResumed`): one JetStream event per rank
-        per rebuild."""
+        """Each member named completes its first step of `generation` a step later, and its (simulated)
+        launcher stores its host's first steps as one event, as `deadpool launch` does
+        (`StepResumedBatch`): one JetStream event per host per rebuild."""
         await asyncio.sleep(step_s)
-        for at in range(0, len(named), FIRST_STEPS_IN_FLIGHT):
-            resumed = [
-                StepResumed(JOB, generation, m.name, m.rank, m.step + 1, time.time())
-                for m in named[at : at + FIRST_STEPS_IN_FLIGHT]
-                if m.generation == generation and not m.silent_at
-            ]
+        by_host: dict[str, list[StepResumed]] = {}
+        for m in named:
+            if m.generation == generation and not m.silent_at:
+                resumed = StepResumed(JOB, generation, m.name, m.rank, m.step + 1, time.time())
+                by_host.setdefault(hosts[m.name], []).append(resumed)
+        batches = [StepResumedBatch(JOB, generation, launcher, steps) for steps in by_host.values()]
+        for at in range(0, len(batches), FIRST_STEPS_IN_FLIGHT):
             stored = await asyncio.gather(
-                *(js.publish(subjects.step_resumed, encode(r)) for r in resumed), return_exceptions=True
+                *(js.publish(subjects.step_resumed_batch, encode(b)) for b in batches[at : at + FIRST_STEPS_IN_FLIGHT]),
+                return_exceptions=True,
             )
             for failed in {repr(e) for e in stored if isinstance(e, BaseException)}:
                 print(f"step_resumed not stored: {failed}", file=sys.stderr, flush=True)
@@ -535,6 +540,12 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             failure = decode(msg.data, Failure)
             failures[failure.member] = (failure, time.time())
 
+        incidents: dict[str, Incident] = {}
+
+        async def on_incident(msg: Msg) -> None:
+            incident = decode(msg.data, Incident)
+            incidents[incident.incident_id] = incident
+
         async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
             rebuilds.setdefault(rebuild.generation, (rebuild, time.time()))
             stores.on_rebuild(rebuild)
@@ -550,6 +561,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
         for subject, cb in (
             (subjects.failure, on_failure),
+            (subjects.incident, on_incident),
             ("bench.silenced", on_silenced),
             ("bench.sent", on_sent),
             (subjects.commit, on_commit),
@@ -671,6 +683,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "failures_detected": len(detect_ms),
         "false_verdicts": sum(1 for m, (_, t) in failures.items() if m not in victims and t < stopped),
         "rebuilds_seen": len(decide_ms),
+        "incidents": len(incidents),
+        "incidents_with_first_step": sum(1 for i in incidents.values() if i.t_first_step),
         "detect_ms_p50": round(statistics.median(detect_ms), 1) if detect_ms else None,
         "detect_ms_p99": round(percentile(detect_ms, 99), 1) if detect_ms else None,
         "decide_ms_p50": round(statistics.median(decide_ms), 1) if decide_ms else None,

@@ -36,15 +36,16 @@ INGEST_BYTES_PER_S = 1_000_000
 
 
 async def bus_order(nc: Client, job: str) -> list[tuple[str, int, int, tuple[int, ...]]]:
-    """(kind, generation, step, ranks) of each rank's first step of a generation ("resumed") and each
-    store's report of the ranks it sealed ("sealed"), in the order the bus delivers them (one
-    subscription: one order)."""
+    """(kind, generation, step, ranks) of each rank's first step of a generation ("resumed": as its
+    member sends it, to its launcher or as an event) and each store's report of the ranks it sealed
+    ("sealed"), in the order the bus delivers them (one subscription: one order)."""
     subjects = Subjects.for_job(job)
     sealed_prefix = subjects.snapshot_complete.removesuffix("*")
     heard: list[tuple[str, int, int, tuple[int, ...]]] = []
 
     async def on_message(msg: Msg) -> None:
-        if msg.subject == subjects.step_resumed:
+        to_launcher = msg.subject.startswith(f"{PREFIX}.{job}.launcher.") and msg.subject.endswith(".resumed")
+        if msg.subject == subjects.step_resumed or (to_launcher and msg.subject != subjects.step_resumed_batch):
             resumed = decode(msg.data, StepResumed)
             heard.append(("resumed", resumed.generation, resumed.step, (resumed.rank,)))
         elif msg.subject.startswith(sealed_prefix):

@@ -492,7 +492,7 @@ FORGER_JOB, VICTIM_JOB = "job-a", "job-b"
 FORGER_STORE, VICTIM_STORE = "store-0", "store-1"
 JOB_KINDS = frozenset(
     {"member_hello", "heartbeat", "heartbeat_batch", "member_error", "member_done", "rebuild_ack"}
-    | {"step_resumed", "snapshot_interval", "run_start", "child_exit"}
+    | {"step_resumed", "snapshot_interval", "run_start", "child_exit", "rebuild_ack_batch", "step_resumed_batch"}
 )
 """What a job's launchers and members say, each about their own job."""
 STORE_KINDS = frozenset({"store_status", "snapshot_complete"})
@@ -528,7 +528,8 @@ def _listened_subjects() -> tuple[str, ...]:
         subjects += [s.hello, s.heartbeat, s.member_error, s.member_done, s.rebuild_ack, s.step_resumed]
         subjects += [s.snapshot_interval, s.run_start, s.child_exit, s.heartbeat_batch, s.failure, s.straggler]
         subjects += [s.group_broken, s.rebuild, s.void, s.placement, s.commit, s.finished, s.incident]
-        subjects += [s.launcher_heartbeat("l0"), s.fence("l0")]
+        subjects += [s.launcher_heartbeat("l0"), s.fence("l0"), s.launcher_ack("l0"), s.launcher_step_resumed("l0")]
+        subjects += [s.rebuild_ack_batch, s.step_resumed_batch]
         subjects += [s.snapshot_complete_by(store) for store in (FORGER_STORE, VICTIM_STORE)]
     for store in (FORGER_STORE, VICTIM_STORE):
         subjects += [store_announce(store), store_replicate(store)]
@@ -547,8 +548,9 @@ def forged_publications(draw: st.DrawFn) -> tuple[str, str, bytes]:
         fields["job"] = draw(st.sampled_from([FORGER_JOB, VICTIM_JOB]))
     if "store" in fields:
         fields["store"] = draw(st.sampled_from([FORGER_STORE, VICTIM_STORE]))
-    if kind == "heartbeat_batch":
-        fields["beats"] = [{**beat, "job": fields["job"]} for beat in fields["beats"]]
+    batched = {"heartbeat_batch": "beats", "rebuild_ack_batch": "acks", "step_resumed_batch": "resumed"}.get(kind)
+    if batched:  # a batch's items name its job
+        fields[batched] = [{**item, "job": fields["job"]} for item in fields[batched]]
     body = {**fields, "v": PROTOCOL_VERSION, "kind": kind}
     return key, draw(st.sampled_from(_listened_subjects())), bytes(msgpack.packb(body, use_bin_type=True))
 

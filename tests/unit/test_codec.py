@@ -31,6 +31,8 @@ from deadpool_protocol import (
     RebuildState,
     RestoreSource,
     SnapshotComplete,
+    StepResumed,
+    StepResumedBatch,
     StoreAddress,
     StoreStatus,
     Subjects,
@@ -74,6 +76,7 @@ EXAMPLES: list[Message] = [
     Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
     rebuild(),
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),
+    StepResumedBatch("j", 2, "l0", [StepResumed("j", 2, "m0", 0, 8, 2.0)]),
     RebuildAckBatch(
         "j", 2, "l0", [RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0)]
     ),

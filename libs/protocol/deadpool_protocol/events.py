@@ -20,6 +20,7 @@ from deadpool_protocol.messages import (
     RebuildAckBatch,
     SnapshotComplete,
     StepResumed,
+    StepResumedBatch,
 )
 from deadpool_protocol.subjects import Subjects
 
@@ -41,6 +42,7 @@ EVENT_KINDS: dict[str, type[Message]] = {
     "snapshot_complete": SnapshotComplete,
     "member_done": MemberDone,
     "step_resumed": StepResumed,
+    "step_resumed_batch": StepResumedBatch,
     "member_error": MemberError,
     "child_exit": ChildExit,
 }
@@ -54,6 +56,7 @@ SWAPPER_EVENTS = (
     "snapshot_complete",
     "member_done",
     "step_resumed",
+    "step_resumed_batch",
 )
 """What the swapper consumes: verdicts, acks, commits' raw material, completion, first steps."""
 DETECTOR_EVENTS = ("child_exit", "member_error", "member_done")

@@ -90,6 +90,7 @@ __all__ = [
     "SnapshotComplete",
     "SnapshotInterval",
     "StepResumed",
+    "StepResumedBatch",
     "StoreAddress",
     "StoreStatus",
     "Straggler",
@@ -850,6 +851,26 @@ class RebuildAckBatch(JobMessage):
             _need(ack.job == self.job, f"an ack of job {ack.job!r} in a batch of job {self.job!r}")
             _need(ack.generation <= self.generation, "an ack of a generation newer than its batch's")
             ack.check()
+
+
+@dataclass(frozen=True, slots=True)
+class StepResumedBatch(JobMessage):
+    """The first steps a launcher's members completed in one short period, stored as one event: every
+    rank of a generation sends one (16,384 events a rebuild at 16,384 ranks, and a failure right after
+    a rebuild waited 4 s behind them in the swapper's inbox). `generation`: the newest of theirs."""
+
+    KIND: ClassVar[str] = "step_resumed_batch"
+    launcher: Name
+    resumed: Annotated[list[StepResumed], BEATS]
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need_name(self.launcher, "launcher")
+        _need(len(self.resumed) >= 1, "a batch of no first steps")
+        for resumed in self.resumed:
+            _need(resumed.job == self.job, f"a first step of job {resumed.job!r} in a batch of job {self.job!r}")
+            _need(resumed.generation <= self.generation, "a first step of a generation newer than its batch's")
+            resumed.check()
 
 
 @dataclass(frozen=True, slots=True)

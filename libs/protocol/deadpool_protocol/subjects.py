@@ -139,6 +139,16 @@ class Subjects:
         """A launcher's batch of its members' rebuild acks (`RebuildAckBatch`), an event."""
         return self._s("launcher.acks")
 
+    @property
+    def step_resumed_batch(self) -> str:
+        """A launcher's batch of its members' first steps of a generation (`StepResumedBatch`), an event."""
+        return self._s("launcher.resumed")
+
+    def launcher_step_resumed(self, launcher: str) -> str:
+        """Request/reply: where a launched member sends its first step of a generation: to its launcher,
+        which batches them and answers once it holds it."""
+        return self._s(f"launcher.{require_name(launcher, 'launcher')}.resumed")
+
     def launcher_ack(self, launcher: str) -> str:
         """Where a launched member sends its rebuild ack: to its launcher, which batches them."""
         return self._s(f"launcher.{require_name(launcher, 'launcher')}.ack")

@@ -48,6 +48,7 @@ from deadpool_protocol import (
     RebuildAck,
     RebuildState,
     SnapshotInterval,
+    StepResumed,
     Subjects,
     decode,
     encode,
@@ -78,6 +79,9 @@ def hello_retry_pause_s() -> float:
     return HELLO_RETRY_S * random.uniform(0.5, 1.5)
 
 
+RESUMED_ANSWER_S = 5.0
+"""How long a member waits for its launcher to say that the batch holding the member's first step of a
+generation is stored; without that answer the member stores the first step as an event of its own."""
 CLOSE_EVENTS_WAIT_S = 5.0
 """At close, how long the link waits for events still being stored (a done report, an error)."""
 
@@ -250,6 +254,24 @@ class ControlLink:
                 return False
             return True
         return await self._publish_event(self.subjects.rebuild_ack, ack)
+
+    def step_resumed(self, resumed: StepResumed) -> Future[bool]:
+        """Say our first completed step of a generation, from any thread; the future says whether it is
+        held for the swapper (by our launcher, or stored as an event)."""
+        return asyncio.run_coroutine_threadsafe(self._send_step_resumed(resumed), self._loop)
+
+    async def _send_step_resumed(self, resumed: StepResumed) -> bool:
+        """To our launcher, which stores its members' first steps as one event (`StepResumedBatch`) and
+        answers once that is stored, where our heartbeats go to it; else, or without its answer, stored
+        as an event of its own (said twice, it is counted once)."""
+        if self._launcher_ack_subject() and self._nc is not None:
+            subject = self.subjects.launcher_step_resumed(self.config.launcher)
+            try:
+                await self._nc.request(subject, encode(resumed), timeout=RESUMED_ANSWER_S)
+                return True
+            except Exception as exc:  # the launcher busy, gone, or the bus away: the event path holds it
+                self.log.warning("first step not taken by the launcher: stored as an event", error=repr(exc))
+        return await self._publish_event(self.subjects.step_resumed, resumed)
 
     def close(self, timeout_s: float = 5.0) -> None:
         if not self._thread.is_alive():

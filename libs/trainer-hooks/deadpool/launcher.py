@@ -52,6 +52,8 @@ from deadpool_protocol import (
     RebuildAckBatch,
     RunReply,
     RunStart,
+    StepResumed,
+    StepResumedBatch,
     Subjects,
     decode,
     encode,
@@ -86,7 +88,10 @@ ACK_BATCH_S = 0.005
 the swapper as one event (8 per host), not one each (16,384 per rebuild at 16,384 ranks)."""
 ACKS_HELD_MAX = 4 * HEARTBEATS_PER_BATCH_MAX
 """Acks held between two batches; more (a flood from a member gone wrong) are dropped: re-sent with
-the next retransmission of the rebuild."""
+the next retransmission of the rebuild. The same bound holds members' first steps (`StepResumed`),
+which go out with the acks: one unanswered is stored by its member itself."""
+STORED_ANSWER = b"stored"
+"""The launcher's answer to a member's first step, once the batch that holds it is stored."""
 HEARTBEAT_BATCH_PERIOD_S = 0.25
 """How often the launcher sends its members' beats, each member's newest with its age
 (`HeartbeatBatch.ages_ms`): the detector dates each beat by it, so a verdict still comes a timeout
@@ -211,6 +216,10 @@ class Launcher:
         """member -> its newest beat since the last batch, and when it came (monotonic)."""
         self._acks: list[RebuildAck] = []
         """Members' rebuild acks since the last batch (`_send_ack_batches`)."""
+        self._resumed: list[tuple[StepResumed, str]] = []
+        """Members' first steps of a generation since the last batch, each with where its member waits
+        for the answer (`_send_ack_batches`)."""
+        self._answering: set[asyncio.Task[None]] = set()
         self._compaction = BeatCompaction()
         self._stopper: asyncio.Task[None] | None = None
         self._stopping = False
@@ -261,6 +270,13 @@ class Launcher:
         )
         await subscribe_validated(
             self._nc, self.subjects.launcher_ack(self.launcher_id), RebuildAck, self._on_ack, self.log
+        )
+        await subscribe_validated(
+            self._nc,
+            self.subjects.launcher_step_resumed(self.launcher_id),
+            StepResumed,
+            self._on_step_resumed,
+            self.log,
         )
         await self._nc.flush()
         refused = await self._start_run(stop)
@@ -463,8 +479,15 @@ class Launcher:
         if ack.member in self.children and len(self._acks) < ACKS_HELD_MAX:
             self._acks.append(ack)
 
+    async def _on_step_resumed(self, resumed: StepResumed, msg: Msg) -> None:
+        """A member's first step of a generation, held for the next batch; the member hears once the
+        batch is stored (unanswered, it stores the step as an event itself)."""
+        if resumed.member in self.children and len(self._resumed) < ACKS_HELD_MAX:
+            self._resumed.append((resumed, msg.reply))
+
     async def _send_ack_batches(self, stop: asyncio.Event) -> None:
-        """Every `ACK_BATCH_S`, the acks received since the last batch, stored as one event."""
+        """Every `ACK_BATCH_S`, the acks and first steps received since the last batch, each stored as
+        one event."""
         while not stop.is_set():
             await asyncio.sleep(ACK_BATCH_S)
             self._flush_acks()
@@ -475,6 +498,30 @@ class Launcher:
             generation = max(a.generation for a in acks)
             batch = RebuildAckBatch(self.config.job, generation, self.launcher_id, acks)
             self._events.publish_soon(self.subjects.rebuild_ack_batch, batch)  # retried until stored
+        while self._resumed and self._events is not None:
+            held = self._resumed[:HEARTBEATS_PER_BATCH_MAX]
+            self._resumed = self._resumed[HEARTBEATS_PER_BATCH_MAX:]
+            resumed = [r for r, _ in held]
+            batch_of = StepResumedBatch(self.config.job, max(r.generation for r in resumed), self.launcher_id, resumed)
+            stored = self._events.publish_soon(self.subjects.step_resumed_batch, batch_of)  # retried until stored
+            if stored is not None:
+                self._answer_once_stored(stored, [reply for _, reply in held if reply])
+
+    def _answer_once_stored(self, stored: asyncio.Task[bool], replies: list[str]) -> None:
+        task = asyncio.create_task(self._answer(stored, replies))
+        self._answering.add(task)
+        task.add_done_callback(self._answering.discard)
+
+    async def _answer(self, stored: asyncio.Task[bool], replies: list[str]) -> None:
+        """Tell the members whose first steps a batch holds that it is stored (not stored: they hear
+        nothing, and store their own)."""
+        if not await stored or self._nc is None:
+            return
+        try:
+            for reply in replies:
+                await self._nc.publish(reply, STORED_ANSWER)
+        except Exception as exc:  # the connection closing: unanswered, they store their own
+            self.log.warning("first steps stored but not answered", members=len(replies), error=repr(exc))
 
     async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
         """Every heartbeat period, the beats received since the last batch, in one message."""

@@ -416,7 +416,7 @@ class Member:
                 parent, ready_t, attrs = self._first_step_trace
                 self._tracing.record("first_step", parent, ready_t, resumed.t_completed, attrs | {"step": step})
                 self._first_step_trace = None
-            self.link.publish_event(self.link.subjects.step_resumed, resumed)
+            self.link.step_resumed(resumed)
         self._first_step_pending = False
         section = self.link.progress.section
         self.link.progress = replace(

@@ -63,6 +63,7 @@ from deadpool_protocol import (
     RunStart,
     SnapshotComplete,
     StepResumed,
+    StepResumedBatch,
     StoreAddress,
     StoreStatus,
 )
@@ -118,6 +119,8 @@ INCIDENTS_KEPT = 16
 FAILED_KEPT = 256
 STORE_LOSS_MARGIN_S = 0.01
 """A store's loss is checked this long after its timeout, so the check lands after it, not on it."""
+ALREADY_COUNTED = "already counted"
+"""How a first step said again is answered (a member whose launcher's answer was lost stores its own)."""
 
 
 @dataclass(frozen=True)
@@ -830,7 +833,7 @@ class SwapperCore:
         generation = state.generation + 1
         assert generation > state.generation and generation > state.recovery.void_generation, "generations only grow"
         state.generation = generation
-        state.incident_log.first_steps = {}  # incidents still awaiting a first step end at this generation's
+        state.incident_log.forget_first_steps()  # incidents still awaiting a first step end at this generation's
         state.recovery.attempts += 1
         before = state.stores.placement
         state.stores.placement = place_snapshots(
@@ -955,13 +958,46 @@ class SwapperCore:
     def on_step_resumed(self, resumed: StepResumed, now: float) -> Decision:
         """A rank completed its first step of a generation; with every rank's, its incidents end."""
         state = self.jobs.get(resumed.job)
-        if state is None or resumed.generation != state.generation or resumed.rank >= state.membership.world_size:
-            return Decision([], f"first step of {resumed.member} in generation {resumed.generation}: not current")
-        if resumed.rank in state.incident_log.first_steps:
-            return Decision([], f"first step of rank {resumed.rank}: already counted")
-        state.incident_log.first_steps[resumed.rank] = resumed.t_completed
+        refused = self._count_first_step(state, resumed)
+        if state is None or refused:
+            return Decision([], refused)
         ended = self._end_incidents(state, now)  # saves the record itself when it ends any
         return Decision(ended or [Persist(state.job)], f"rank {resumed.rank} completed its first step")
+
+    @_phased
+    def on_step_resumed_batch(self, batch: StepResumedBatch, now: float) -> Decision:
+        """A launcher's batch of its members' first steps: each counted as `on_step_resumed` counts it,
+        except one of a member another launcher runs (refused and named, as `on_ack_batch` does), and
+        the record saved once for the batch."""
+        state = self.jobs.get(batch.job)
+        said: list[str] = []
+        counted = 0
+        for resumed in batch.resumed:
+            info = state.membership.members.get(resumed.member) if state is not None else None
+            if info is not None and info.launcher != batch.launcher:
+                said.append(f"first step of {resumed.member} from launcher {batch.launcher}, which does not run it")
+                continue
+            refused = self._count_first_step(state, resumed)
+            counted += not refused
+            if refused and not refused.endswith(ALREADY_COUNTED):
+                said.append(refused)
+        actions: list[Action] = []
+        if state is not None and counted:
+            actions = self._end_incidents(state, now) or [Persist(state.job)]
+        reason = f"{counted} first step(s) from launcher {batch.launcher}"
+        if not said:
+            return Decision(actions, reason, routine=True)
+        more = f" (and {len(said) - 4} more)" if len(said) > 4 else ""
+        return Decision(actions, "; ".join([reason, *said[:4]]) + more)
+
+    def _count_first_step(self, state: JobState | None, resumed: StepResumed) -> str:
+        """Count `resumed` in its job's first steps; '' if counted, else why not (a repeat is harmless)."""
+        if state is None or resumed.generation != state.generation or resumed.rank >= state.membership.world_size:
+            return f"first step of {resumed.member} in generation {resumed.generation}: not current"
+        if resumed.rank in state.incident_log.first_step_ranks:
+            return f"first step of rank {resumed.rank}: {ALREADY_COUNTED}"
+        state.incident_log.count_first_step(resumed.rank, resumed.t_completed)
+        return ""
 
     def _end_incidents(self, state: JobState, now: float, force: bool = False) -> list[Action]:
         """Publish the incidents awaiting a first step: with every rank's first step of the generation
@@ -970,11 +1006,11 @@ class SwapperCore:
         if not state.incident_log.awaiting_first_step or (state.recovery.pending is not None and not force):
             return []
         every_rank = (
-            len(state.incident_log.first_steps) >= state.membership.world_size and state.recovery.pending is None
+            len(state.incident_log.first_step_ranks) >= state.membership.world_size and state.recovery.pending is None
         )
         if not every_rank and not force and now - state.incident_log.awaiting_since < self.config.first_step_wait_s:
             return []
-        t_first = max(state.incident_log.first_steps.values()) if every_rank else 0.0
+        t_first = state.incident_log.first_step_t if every_rank else 0.0
         ended: list[Action] = []
         for index, incident in enumerate(state.incident_log.incidents):
             if incident.incident_id in state.incident_log.awaiting_first_step:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
 from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck, Reserve
+from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.job_record import JobSummary
 from deadpool_swapper.commit_progress import CommitProgress
@@ -69,6 +70,33 @@ def holders_entry(holders: dict[int, set[str]]) -> list[list[Any]]:
 
 def holders_of(entry: list[Any]) -> dict[int, set[str]]:
     return {int(rank): set(stores) for rank, stores in entry}
+
+
+def rank_runs(ranks: Collection[int]) -> list[list[int]]:
+    """`ranks` as sorted runs `[first, last + 1]`: ranks 0 to n - 1 are one run, found without sorting."""
+    if not ranks:
+        return []
+    if min(ranks) == 0 and max(ranks) == len(ranks) - 1:
+        return [[0, len(ranks)]]
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and runs[-1][1] == rank:
+            runs[-1][1] = rank + 1
+        else:
+            runs.append([rank, rank + 1])
+    return runs
+
+
+def ranks_of_runs(entry: list[Any]) -> set[int]:
+    """The ranks `rank_runs` wrote; ValueError for a run out of a job's bounds (nothing is allocated
+    past `MEMBERS_PER_JOB_MAX` ranks)."""
+    ranks: set[int] = set()
+    for run in entry:
+        first, end = int(run[0]), int(run[1])
+        if not 0 <= first < end <= MEMBERS_PER_JOB_MAX or len(ranks) + end - first > MEMBERS_PER_JOB_MAX:
+            raise ValueError(f"a run of ranks out of a job's bounds: [{first}, {end})")
+        ranks.update(range(first, end))
+    return ranks
 
 
 @dataclass
@@ -337,8 +365,19 @@ class IncidentLog:
     completes after them, in the generation that formed (or `first_step_wait_s` after its acks)."""
     awaiting_since: float = 0.0
     """When the generation holding them formed."""
-    first_steps: dict[int, float] = field(default_factory=dict)
-    """rank -> when it completed its first step of the current generation."""
+    first_step_ranks: set[int] = field(default_factory=set)
+    """The ranks that completed their first step of the current generation."""
+    first_step_t: float = 0.0
+    """When the last of them did (wall clock, the member's stamp): all an incident needs of them. The
+    record holds the ranks as runs (`rank_runs`): every rank of a job is one entry at any size, where
+    a time per rank was 16,384 entries packed at every save after a rebuild at that size."""
+
+    def count_first_step(self, rank: int, t_completed: float) -> None:
+        self.first_step_ranks.add(rank)
+        self.first_step_t = max(self.first_step_t, t_completed)
+
+    def forget_first_steps(self) -> None:
+        self.first_step_ranks, self.first_step_t = set(), 0.0
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
         return {
@@ -347,18 +386,21 @@ class IncidentLog:
             "incident_seq": self.incident_seq,
             "awaiting_first_step": self.awaiting_first_step,
             "awaiting_age_s": age(now, self.awaiting_since),
-            "first_steps": sorted([rank, t] for rank, t in self.first_steps.items()),
+            "first_step_ranks": rank_runs(self.first_step_ranks),
+            "first_step_t": self.first_step_t,
         }
 
     @classmethod
     def from_record(cls, summary: JobSummary, p: Private, now: float) -> Self:
+        before = [(int(rank), float(t)) for rank, t in p.get("first_steps", [])]  # a record of before: rank, t
         return cls(
             open_incidents=[OpenIncident(**i) for i in p.get("open_incidents", [])],
             incidents=[from_fields(Incident, i, "incident") for i in p.get("incidents", [])],
             incident_seq=p.get("incident_seq", 0),
             awaiting_first_step=list(p.get("awaiting_first_step", [])),
             awaiting_since=now - p.get("awaiting_age_s", 0.0),
-            first_steps={int(rank): float(t) for rank, t in p.get("first_steps", [])},
+            first_step_ranks=ranks_of_runs(p.get("first_step_ranks", [])) | {rank for rank, _ in before},
+            first_step_t=max([float(p.get("first_step_t", 0.0)), *(t for _, t in before)]),
         )
 
 

@@ -48,6 +48,7 @@ from deadpool_protocol import (
     RunStart,
     SnapshotComplete,
     StepResumed,
+    StepResumedBatch,
 )
 from deadpool_protocol.events import SWAPPER_EVENTS, event_subjects
 from deadpool_runtime import EventReader
@@ -324,6 +325,8 @@ class JobWorker:
             return core.on_group_broken(message, now)
         if isinstance(message, StepResumed):
             return core.on_step_resumed(message, now)
+        if isinstance(message, StepResumedBatch):
+            return core.on_step_resumed_batch(message, now)
         return Decision([], f"event {message.KIND} is not for the swapper")
 
     def _log_unprotected(self, now: float) -> None:
