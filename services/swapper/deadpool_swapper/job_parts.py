@@ -514,18 +514,19 @@ def command_entries(
     (`_pending`). `left_out`: the command is packed already (`SectionMemo`), not built."""
     if pending is None:
         return {"pending_command": None, "pending_command_shares": []}
-    if "pending_command" in left_out:
-        command = None
-    else:
-        shared = pending.command
-        command = to_fields(
-            dataclasses.replace(
-                shared,
-                ranks=[] if "ranks" in shares else shared.ranks,
-                placement=[] if "placement" in shares else shared.placement,
-            )
-        )
+    command = None if "pending_command" in left_out else to_fields(command_less(pending.command, shares))
     return {"pending_command": command, "pending_command_shares": list(shares)}
+
+
+def command_less(command: Rebuild, shares: Collection[str]) -> Rebuild:
+    """`command` less the lists it `shares` with the job (empty in their place)."""
+    if not shares:
+        return command
+    return dataclasses.replace(
+        command,
+        ranks=[] if "ranks" in shares else command.ranks,
+        placement=[] if "placement" in shares else command.placement,
+    )
 
 
 def _pending(summary: JobSummary, p: Private, now: float) -> PendingRebuild | None:
