@@ -44,7 +44,9 @@ async def test_a_standby_swapper_takes_over_mid_rebuild_and_the_job_heals(tmp_pa
     async with Stack(config(tmp_path, swappers=2)) as stack:
         nc, watch = await watcher(stack, "failover")
         log = tmp_path / "launch.log"
-        launcher = await launch(stack.nats_args, "failover", log, steps=200, spares=1)
+        # A respawn: a survivor that the abort cannot release from gloo's pending send exits (a known gloo
+        # case, see docs/architecture.md), and CI once saw one exit so while the one spare held the killed rank.
+        launcher = await launch(stack.nats_args, "failover", log, steps=200, spares=1, respawns=2)
         try:
             await until(watch, lambda: every_rank_at(watch, 10), log, "training")
             leader = await leader_of(nc, "failover")

@@ -16,7 +16,12 @@ from deadpool_detector import service as detector_service
 from deadpool_detector.core import DetectorConfig
 from deadpool_detector.service import DetectorService, DetectorServiceConfig
 from deadpool_protocol import ChildExit, Failure, Heartbeat, MemberError, Rebuild, Subjects, decode, encode
+from deadpool_runtime import ensure_events_stream
 from deadpool_runtime.logs import get_logger
+from deadpool_swapper.core import JobState
+from deadpool_swapper.job_parts import Membership, Recovery
+from deadpool_swapper.job_records import JobRecords
+from deadpool_swapper.placement import MemberInfo
 
 from .conftest import SpawnService, wait_for_micro_service
 
@@ -300,3 +305,37 @@ async def watched(nc: Client) -> dict[str, object]:
     reply = await nc.request("deadpool.detector.status", b"", timeout=2.0)
     members: dict[str, object] = json.loads(reply.data).get("j", {}).get("watched", {})
     return members
+
+
+async def test_a_restarted_detector_whose_listing_of_the_records_came_back_empty_declares_an_exit_by_the_record(
+    nats_url: str, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted detector lists the job records; under load that listing once came back empty while a
+    job ran (CI), and the exit of a rank killed while the detector was down was refused for good: no
+    beat or rebuild had named its member. A report about a job the detector has no view of now has it
+    read that job's record. The empty listing is injected, as nats.py's `NoKeysError` gave it."""
+    records = await JobRecords.open(nc.jetstream(timeout=10.0), get_logger(), payload_bytes=nc.max_payload)
+    state = JobState("j", run="r", generation=1, membership=Membership(world_size=2), recovery=Recovery(formed=True))
+    infos = [MemberInfo(m, "h0", 100 + i, "l0", i, "h0", 29500, 0.0) for i, m in enumerate(["m0", "m1"])]
+    state.membership.members = {info.member: info for info in infos}
+    state.membership.ranks = ["m0", "m1"]
+    await records.save(state, time.monotonic())
+    await ensure_events_stream(nc)
+    await nc.publish(S.child_exit, encode(ChildExit("j", 1, "l0", "m1", 4321, -9, time.time())))  # while it was down
+
+    async def listing_came_back_empty(_self: DetectorService) -> None:
+        return
+
+    monkeypatch.setattr(DetectorService, "_load_jobs", listing_came_back_empty)
+    config = DetectorServiceConfig(nats_url, DetectorConfig(heartbeat_timeout_s=30.0, hang_floor_s=60))
+    detector_nc = await nats.connect(nats_url)
+    stop = asyncio.Event()
+    failures = await failures_of(nc)
+    running = asyncio.create_task(DetectorService(config, detector_nc, get_logger(test="no-listing")).run(stop))
+    try:
+        failure = await asyncio.wait_for(failures.get(), 20)
+        assert (failure.member, failure.rank, failure.reason) == ("m1", 1, "exit")
+    finally:
+        stop.set()
+        await asyncio.wait_for(running, 10)
+        await detector_nc.close()

@@ -7,7 +7,7 @@ import itertools
 import typing
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
@@ -16,6 +16,7 @@ from deadpool_swapper.job_parts import IncidentLog, rank_runs, ranks_of_runs
 pytestmark = pytest.mark.unit
 
 
+@settings(deadline=None)  # a timing bound flakes on a busy machine; this tests what, not how fast
 @given(st.sets(st.integers(0, 300)))
 def test_ranks_travel_as_sorted_disjoint_runs_and_come_back_the_same(ranks: set[int]) -> None:
     runs = rank_runs(ranks)

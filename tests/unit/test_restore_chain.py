@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deadpool_swapper.restore_chain import CommittedCopies, RestoreChoice, RestoreLink, choose_restore
@@ -60,6 +60,7 @@ def jobs(
     return candidates, ranks, newcomers, live, unavailable, world_size
 
 
+@settings(deadline=None)  # a timing bound flakes on a busy machine; this tests what, not how fast
 @given(jobs())
 def test_the_choice_is_the_one_a_scan_of_every_rank_makes(job: Job) -> None:
     candidates, ranks, newcomers, live, unavailable, world_size = job

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import statistics
 import time
@@ -87,6 +88,8 @@ REPEATS_LOGGED_MAX = 20
 KV_KEYS_TIMEOUT_S = 5.0
 KV_GET_TIMEOUT_S = 2.0
 EVENT_REREAD_S = 0.2
+UNRECORDED_KEPT = 1024
+"""Jobs remembered to have no record (`_load_job`), oldest out first."""
 BEATS_BACKLOG_MAX = 256
 """Heartbeat messages received and not read yet past which the detector is behind: their silence is
 not silence, so no verdict is drawn from it until they are read."""
@@ -135,6 +138,8 @@ class DetectorService:
         self._refusals = RefusalLog(log)
         self.tracing = Tracing("deadpool-detector", config.trace_file)
         self._naming: dict[str, asyncio.Task[None]] = {}
+        self._unrecorded: dict[str, float] = {}
+        """Jobs a report named whose record was not there, and when that was read."""
         """Reads of a job's record under way, for members heard of and not named (`records_wanted`)."""
         self._traces: OrderedDict[tuple[str, str, int], str] = OrderedDict()
         """(job, member, generation) -> the trace its failure started (a failure published again joins it)."""
@@ -262,12 +267,11 @@ class DetectorService:
         self.core.on_rebuild(rebuild, time.monotonic())
 
     async def _on_event(self, event: Message, _seq: int) -> None:
-        if (
-            isinstance(event, ChildExit | MemberError)
-            and self.core.unnamed_refusal(event.job, event.member)
-            and self.core.claim_record_read(event.job, time.monotonic(), EVENT_REREAD_S)
-        ):
-            await self._name_from_record(event.job)  # a member accepted since the last rebuild is listed there
+        if isinstance(event, ChildExit | MemberError) and self.core.unnamed_refusal(event.job, event.member):
+            if event.job not in self.core.jobs:
+                await self._load_job(event.job)  # a job this detector never heard of: a restart found no record
+            elif self.core.claim_record_read(event.job, time.monotonic(), EVENT_REREAD_S):
+                await self._name_from_record(event.job)  # a member accepted since the last rebuild is listed there
         now = time.monotonic()
         if isinstance(event, ChildExit):
             if refused := self.core.exit_refusal(event):
@@ -310,13 +314,38 @@ class DetectorService:
         if named:
             self.log.info("members named by the job record: watched", job=job, members=named[:20], count=len(named))
 
+    async def _load_job(self, job: str) -> None:
+        """Watch `job` as its record says, for a report about a job this detector has no view of: a
+        restart's listing of the records (`_load_jobs`) once came back empty under load while the job
+        ran, and the exit of a rank killed meanwhile was refused for good. A job without a record is
+        not read again for `EVENT_REREAD_S` (a flood of reports about no job costs nothing)."""
+        now = time.monotonic()
+        watching_enough = len(self.core.jobs) >= self.core.config.jobs_max
+        if watching_enough or now - self._unrecorded.get(job, -math.inf) < EVENT_REREAD_S:
+            return
+        try:
+            kv = await self.nc.jetstream(timeout=KV_GET_TIMEOUT_S).key_value(JOBS_BUCKET)
+            stored = await read_record(kv, job, KV_GET_TIMEOUT_S, groups=("summary",))
+            summary = None if stored is None else unpack_record(stored.record)[0]
+        except (TimeoutError, nats.errors.Error, ProtocolError) as exc:
+            self.log.warning("job record not read for a report", job=job, reason=repr(exc))
+            return
+        if summary is None or summary.finished:
+            self._unrecorded[job] = now
+            if len(self._unrecorded) > UNRECORDED_KEPT:
+                self._unrecorded.pop(next(iter(self._unrecorded)))
+            return
+        self.core.load_job(summary, time.monotonic())
+        self.log.info("job loaded from its record for a report", job=job, generation=summary.generation)
+
     async def _load_jobs(self) -> None:
         """Each running job's ranks, spares and declared members, from the job records (if any)."""
         js = self.nc.jetstream(timeout=5.0)
         try:
             kv = await js.key_value(JOBS_BUCKET)
             keys = await asyncio.wait_for(kv.keys(), KV_KEYS_TIMEOUT_S)
-        except (BucketNotFoundError, NoKeysError):
+        except (BucketNotFoundError, NoKeysError) as exc:
+            self.log.info("no job records to load", reason=type(exc).__name__)
             return
         now = time.monotonic()
         for key in filter(is_record_key, keys):  # not a record's parts, nor an archived run
