@@ -138,9 +138,9 @@ class DetectorService:
         self._refusals = RefusalLog(log)
         self.tracing = Tracing("deadpool-detector", config.trace_file)
         self._naming: dict[str, asyncio.Task[None]] = {}
+        """Reads of a job's record under way, for members heard of and not named (`records_wanted`)."""
         self._unrecorded: dict[str, float] = {}
         """Jobs a report named whose record was not there, and when that was read."""
-        """Reads of a job's record under way, for members heard of and not named (`records_wanted`)."""
         self._traces: OrderedDict[tuple[str, str, int], str] = OrderedDict()
         """(job, member, generation) -> the trace its failure started (a failure published again joins it)."""
 
