@@ -146,7 +146,7 @@ class Subjects:
 
     def launcher_step_resumed(self, launcher: str) -> str:
         """Request/reply: where a launched member sends its first step of a generation: to its launcher,
-        which batches them and answers once it holds it."""
+        which batches them and answers once the batch holding it is stored."""
         return self._s(f"launcher.{require_name(launcher, 'launcher')}.resumed")
 
     def launcher_ack(self, launcher: str) -> str:
