@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Collection
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from deadpool_protocol import ProtocolError
 from deadpool_protocol.job_record import (
@@ -26,7 +26,26 @@ from deadpool_protocol.job_record import (
     sections_of,
 )
 
-__all__ = ["RECORD_READ_ATTEMPTS", "StoredHead", "read_record"]
+__all__ = ["KEYS_TRIES", "RECORD_READ_ATTEMPTS", "StoredHead", "bucket_keys", "read_record"]
+
+KEYS_TRIES = 3
+"""How many times an answer of "no keys" is asked again (`bucket_keys`)."""
+
+
+async def bucket_keys(kv: Any, timeout_s: float) -> list[str]:
+    """A bucket's keys ([] when it has none), each listing within `timeout_s`. nats.py's `keys()` can
+    answer "no keys" for a bucket that has some: its watcher decides there are none when the server
+    has delivered every key but the client has not handed one to it yet. Under load a restarted
+    detector loaded no job that way (CI), and a test's listing came back empty once in 20 runs; an
+    empty answer is asked again, `KEYS_TRIES` times in all."""
+    for _ in range(KEYS_TRIES):
+        try:
+            keys: list[str] = await asyncio.wait_for(kv.keys(), timeout_s)
+            return keys
+        except NoKeysError:
+            continue
+    return []
+
 
 RECORD_READ_ATTEMPTS = 3
 

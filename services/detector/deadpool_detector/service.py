@@ -34,7 +34,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.micro import add_service
 from nats.micro.request import Request
 
@@ -64,7 +64,7 @@ from deadpool_runtime import (
     stopped_within,
     subscribe_validated,
 )
-from deadpool_runtime.job_record_kv import read_record
+from deadpool_runtime.job_record_kv import bucket_keys, read_record
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
 
@@ -343,9 +343,11 @@ class DetectorService:
         js = self.nc.jetstream(timeout=5.0)
         try:
             kv = await js.key_value(JOBS_BUCKET)
-            keys = await asyncio.wait_for(kv.keys(), KV_KEYS_TIMEOUT_S)
-        except (BucketNotFoundError, NoKeysError) as exc:
-            self.log.info("no job records to load", reason=type(exc).__name__)
+            keys = await bucket_keys(kv, KV_KEYS_TIMEOUT_S)
+        except BucketNotFoundError:
+            return
+        if not keys:
+            self.log.info("no job records to load")
             return
         now = time.monotonic()
         for key in filter(is_record_key, keys):  # not a record's parts, nor an archived run

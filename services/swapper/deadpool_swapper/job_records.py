@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import nats.errors
 from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from deadpool_protocol import ProtocolError
@@ -56,7 +56,7 @@ from deadpool_protocol.job_record import (
     split_record,
     unpack_record,
 )
-from deadpool_runtime.job_record_kv import read_record
+from deadpool_runtime.job_record_kv import bucket_keys, read_record
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import (
     CommitLedger,
@@ -236,11 +236,7 @@ class JobRecords:
         return list(filter(is_record_key, await self._keys()))
 
     async def _keys(self) -> list[str]:
-        try:
-            keys: list[str] = await asyncio.wait_for(self.kv.keys(), KEYS_TIMEOUT_S)
-        except NoKeysError:
-            return []
-        return keys
+        return await bucket_keys(self.kv, KEYS_TIMEOUT_S)
 
     async def load(self, job: str, now: float) -> JobState | None:
         """The job's record as it is now in KV (None if there is none), remembering its revision.
