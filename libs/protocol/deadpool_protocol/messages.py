@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
@@ -844,13 +844,7 @@ class RebuildAckBatch(JobMessage):
     acks: Annotated[list[RebuildAck], BEATS]
 
     def check(self) -> None:
-        JobMessage.check(self)
-        _need_name(self.launcher, "launcher")
-        _need(len(self.acks) >= 1, "a batch of no acks")
-        for ack in self.acks:
-            _need(ack.job == self.job, f"an ack of job {ack.job!r} in a batch of job {self.job!r}")
-            _need(ack.generation <= self.generation, "an ack of a generation newer than its batch's")
-            ack.check()
+        _check_launchers_batch(self, self.launcher, self.acks, "an ack", "acks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -864,13 +858,21 @@ class StepResumedBatch(JobMessage):
     resumed: Annotated[list[StepResumed], BEATS]
 
     def check(self) -> None:
-        JobMessage.check(self)
-        _need_name(self.launcher, "launcher")
-        _need(len(self.resumed) >= 1, "a batch of no first steps")
-        for resumed in self.resumed:
-            _need(resumed.job == self.job, f"a first step of job {resumed.job!r} in a batch of job {self.job!r}")
-            _need(resumed.generation <= self.generation, "a first step of a generation newer than its batch's")
-            resumed.check()
+        _check_launchers_batch(self, self.launcher, self.resumed, "a first step", "first steps")
+
+
+def _check_launchers_batch(
+    batch: JobMessage, launcher: str, items: Sequence[RebuildAck] | Sequence[StepResumed], one: str, many: str
+) -> None:
+    """A launcher's batch of its members' messages: named, not empty, each item of the batch's job, of
+    no newer generation than the batch's, and valid itself."""
+    JobMessage.check(batch)
+    _need_name(launcher, "launcher")
+    _need(len(items) >= 1, f"a batch of no {many}")
+    for item in items:
+        _need(item.job == batch.job, f"{one} of job {item.job!r} in a batch of job {batch.job!r}")
+        _need(item.generation <= batch.generation, f"{one} of a generation newer than its batch's")
+        item.check()
 
 
 @dataclass(frozen=True, slots=True)
