@@ -24,7 +24,10 @@ to its arrival here (the record's save, the publication, the transit and this be
 detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
 formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
 report sent -> its commit received) p50/p99, and the largest job record part written to KV and the
-largest message on the job's swapper subjects and store reports, in bytes. By default the members'
+largest message on the job's swapper subjects and store reports, in bytes, and a rebuild's size whole and
+as its delta, with the bytes the server sends for one rebuild to real members, launchers and detectors
+(`fanout`: each real member hears the rebuild on a connection of its own, where the simulated ones
+share a few). By default the members'
 heartbeats travel in batches of their (simulated) host's 8 members, one message every `--batch-s`
 (default 0.25 s, each member's newest beat with its age), as `deadpool launch` sends them;
 `--no-batching` has every member publish its own. A member's beats say what a real member's do within a
@@ -518,6 +521,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
+        command_bytes = {"whole": 0, "delta": 0}
+        """The largest rebuild whole (all its parts) and the largest delta of one (`RebuildDelta`)."""
 
         async def on_commit(msg: Msg) -> None:
             commit = decode(msg.data, Commit)
@@ -547,8 +552,13 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             incidents[incident.incident_id] = incident
 
         async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
-            rebuilds.setdefault(rebuild.generation, (rebuild, time.time()))
+            if rebuild.generation not in rebuilds:
+                rebuilds[rebuild.generation] = (rebuild, time.time())
+                command_bytes["whole"] = max(command_bytes["whole"], len(encode(rebuild)))
             stores.on_rebuild(rebuild)
+
+        async def on_delta(msg: Msg) -> None:
+            command_bytes["delta"] = max(command_bytes["delta"], len(msg.data))
 
         async def on_silenced(msg: Msg) -> None:
             body = json.loads(msg.data)
@@ -568,6 +578,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             (f"$KV.{JOBS_BUCKET}.>", sized("record")),
             (subjects.snapshot_complete, sized("message")),
             *((s, sized("message")) for s in (subjects.rebuild, subjects.placement, subjects.commit, subjects.void)),
+            (subjects.rebuild_delta, sized("message")),
+            (subjects.rebuild_delta, on_delta),
         ):
             await nc.subscribe(subject, cb=cb)
         await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())  # in parts when large
@@ -717,8 +729,28 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
+        **fanout(command_bytes, members),
         "simulator_paused_ms_max": round(1000 * max((p[0] for p in paused.values()), default=0.0), 1),
         "simulator_round_trip_ms_max": round(1000 * max((p[1] for p in paused.values()), default=0.0), 1),
+    }
+
+
+WHOLE_REBUILD_READERS = 2
+"""Who reads every rebuild whole in a shipped control plane: its two detectors."""
+
+
+def fanout(command_bytes: dict[str, int], members: int) -> dict[str, Any]:
+    """The bytes the server sends for one rebuild after the formation, to real members each on a
+    connection of its own and their launchers (one per host of 8): as the deltas go (members and
+    launchers hear the delta, the detectors the whole), and had every one of them heard it whole. The
+    simulated members share a few connections, so the bench's own server sends far less than this."""
+    listeners = members + math.ceil(members / 8)
+    whole, delta = command_bytes["whole"], command_bytes["delta"]
+    return {
+        "rebuild_bytes": whole,
+        "rebuild_delta_bytes": delta,
+        "rebuild_fanout_mb": round((listeners * delta + WHOLE_REBUILD_READERS * whole) / 1e6, 1),
+        "rebuild_fanout_mb_whole_to_all": round((listeners + WHOLE_REBUILD_READERS) * whole / 1e6, 1),
     }
 
 
@@ -753,7 +785,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['heartbeat_messages_of_nominal']} of the nominal message rate (simulator nice {r['simulator_nice']}) "
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
-            f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']})",
+            f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']}); "
+            f"a rebuild {r['rebuild_bytes']} B whole, {r['rebuild_delta_bytes']} B as its delta: the server sends "
+            f"{r['rebuild_fanout_mb']} MB to real members, launchers and detectors "
+            f"({r['rebuild_fanout_mb_whole_to_all']} MB had each heard it whole)",
             flush=True,
         )
     print_table(results)
@@ -808,6 +843,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
         ("simulator_cpu_pct", "simulator CPU %"),
         ("record_bytes_max", "largest record B"),
         ("message_bytes_max", "largest message B"),
+        ("rebuild_delta_bytes", "rebuild delta B"),
+        ("rebuild_fanout_mb", "rebuild fan-out MB"),
+        ("rebuild_fanout_mb_whole_to_all", "fan-out had all heard it whole MB"),
     ]
     print("| " + " | ".join(title for _, title in columns) + " |")
     print("|" + "---|" * len(columns))

@@ -50,6 +50,7 @@ from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.events import EVENTS_STREAM
 from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
 from deadpool_protocol.messages import Failure, Heartbeat
+from deadpool_protocol.rebuild_delta import notice_of
 from deadpool_protocol.subjects import (
     PING_INBOX,
     STORE_STATUS,
@@ -139,6 +140,7 @@ async def test_a_client_without_credentials_is_refused(secured_nats: tuple[NatsS
 
 FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", S.rebuild, encode(FORGED_REBUILD)),
+    ("job", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
     ("job", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("job", S.failure, encode(FORGED_FAILURE)),
     ("job", store_announce("store-0"), b"forged"),
@@ -158,11 +160,13 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("swapper", S.hello, b"forged"),
     ("swapper", S.member_error, encode(FORGED_ERROR)),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
+    ("store", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
     ("store", store_announce("store-1"), b"forged"),  # another store's name
     ("store", S.snapshot_complete_by("store-1"), b"forged"),  # another store's copies
     ("store", S.hello, b"forged"),
     ("store", store_reserve("store-1"), encode(FORGED_RESERVE)),
     ("detector", S.rebuild, encode(FORGED_REBUILD)),
+    ("detector", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
     ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("detector", store_reserve("store-0"), encode(FORGED_RESERVE)),
     ("detector", f"$JS.API.STREAM.PURGE.KV_{JOBS_BUCKET}", b"{}"),  # once purged a running job's record

@@ -66,7 +66,9 @@ def formed(core: SwapperCore, now: float) -> Rebuild:
         core.on_hello(MemberHello(JOB, 0, m, "h0", 100, "l0", h, W, "127.0.0.1", 4000, 0.0), now)[1]
         for m, h in (("r0", 0), ("r1", 1), ("s0", -1))
     ]
-    (formation,) = [a.message for d in decisions for a in d.actions if isinstance(a, Publish)]
+    (formation,) = [
+        a.message for d in decisions for a in d.actions if isinstance(a, Publish) and a.message.KIND == "rebuild"
+    ]
     assert isinstance(formation, Rebuild)
     for rank, member in enumerate(formation.ranks):
         marks = RebuildMarks(received=0.0, ready=0.0)

@@ -41,6 +41,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
+    RebuildDelta,
     RebuildMarks,
     Replicate,
     Reserve,
@@ -106,6 +107,9 @@ EXAMPLES: list[Message] = [
     Failure("j", 1, "m0", 0, FailureReason.EXIT, {"returncode": "-9"}, 1.0, 1.1),
     GroupBroken("j", 1, 2, members_digest(["m0", "m1"]), {"first_to_leave": "m0"}, 1.0, 3.0),
     Rebuild("j", 2, 2, ["m0", "m1"], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], [["s0"], ["s0"]], "j-1", 12.5),
+    RebuildDelta(
+        "j", 2, 1, 0, "0" * 32, 2, [1], ["m1"], [1], [["s0"]], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], "j-1", 12.5
+    ),
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),
     Reserve("j", 2, "s1", [0, 3], [1024, 1024]),

@@ -227,7 +227,7 @@ def test_a_member_that_may_still_run_is_fenced_and_its_generation_voided_before_
     core, _ = formed_core()
     decision = fail(core, Failure("j", 1, "r0", 0, FailureReason.HANG, {}, 5.0, 6.0), 6.0)
     kinds = [type(a).__name__ for a in decision.actions if type(a).__name__ != "Persist"]
-    assert kinds == ["Fence", "Publish", "Publish"]
+    assert kinds == ["Fence", "Publish", "Publish", "Publish"]
     (void,) = published(decision, GenerationVoid)
     (rebuild,) = published(decision, Rebuild)
     assert void.generation == 1 and rebuild.generation == 2

@@ -80,6 +80,7 @@ PERMISSIONS: dict[str, dict[str, list[str]]] = {
     "swapper": {
         "publish": [
             _ANY.rebuild,
+            _ANY.rebuild_delta,
             _ANY.void,
             _ANY.placement,
             _ANY.commit,
@@ -140,6 +141,7 @@ def job_permissions(job: str) -> dict[str, list[str]]:
         ],
         "subscribe": [
             s.rebuild,
+            s.rebuild_delta,
             s.void,
             s.placement,
             s.finished,

@@ -172,6 +172,8 @@ Evidence = Annotated[dict[Tag, Text], EVIDENCE]
 Marks = Annotated[dict[Tag, float], MARKS]
 Sealed = Annotated[list[int], SEALED]
 """Per rank a store sealed, one number (its rank, its snapshot's size)."""
+Ranks = Annotated[list[int], MEMBERS]
+"""Ranks of a job, each once (a rebuild's changes: `RebuildDelta`)."""
 Placements = Annotated[list[Annotated[list[Name], STORES]], MEMBERS]
 """Per rank, the stores its snapshots go to."""
 

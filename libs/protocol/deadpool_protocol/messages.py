@@ -36,6 +36,7 @@ from deadpool_protocol.bounds import (
     Members,
     Name,
     Placements,
+    Ranks,
     Sealed,
     Section,
     Tag,
@@ -704,6 +705,71 @@ class Rebuild(JobMessage):
             return self.ranks.index(member)
         except ValueError:
             return NO_RANK
+
+
+@dataclass(frozen=True, slots=True)
+class RebuildDelta(JobMessage):
+    """A rebuild command as its changes from the generation before: what a member that holds that
+    generation's command needs, in a few hundred bytes where the whole command is about 57 bytes a
+    rank (937 kB at 16,384 ranks, sent to every member: 15 GB out of the server per rebuild).
+
+    `moved[i]` is the rank `movers[i]` holds now, `replaced[i]` the rank whose snapshots go to
+    `replacements[i]`; every other rank keeps its member and stores of `base_generation` (its stores as
+    placement `base_version` of it said: 0, its rebuild's own). `digest` is `rebuild_delta.maps_digest`
+    of the whole command's ranks and placement, so a member whose base differs (it missed a placement,
+    or a generation) finds out and takes the whole command instead. With `base_generation` 0 the
+    command has no base to go by (a formation, a changed world size, a leader that took over mid-rebuild):
+    it says only that generation `generation` is out, whole, on the rebuild subject. The other fields
+    are the command's own (`Rebuild`).
+    """
+
+    KIND: ClassVar[str] = "rebuild_delta"
+    base_generation: int
+    base_version: int
+    digest: Tag
+    world_size: int
+    moved: Ranks
+    movers: Members
+    replaced: Ranks
+    replacements: Placements
+    spares: Members
+    rendezvous_member: Name
+    rendezvous_host: Host
+    rendezvous_port: int
+    restore_step: int
+    stores: Annotated[list[StoreAddress], STORES]
+    incident: IncidentIds
+    t_decided: float
+    restore_generation: int = 0
+    durable: bool = False
+    traceparent: Traceparent = ""
+    local: bool = False
+
+    def check(self) -> None:
+        JobMessage.check(self)
+        _need(self.generation >= 1, "a rebuild names generation 1 or later")
+        _need(0 <= self.base_generation < self.generation, "a delta's base is an earlier generation")
+        _need(self.base_version >= 0, "a placement version is 0 or more")
+        _need(0 < self.world_size <= MEMBERS_PER_JOB_MAX, "world_size out of range")
+        _need(len(self.moved) == len(self.movers), "a delta names one member per moved rank")
+        _need(len(self.replaced) == len(self.replacements), "a delta names one placement per replaced rank")
+        if self.base_generation == 0:
+            _need(not self.moved and not self.replaced and not self.digest, "a notice without a base changes nothing")
+        else:
+            _need(is_content_digest(self.digest), "a delta's digest is not a content digest")
+        for ranks in (self.moved, self.replaced):
+            _need(all(map(int.__lt__, ranks, ranks[1:])), "a delta's ranks are named once each, in order")
+            _need(not ranks or (ranks[0] >= 0 and ranks[-1] < self.world_size), "a delta's rank is out of range")
+        if (bad := first_invalid_name([*self.movers, *self.spares, self.rendezvous_member])) is not None:
+            _need_name(bad, "member")
+        _need(len(set(self.movers)) == len(self.movers), "a member holds more than one rank")
+        _need(len(self.spares) <= MEMBERS_PER_JOB_MAX, "more spares than MEMBERS_PER_JOB_MAX")
+        _need(not set(self.movers) & set(self.spares), "a member is both rank and spare")
+        _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
+        _need(not (self.local and self.durable), "a rebuild restores from the durable tier or from buffers, not both")
+        _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
+        _check_step(self.restore_step)
+        _check_placement(self.stores, self.replacements, len(self.replaced))
 
 
 def _check_placement(stores: list[StoreAddress], placement: list[list[str]], world_size: int) -> None:

@@ -171,6 +171,11 @@ class Subjects:
         return self._s("rebuild")
 
     @property
+    def rebuild_delta(self) -> str:
+        """Each rebuild as its changes from the generation before (`RebuildDelta`), beside it whole."""
+        return self._s("rebuild_delta")
+
+    @property
     def void(self) -> str:
         """The swapper's notice that a generation will not (or no longer) train: `GenerationVoid`."""
         return self._s("void")

@@ -9,6 +9,13 @@ Delivery. The member's reports that change state (acks, done, its own errors) ar
 the events stream, retried until the server has them. The swapper's commands arrive on core NATS and
 are retransmitted until confirmed: a retransmitted rebuild of the generation this member has already
 acked is answered with the same ack again, so a lost ack never leaves the job waiting.
+
+Rebuilds as deltas. A whole rebuild names every rank's member and stores (937 kB at 16,384 ranks, to
+every member). The swapper sends each one whole and as its changes from the generation before
+(`RebuildDelta`). A member hears the whole ones until it holds a command, then the deltas only: it
+leaves the whole subject once a delta reaches it, and subscribes again when one cannot be applied to
+what it holds (it missed a generation or a placement, or the delta is a notice with no base): the
+whole command comes with the next retransmission (`rebuild_retransmit_s`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from deadpool_protocol import (
     ProtocolError,
     Rebuild,
     RebuildAck,
+    RebuildDelta,
     RebuildState,
     SnapshotInterval,
     StepResumed,
@@ -54,6 +62,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.errors import DeadPoolError
+from deadpool_protocol.rebuild_delta import applied
 from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
 __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
@@ -152,6 +161,12 @@ class ControlLink:
         """The newest generation the swapper said will not form or train again."""
         self._placement: Placement | None = None
         """The newest placement within a generation (by generation, then version)."""
+        self._whole_rebuilds: Subscription | None = None
+        """The subscription to whole rebuilds, while this member holds no command a delta can go from."""
+        self._whole_wanted = True
+        self._whole_changes: asyncio.Task[None] | None = None
+        self.rebuilds_from_deltas = 0
+        """Commands this member made from deltas (a figure for tests)."""
         self._ack: RebuildAck | None = None
         """Our ack of the newest generation we completed, sent again if that rebuild is retransmitted."""
         self._events: EventPublisher | None = None
@@ -193,6 +208,10 @@ class ControlLink:
         """The newest rebuild command seen, and when it arrived (wall clock)."""
         with self._cond:
             return self._rebuild, self._rebuild_received_t
+
+    def hears_whole_rebuilds(self) -> bool:
+        """Whether this member is subscribed to whole rebuilds (it holds no command a delta goes from)."""
+        return self._whole_rebuilds is not None
 
     def latest_placement(self) -> Placement | None:
         with self._cond:
@@ -297,7 +316,10 @@ class ControlLink:
             inbox_prefix=self.subjects.inbox,
         )
         self._events = EventPublisher(self._nc, self.log)
-        await subscribe_validated(self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log)
+        self._whole_rebuilds = await subscribe_validated(
+            self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log
+        )
+        await subscribe_validated(self._nc, self.subjects.rebuild_delta, RebuildDelta, self._on_rebuild_delta, self.log)
         await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
         await subscribe_validated(self._nc, self.subjects.placement, Placement, self._on_placement, self.log)
@@ -406,6 +428,57 @@ class ControlLink:
         elif ack is not None and ack.generation == rebuild.generation:
             await self._resend_ack(ack)  # a retransmission: our ack was lost, again
         # else: an older generation's, nothing new
+
+    async def _on_rebuild_delta(self, delta: RebuildDelta, msg: Msg) -> None:
+        with self._cond:
+            held, placement, ack = self._rebuild, self._placement, self._ack
+        if held is not None and delta.generation <= held.generation:
+            if ack is not None and ack.generation == delta.generation and self._whole_rebuilds is None:
+                await self._resend_ack(ack)  # a retransmission (heard whole too, it answers there)
+            self._hear_whole(False)  # deltas reach us, and we hold the command the next one goes from
+            return
+        if placement is not None and held is not None and placement.generation == held.generation:
+            version, stores = placement.version, placement.placement
+        else:
+            version, stores = 0, [] if held is None else held.placement
+        command = applied(delta, held, version, stores)
+        if command is None:
+            if self._whole_rebuilds is None:  # else it comes whole to us anyway (a formation's notice)
+                self.log.info(
+                    "rebuild comes whole: its delta does not go from the command held here",
+                    generation=delta.generation,
+                    base=(delta.base_generation, delta.base_version),
+                    held=None if held is None else (held.generation, version),
+                )
+            self._hear_whole(True)
+            return
+        self.rebuilds_from_deltas += 1
+        await self._on_rebuild(command, msg)
+        self._hear_whole(False)
+
+    def _hear_whole(self, wanted: bool) -> None:
+        """Subscribe to whole rebuilds, or leave them, in a task of its own (leaving a subscription
+        stops its handler, which must not be the one asking)."""
+        self._whole_wanted = wanted
+        if wanted == (self._whole_rebuilds is not None):
+            return
+        if self._whole_changes is None or self._whole_changes.done():
+            self._whole_changes = asyncio.get_running_loop().create_task(self._change_whole())
+
+    async def _change_whole(self) -> None:
+        while self._nc is not None and self._whole_wanted != (self._whole_rebuilds is not None):
+            try:
+                if self._whole_wanted:
+                    self._whole_rebuilds = await subscribe_validated(
+                        self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log
+                    )
+                else:
+                    whole, self._whole_rebuilds = self._whole_rebuilds, None
+                    assert whole is not None
+                    await whole.unsubscribe()
+            except Exception as exc:  # the connection closing: nothing to hear then
+                self.log.warning("whole rebuilds: subscription not changed", wanted=self._whole_wanted, error=repr(exc))
+                return
 
     async def _resend_ack(self, ack: RebuildAck) -> None:
         """Our ack again, without waiting on the server (this is the rebuild subscription's callback)."""

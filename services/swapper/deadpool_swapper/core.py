@@ -56,6 +56,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
+    RebuildDelta,
     Replicate,
     Reserve,
     RestoreSource,
@@ -75,6 +76,7 @@ from deadpool_protocol.bounds import (
     clip_text,
 )
 from deadpool_protocol.messages import members_digest
+from deadpool_protocol.rebuild_delta import delta_of
 from deadpool_protocol.subjects import Subjects, store_replicate, store_reserve
 from deadpool_swapper.job_parts import (
     CommitLedger,
@@ -181,7 +183,7 @@ class SwapperConfig:
 
 @dataclass(frozen=True)
 class Publish:
-    message: Rebuild | GenerationVoid | Commit | JobFinished | Incident | Placement | Replicate | Reserve
+    message: Rebuild | RebuildDelta | GenerationVoid | Commit | JobFinished | Incident | Placement | Replicate | Reserve
 
     @property
     def subject(self) -> str:
@@ -196,6 +198,8 @@ class Publish:
         match message:
             case Rebuild():
                 return subjects.rebuild
+            case RebuildDelta():
+                return subjects.rebuild_delta
             case GenerationVoid():
                 return subjects.void
             case Commit():
@@ -736,6 +740,7 @@ class SwapperCore:
         if not self._stores_known(now):  # the tick tries again once they are
             return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
         committed = self._commit_newest(state, self._live_names(now))
+        base_ranks = list(state.membership.ranks)  # what members hold: the delta goes from it
         failed_hosts = {i.host for i in state.incident_log.open_incidents}
         newcomers: set[str] = set()
         host_copies = True
@@ -753,7 +758,12 @@ class SwapperCore:
                 if incident.rank == rank:
                     incident.replacement = spare
         rebuild = self._publish_rebuild(
-            state, now, newcomers, reason=f"rank(s) {vacant} go to {sorted(newcomers)}", host_copies=host_copies
+            state,
+            now,
+            newcomers,
+            reason=f"rank(s) {vacant} go to {sorted(newcomers)}",
+            host_copies=host_copies,
+            base_ranks=base_ranks,
         )
         if committed is None:
             return rebuild
@@ -769,13 +779,16 @@ class SwapperCore:
         reason: str,
         local: bool = False,
         host_copies: bool = False,
+        base_ranks: list[str] | None = None,
     ) -> Decision:
         """Publish the next generation. With no live store it still goes out: it restores from the next
         link of the chain that has the state (the survivors' own buffers, the durable tier), or the job
         ends saying why; its placement names no store until one comes back (`_heal_placement`).
         `host_copies`: every newcomer takes its rank where the rank's crash copy is (its dead holder's
         launcher): the ranks restore the newest step they all hold, survivors in their own buffers and
-        newcomers in the copies (a process crash loses at most the step it was in), stores or none."""
+        newcomers in the copies (a process crash loses at most the step it was in), stores or none.
+        `base_ranks`: the rank map of the generation before, where the caller changed it (the members
+        hold that one: the command's delta goes from it)."""
         stores = self.live_stores(now)
         if not stores and not state.recovery.formed:
             return Decision([], "waiting for a snapshot store: a generation forms with its step-0 snapshot stored")
@@ -830,6 +843,7 @@ class SwapperCore:
                 choice.link,
                 clip_text(choice.reason),
             )
+        base = (state.generation, state.stores.placement_version, base_ranks or list(state.membership.ranks))
         generation = state.generation + 1
         assert generation > state.generation and generation > state.recovery.void_generation, "generations only grow"
         state.generation = generation
@@ -871,14 +885,15 @@ class SwapperCore:
             traceparent=next((i.traceparent for i in state.incident_log.open_incidents if i.traceparent), ""),
         )
         command.check()
-        state.recovery.pending = PendingRebuild(command, t_sent=now)
+        delta = delta_of(command, *base, before)
+        state.recovery.pending = PendingRebuild(command, t_sent=now, delta=delta)
         state.stores.announced_stores = {a.store: (a.host, a.port) for a in command.stores}
         self._note_protection(state, now, bool(stores))
         for incident in state.incident_log.open_incidents:
             if incident.t_decided == 0.0:
                 incident.t_decided = command.t_decided
         return Decision(
-            [Persist(state.job), Publish(command), *reservations],
+            [Persist(state.job), Publish(command), Publish(delta), *reservations],
             f"generation {state.generation}: {reason}; restore {choice.link}: {choice.reason}",
         )
 
@@ -1187,7 +1202,7 @@ class SwapperCore:
         if pending is not None and clock.due(pending.t_sent + retransmit):
             pending.t_sent = now
             clock.due(now + retransmit)
-            actions.append(Publish(pending.command))
+            actions += [Publish(pending.command), Publish(pending.delta_sent())]
             actions += [Publish(r) for r in state.stores.reserving]
         voided = 0 < state.recovery.void_generation == state.generation and state.recovery.pending is None
         if voided and clock.due(state.recovery.void_sent_t + retransmit):

@@ -26,10 +26,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
-from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck, Reserve
+from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck, RebuildDelta, Reserve
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.job_record import JobSummary
+from deadpool_protocol.rebuild_delta import notice_of
 from deadpool_swapper.commit_progress import CommitProgress
 from deadpool_swapper.placement import MemberInfo
 from deadpool_swapper.restore_chain import CommittedCopies
@@ -126,9 +127,16 @@ class PendingRebuild:
     t_sent: float
     acks: dict[str, RebuildAck] = field(default_factory=dict)
     rank_members: frozenset[str] = frozenset()
+    delta: RebuildDelta | None = None
+    """The command as its changes from the generation before (`rebuild_delta`), sent beside it with
+    every retransmission; kept in memory only: a leader that loads the command sends a notice instead
+    (`delta_sent`), and the members that had not heard the command take it whole."""
 
     def __post_init__(self) -> None:
         self.rank_members = frozenset(self.command.ranks)
+
+    def delta_sent(self) -> RebuildDelta:
+        return notice_of(self.command) if self.delta is None else self.delta
 
 
 @dataclass

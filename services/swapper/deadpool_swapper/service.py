@@ -39,6 +39,7 @@ from deadpool_protocol import (
     MemberHello,
     ProtocolError,
     Rebuild,
+    RebuildDelta,
     RunStart,
     StoreStatus,
     Subjects,
@@ -286,7 +287,7 @@ class SwapperService:
 
     async def _publish(self, action: Publish) -> None:
         message, subject = action.message, action.subject
-        if isinstance(message, Rebuild) and message.incident:
+        if isinstance(message, Rebuild | RebuildDelta) and message.incident:
             message = self._traced(message)
         try:
             await publish(self.nc, subject, message)
@@ -295,8 +296,8 @@ class SwapperService:
         if isinstance(message, Incident):
             self._log_incident(message)
 
-    def _traced(self, rebuild: Rebuild) -> Rebuild:
-        """The rebuild with its first incident's `recovery` span as its trace context."""
+    def _traced(self, rebuild: Rebuild | RebuildDelta) -> Rebuild | RebuildDelta:
+        """The rebuild (whole or its delta) with its first incident's `recovery` span as its trace context."""
         first = rebuild.incident.split(",")[0]
         state = self.core.jobs.get(rebuild.job)
         opened = next((i for i in state.incident_log.open_incidents if i.incident_id == first), None) if state else None

@@ -1,0 +1,160 @@
+"""A rebuild command as the changes from the one before, and back (`RebuildDelta`).
+
+Every member subscribes to its job's commands. A whole rebuild names every rank's member and stores,
+about 57 bytes a rank: at 16,384 ranks 937 kB, which the server sends to each of 16,384 members and
+2,048 launchers, 17 GB per rebuild (and again with each retransmission) for a swap that changed one
+rank. A member that holds the generation before has all but the change, so the swapper sends the
+change beside the whole command (`delta_of`), and a member takes the whole command only when it
+holds no base (a spare that registered since, a member that missed a generation or a placement):
+`applied` refuses a delta whose result is not, by its digest, the command the swapper made.
+
+The digest covers the rank map and the placement, the only fields a delta leaves out; the others
+travel in the delta itself, checked by its own `check`. A delta that applies is the swapper's
+command, which it checked whole (`Rebuild.check`) before sending it: a member does not check the
+whole again (10-20 ms at 16,384 ranks, every member, every rebuild).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+
+from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
+from deadpool_protocol.messages import Rebuild, RebuildDelta
+from deadpool_protocol.names import DIGEST_CHARS
+
+__all__ = ["CHANGES_MAX", "applied", "delta_of", "maps_digest", "notice_of"]
+
+CHANGES_MAX = MEMBERS_PER_JOB_MAX // 8
+"""Past this many changed ranks (of members and of stores together) a delta is no smaller than it is
+worth: the swapper sends a notice (`notice_of`), and every member takes the whole command."""
+
+_RANKS_END = b"\x1e"
+"""Between the rank map and the placement in what `maps_digest` digests; names and store names hold
+neither this nor `_ITEM_END` (`names.is_valid_name`)."""
+_ITEM_END = b"\x1f"
+
+
+def maps_digest(ranks: Sequence[str], placement: Sequence[Sequence[str]]) -> str:
+    """The digest of a command's rank map and placement (about 2 ms at 16,384 ranks)."""
+    digest = hashlib.blake2b(digest_size=DIGEST_CHARS // 2)
+    digest.update("\x1f".join(ranks).encode())
+    digest.update(_RANKS_END)
+    digest.update("\x1e".join(map("\x1f".join, placement)).encode())
+    return digest.hexdigest()
+
+
+def notice_of(command: Rebuild) -> RebuildDelta:
+    """The command with no base: it says that `command.generation` is out, whole, on the rebuild
+    subject (those who hold no base take it there)."""
+    return _delta(command, 0, 0, "", [], [], [], [])
+
+
+def delta_of(
+    command: Rebuild,
+    base_generation: int,
+    base_version: int,
+    base_ranks: list[str],
+    base_placement: list[list[str]],
+) -> RebuildDelta:
+    """`command` as its changes from generation `base_generation` (its rank map `base_ranks`, its
+    placement as version `base_version` said `base_placement`); a notice (`notice_of`) where the
+    world size differs or too much changed."""
+    size = command.world_size
+    if not 0 < base_generation < command.generation or len(base_ranks) != size or len(base_placement) != size:
+        return notice_of(command)
+    ranks, placement = command.ranks, command.placement
+    # One pass each in C: a swap changes a rank or two of 16,384.
+    moved = list(itertools.compress(range(size), map(str.__ne__, ranks, base_ranks)))
+    replaced = list(itertools.compress(range(size), map(list.__ne__, placement, base_placement)))
+    if len(moved) + len(replaced) > CHANGES_MAX:
+        return notice_of(command)
+    return _delta(
+        command,
+        base_generation,
+        base_version,
+        maps_digest(ranks, placement),
+        moved,
+        [ranks[r] for r in moved],
+        replaced,
+        [list(placement[r]) for r in replaced],
+    )
+
+
+def applied(
+    delta: RebuildDelta, base: Rebuild | None, base_version: int, base_placement: list[list[str]]
+) -> Rebuild | None:
+    """The whole command `delta` stands for, made from `base` (the command this member holds, its
+    placement as version `base_version` said `base_placement`); None where it cannot be made from it:
+    no base, another one, or a result other than the swapper's (its digest)."""
+    if (
+        base is None
+        or delta.base_generation == 0
+        or (delta.job, delta.base_generation, delta.base_version) != (base.job, base.generation, base_version)
+        or (delta.world_size, len(base_placement)) != (base.world_size, base.world_size)
+    ):
+        return None
+    ranks = list(base.ranks)
+    for rank, member in zip(delta.moved, delta.movers, strict=True):
+        ranks[rank] = member
+    placement = list(base_placement)
+    for rank, stores in zip(delta.replaced, delta.replacements, strict=True):
+        placement[rank] = stores
+    if maps_digest(ranks, placement) != delta.digest:
+        return None
+    return Rebuild(
+        job=delta.job,
+        generation=delta.generation,
+        world_size=delta.world_size,
+        ranks=ranks,
+        spares=list(delta.spares),
+        rendezvous_member=delta.rendezvous_member,
+        rendezvous_host=delta.rendezvous_host,
+        rendezvous_port=delta.rendezvous_port,
+        restore_step=delta.restore_step,
+        stores=list(delta.stores),
+        placement=placement,
+        incident=delta.incident,
+        t_decided=delta.t_decided,
+        restore_generation=delta.restore_generation,
+        durable=delta.durable,
+        traceparent=delta.traceparent,
+        local=delta.local,
+    )
+
+
+def _delta(
+    command: Rebuild,
+    base_generation: int,
+    base_version: int,
+    digest: str,
+    moved: list[int],
+    movers: list[str],
+    replaced: list[int],
+    replacements: list[list[str]],
+) -> RebuildDelta:
+    return RebuildDelta(
+        job=command.job,
+        generation=command.generation,
+        base_generation=base_generation,
+        base_version=base_version,
+        digest=digest,
+        world_size=command.world_size,
+        moved=moved,
+        movers=movers,
+        replaced=replaced,
+        replacements=replacements,
+        spares=list(command.spares),
+        rendezvous_member=command.rendezvous_member,
+        rendezvous_host=command.rendezvous_host,
+        rendezvous_port=command.rendezvous_port,
+        restore_step=command.restore_step,
+        stores=list(command.stores),
+        incident=command.incident,
+        t_decided=command.t_decided,
+        restore_generation=command.restore_generation,
+        durable=command.durable,
+        traceparent=command.traceparent,
+        local=command.local,
+    )
