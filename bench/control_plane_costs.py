@@ -9,7 +9,8 @@ rules, the pass that finds a sixteenth of the hosts silent), the swapper's work 
 stores' reports) and of a tick with no replica to make, and saving a job record of N ranks: at a
 commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
 fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save) and
-once a swap is decided.
+once a swap is decided; a swap's rebuild as its delta (`RebuildDelta`): its bytes, the swapper's work
+to make it, a member's to take it (where it decoded the whole rebuild before).
 
     .venv/bin/python bench/control_plane_costs.py [--ranks 8192 16384] [--repeats 5]
 
@@ -20,6 +21,7 @@ per figure and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -42,6 +44,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
+    RebuildDelta,
     RebuildMarks,
     RestoreSource,
     SnapshotComplete,
@@ -51,6 +54,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
+from deadpool_protocol.rebuild_delta import applied, delta_of
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery
@@ -131,6 +135,29 @@ def rebuild_of(state: JobState) -> Rebuild:
     )  # fmt: skip
 
 
+def rebuild_delta_costs(base: Rebuild, spare: str, repeats: int) -> dict[str, float]:
+    """A swap of rank 100 to `spare` (its stores changed too) as its delta: its bytes, the swapper's
+    work to make it (`delta_of`, at each decision), and a member's to take it (decode and `applied`,
+    where it decoded the whole command before)."""
+    ranks = list(base.ranks)
+    ranks[100] = spare
+    placement = list(base.placement)
+    placement[100] = list(reversed(placement[100]))
+    swapped = dataclasses.replace(base, generation=base.generation + 1, ranks=ranks, placement=placement)
+    delta = delta_of(swapped, base.generation, 0, list(base.ranks), base.placement)
+    data = encode(delta)
+    assert applied(decode(data, RebuildDelta), base, 0, base.placement) == swapped
+    return {
+        "rebuild_delta_bytes": float(len(data)),
+        "make_rebuild_delta_ms": fastest_ms(
+            lambda: delta_of(swapped, base.generation, 0, list(base.ranks), base.placement), repeats
+        ),
+        "take_rebuild_delta_ms": fastest_ms(
+            lambda: applied(decode(data, RebuildDelta), base, 0, base.placement), repeats
+        ),
+    }
+
+
 def at_size(ranks: int, repeats: int) -> dict[str, float]:
     state = large_job(ranks)
     rebuild = rebuild_of(state)
@@ -169,6 +196,7 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "save_at_a_commit_ms": fastest_ms(save_after(a_commit, SectionMemo()), repeats),
         "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
+    figures |= rebuild_delta_costs(rebuild, state.membership.spares[0], repeats)
     figures["decide_a_swap_ms"] = decide_a_swap_ms(ranks, repeats)
     figures["save_in_formation_ms"] = save_in_formation_ms(ranks, repeats)
     figures["save_after_a_swap_ms"] = save_after_a_swap_ms(ranks, repeats)

@@ -20,7 +20,10 @@ silenced: more of them than spares leave the job waiting for spares) beside the 
 worker's loop and its longest round trip to the server (a worker that pauses past the timeout silences
 its launchers: those verdicts are the simulator's), the swapper's failure -> rebuild time (as this bench
 receives them, and on the swapper's own clock) p50/p99, and of it the time from the rebuild's decision
-to its arrival here (the record's save, the publication, the transit and this bench's decode) p50/p99,
+to its arrival here (the record's save, the publication, the transit and this bench's decode) p50/p99.
+This bench holds a rebuild as a member does: from its delta (`RebuildDelta`) where it holds the
+generation before, or whole, whichever comes first; failure -> the whole command decoded here is
+reported beside it (as every member took it before deltas),
 detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
 formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
 report sent -> its commit received) p50/p99, and the largest job record part written to KV and the
@@ -84,6 +87,7 @@ from deadpool_protocol import (
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
+    RebuildDelta,
     RebuildMarks,
     RestoreSource,
     RunReply,
@@ -98,6 +102,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.bounds import SEALED_PER_REPORT_MAX
 from deadpool_protocol.job_record import JOBS_BUCKET
+from deadpool_protocol.rebuild_delta import applied
 from deadpool_protocol.subjects import store_announce
 from deadpool_runtime.bus import subscribe_validated
 from deadpool_runtime.credentials import nkey_file
@@ -514,6 +519,9 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         subjects = Subjects.for_job(JOB)
         failures: dict[str, tuple[Failure, float]] = {}
         rebuilds: dict[int, tuple[Rebuild, float]] = {}
+        """Generation -> its command and when this bench held it, whole or from its delta (as a member)."""
+        whole_at: dict[int, float] = {}
+        """Generation -> when its whole command was here (decoded)."""
         silenced: dict[str, float] = {}
         counts: dict[int, tuple[float, int, int, int]] = {}
         """worker -> (when, heartbeats, messages, whole beats) as its last report said them."""
@@ -530,8 +538,16 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             if sealed is not None:
                 commit_ms.append((time.time() - sealed) * 1000)
 
+        placements: list[Placement] = []
+        """The newest placement heard (by generation, then version)."""
+
         async def on_placement(placement: Placement, _msg: Msg) -> None:
             stores.on_placement(placement)
+            if not placements or (placement.generation, placement.version) > (
+                placements[0].generation,
+                placements[0].version,
+            ):
+                placements[:] = [placement]
 
         def sized(kind: str) -> Any:
             async def note(msg: Msg) -> None:
@@ -551,14 +567,34 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             incident = decode(msg.data, Incident)
             incidents[incident.incident_id] = incident
 
+        held: list[Rebuild] = []
+        """The newest command this bench holds, as a member holds it: the base of the next delta."""
+
+        def take(rebuild: Rebuild) -> None:
+            """A command as a member takes it, whole or from its delta, whichever came first."""
+            rebuilds.setdefault(rebuild.generation, (rebuild, time.time()))
+            if not held or rebuild.generation > held[0].generation:
+                held[:] = [rebuild]
+
         async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
-            if rebuild.generation not in rebuilds:
-                rebuilds[rebuild.generation] = (rebuild, time.time())
+            if rebuild.generation not in whole_at:
+                whole_at[rebuild.generation] = time.time()
                 command_bytes["whole"] = max(command_bytes["whole"], len(encode(rebuild)))
+            take(rebuild)
             stores.on_rebuild(rebuild)
 
-        async def on_delta(msg: Msg) -> None:
+        async def on_delta(delta: RebuildDelta, msg: Msg) -> None:
             command_bytes["delta"] = max(command_bytes["delta"], len(msg.data))
+            base = held[0] if held else None
+            newest = placements[0] if placements else None
+            version, placement = (
+                (newest.version, newest.placement)
+                if newest is not None and base is not None and newest.generation == base.generation
+                else (0, [] if base is None else base.placement)
+            )
+            command = applied(delta, base, version, placement)
+            if command is not None:
+                take(command)
 
         async def on_silenced(msg: Msg) -> None:
             body = json.loads(msg.data)
@@ -579,10 +615,10 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             (subjects.snapshot_complete, sized("message")),
             *((s, sized("message")) for s in (subjects.rebuild, subjects.placement, subjects.commit, subjects.void)),
             (subjects.rebuild_delta, sized("message")),
-            (subjects.rebuild_delta, on_delta),
         ):
             await nc.subscribe(subject, cb=cb)
         await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())  # in parts when large
+        await subscribe_validated(nc, subjects.rebuild_delta, RebuildDelta, on_delta, get_logger())
         await subscribe_validated(nc, subjects.placement, Placement, on_placement, get_logger())
         background = [asyncio.create_task(stores.announce()), asyncio.create_task(stores.seal_steps())]
         names = [(f"sim-{i:05d}", i if i < world_size else -1) for i in range(members)]
@@ -673,7 +709,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
     nominal_messages_per_s = (
         hosts / args.batch_s if not args.no_batching else members / HEARTBEAT_PERIOD_S
     )  # what the workers would send if they never ran late: a batch per host every `batch_s`
-    detect_ms, decide_ms, decide_own_ms, out_ms = [], [], [], []
+    detect_ms, decide_ms, decide_own_ms, out_ms, decide_whole_ms = [], [], [], [], []
     for victim in victims:
         if victim not in failures or victim not in silenced:
             continue
@@ -683,8 +719,10 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         # the victim was a spare then)
         later = [(g, r) for g, r in rebuilds.items() if victim not in r[0].ranks and g > 1 and r[1] >= received]
         if later:
-            _, (rebuild, rebuild_received) = min(later)
+            generation, (rebuild, rebuild_received) = min(later)
             decide_ms.append((rebuild_received - received) * 1000)
+            if generation in whole_at:
+                decide_whole_ms.append((whole_at[generation] - received) * 1000)
             decide_own_ms.append((rebuild.t_decided - failure.t_detected) * 1000)
             out_ms.append((rebuild_received - rebuild.t_decided) * 1000)
     return {
@@ -701,6 +739,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "detect_ms_p99": round(percentile(detect_ms, 99), 1) if detect_ms else None,
         "decide_ms_p50": round(statistics.median(decide_ms), 1) if decide_ms else None,
         "decide_ms_p99": round(percentile(decide_ms, 99), 1) if decide_ms else None,
+        "decide_whole_ms_p50": round(statistics.median(decide_whole_ms), 1) if decide_whole_ms else None,
+        "decide_whole_ms_p99": round(percentile(decide_whole_ms, 99), 1) if decide_whole_ms else None,
         "decide_swapper_clock_ms_p99": round(percentile(decide_own_ms, 99), 1) if decide_own_ms else None,
         "decided_to_received_ms_p50": round(statistics.median(out_ms), 1) if out_ms else None,
         "decided_to_received_ms_p99": round(percentile(out_ms, 99), 1) if out_ms else None,
@@ -778,7 +818,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"size {members}: detect p50 {r['detect_ms_p50']} p99 {r['detect_ms_p99']} ms; failure->rebuild p50 "
             f"{r['decide_ms_p50']} p99 {r['decide_ms_p99']} ms ({r['rebuilds_seen']} of {r['failures_injected']} "
-            f"rebuilt); false verdicts {r['false_verdicts']} (the simulator's longest pause "
+            f"rebuilt; to the whole command decoded here p50 {r['decide_whole_ms_p50']} p99 "
+            f"{r['decide_whole_ms_p99']} ms); false verdicts {r['false_verdicts']} (the simulator's longest pause "
             f"{r['simulator_paused_ms_max']} ms, round trip {r['simulator_round_trip_ms_max']} ms); "
             f"detector CPU {r['detector_cpu_pct']} %, swapper CPU "
             f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole, "

@@ -70,12 +70,12 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 
 async def sent_until_held(nc: Client, link: ControlLink, whole: Rebuild, delta: RebuildDelta) -> Rebuild:
-    """Publish `whole` then `delta` as the swapper does, again every `RETRANSMIT_S` (its retransmission)
+    """Publish `delta` then `whole` as the swapper does, again every `RETRANSMIT_S` (its retransmission)
     until the member holds their generation; what it holds."""
     deadline = time.monotonic() + WAIT_S
     while True:
-        await nc.publish(S.rebuild, encode(whole))
         await nc.publish(S.rebuild_delta, encode(delta))
+        await nc.publish(S.rebuild, encode(whole))
         held = await asyncio.to_thread(link.wait_command, whole.generation - 1, RETRANSMIT_S)
         if isinstance(held, Rebuild) and held.generation == whole.generation:
             return held

@@ -12,10 +12,10 @@ acked is answered with the same ack again, so a lost ack never leaves the job wa
 
 Rebuilds as deltas. A whole rebuild names every rank's member and stores (937 kB at 16,384 ranks, to
 every member). The swapper sends each one whole and as its changes from the generation before
-(`RebuildDelta`). A member hears the whole ones until it holds a command, then the deltas only: it
-leaves the whole subject once a delta reaches it, and subscribes again when one cannot be applied to
-what it holds (it missed a generation or a placement, or the delta is a notice with no base): the
-whole command comes with the next retransmission (`rebuild_retransmit_s`).
+(`RebuildDelta`). A member hears the whole ones until it holds a command, then the deltas only, and
+subscribes to the whole ones again when a delta cannot be applied to what it holds (it missed a
+generation or a placement, or the delta is a notice with no base): the whole command comes with the
+next retransmission (`rebuild_retransmit_s`).
 """
 
 from __future__ import annotations
@@ -425,6 +425,7 @@ class ControlLink:
                 self._cond.notify_all()
         if not seen:
             self._command(rebuild)
+            self._hear_whole(False)  # we hold a command: the next one comes as its delta
         elif ack is not None and ack.generation == rebuild.generation:
             await self._resend_ack(ack)  # a retransmission: our ack was lost, again
         # else: an older generation's, nothing new
@@ -454,7 +455,6 @@ class ControlLink:
             return
         self.rebuilds_from_deltas += 1
         await self._on_rebuild(command, msg)
-        self._hear_whole(False)
 
     def _hear_whole(self, wanted: bool) -> None:
         """Subscribe to whole rebuilds, or leave them, in a task of its own (leaving a subscription

@@ -893,7 +893,9 @@ class SwapperCore:
             if incident.t_decided == 0.0:
                 incident.t_decided = command.t_decided
         return Decision(
-            [Persist(state.job), Publish(command), Publish(delta), *reservations],
+            # The delta first: a member that holds the generation before has its command without
+            # waiting behind the whole one's parts.
+            [Persist(state.job), Publish(delta), Publish(command), *reservations],
             f"generation {state.generation}: {reason}; restore {choice.link}: {choice.reason}",
         )
 
@@ -1202,7 +1204,7 @@ class SwapperCore:
         if pending is not None and clock.due(pending.t_sent + retransmit):
             pending.t_sent = now
             clock.due(now + retransmit)
-            actions += [Publish(pending.command), Publish(pending.delta_sent())]
+            actions += [Publish(pending.delta_sent()), Publish(pending.command)]
             actions += [Publish(r) for r in state.stores.reserving]
         voided = 0 < state.recovery.void_generation == state.generation and state.recovery.pending is None
         if voided and clock.due(state.recovery.void_sent_t + retransmit):
