@@ -143,7 +143,9 @@ def rebuild_delta_costs(base: Rebuild, spare: str, repeats: int) -> dict[str, fl
     ranks[100] = spare
     placement = list(base.placement)
     placement[100] = list(reversed(placement[100]))
-    swapped = dataclasses.replace(base, generation=base.generation + 1, ranks=ranks, placement=placement)
+    spares = [s for s in base.spares if s != spare]
+    swapped = dataclasses.replace(base, generation=base.generation + 1, ranks=ranks, spares=spares, placement=placement)
+    swapped.check()
     delta = delta_of(swapped, base.generation, 0, list(base.ranks), base.placement)
     data = encode(delta)
     assert applied(decode(data, RebuildDelta), base, 0, base.placement) == swapped

@@ -16,13 +16,12 @@ whole again (10-20 ms at 16,384 ranks, every member, every rebuild).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.messages import Rebuild, RebuildDelta
-from deadpool_protocol.names import DIGEST_CHARS
+from deadpool_protocol.names import content_digest
 
 __all__ = ["CHANGES_MAX", "applied", "delta_of", "maps_digest", "notice_of"]
 
@@ -31,18 +30,15 @@ CHANGES_MAX = MEMBERS_PER_JOB_MAX // 8
 worth: the swapper sends a notice (`notice_of`), and every member takes the whole command."""
 
 _RANKS_END = b"\x1e"
-"""Between the rank map and the placement in what `maps_digest` digests; names and store names hold
-neither this nor `_ITEM_END` (`names.is_valid_name`)."""
-_ITEM_END = b"\x1f"
+"""Between the rank map and the placement in what `maps_digest` digests (between two ranks' stores too;
+`\x1f` between two names): no name holds either (`names.is_valid_name`)."""
 
 
 def maps_digest(ranks: Sequence[str], placement: Sequence[Sequence[str]]) -> str:
-    """The digest of a command's rank map and placement (about 2 ms at 16,384 ranks)."""
-    digest = hashlib.blake2b(digest_size=DIGEST_CHARS // 2)
-    digest.update("\x1f".join(ranks).encode())
-    digest.update(_RANKS_END)
-    digest.update("\x1e".join(map("\x1f".join, placement)).encode())
-    return digest.hexdigest()
+    """The digest of a command's rank map and placement (3-4 ms at 16,384 ranks here: the joins, then
+    SHA-256, which this machine's CPU does in hardware, twice as fast as BLAKE2 here)."""
+    maps = "\x1f".join(ranks).encode() + _RANKS_END + "\x1e".join(map("\x1f".join, placement)).encode()
+    return content_digest(maps)
 
 
 def notice_of(command: Rebuild) -> RebuildDelta:
