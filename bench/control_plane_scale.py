@@ -102,7 +102,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.bounds import SEALED_PER_REPORT_MAX
 from deadpool_protocol.job_record import JOBS_BUCKET
-from deadpool_protocol.rebuild_delta import applied
+from deadpool_protocol.rebuild_delta import applied, base_of
 from deadpool_protocol.subjects import store_announce
 from deadpool_runtime.bus import subscribe_validated
 from deadpool_runtime.credentials import nkey_file
@@ -586,13 +586,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         async def on_delta(delta: RebuildDelta, msg: Msg) -> None:
             command_bytes["delta"] = max(command_bytes["delta"], len(msg.data))
             base = held[0] if held else None
-            newest = placements[0] if placements else None
-            version, placement = (
-                (newest.version, newest.placement)
-                if newest is not None and base is not None and newest.generation == base.generation
-                else (0, [] if base is None else base.placement)
-            )
-            command = applied(delta, base, version, placement)
+            command = applied(delta, base, *base_of(base, placements[0] if placements else None))
             if command is not None:
                 take(command)
 

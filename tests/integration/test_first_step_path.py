@@ -19,10 +19,9 @@ from nats.js.errors import NotFoundError
 from deadpool import control_link
 from deadpool.control_link import ControlLink
 from deadpool.member_config import MemberConfig
-from deadpool_protocol import HelloReply, MemberHello, StepResumed, Subjects, decode, encode
+from deadpool_protocol import StepResumed, Subjects, decode
 from deadpool_protocol.events import EVENTS_STREAM
-from deadpool_runtime import ensure_events_stream
-from deadpool_runtime.logs import get_logger
+from tests.integration import member_links
 
 JOB = "first-step-path"
 S = Subjects.for_job(JOB)
@@ -31,18 +30,8 @@ RESULT_WAIT_S = 20.0
 
 
 async def member_link(nc: Client, nats_url: str) -> ControlLink:
-    async def swapper(msg: Msg) -> None:
-        hello = decode(msg.data, MemberHello)
-        await nc.publish(msg.reply, encode(HelloReply(JOB, 0, hello.member, True, "registered")))
-
-    await nc.subscribe(S.hello, cb=swapper)
-    await ensure_events_stream(nc)
-    await nc.flush()
     config = MemberConfig(JOB, nats_url, "m0", LAUNCHER, 0, 1, "h0", heartbeat_via_launcher=True)
-    link = ControlLink(config, get_logger(), on_command=lambda _c: None)
-    hello = MemberHello(JOB, 0, "m0", "h0", 1, LAUNCHER, 0, 1, "127.0.0.1", 4000, time.time())
-    await asyncio.to_thread(link.start, hello)
-    return link
+    return await member_links.member_link(nc, nats_url, config)
 
 
 async def stored_by_the_member(nc: Client) -> StepResumed | None:

@@ -14,24 +14,19 @@ import time
 from collections.abc import Callable
 
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from deadpool.control_link import ControlLink
 from deadpool.member_config import MemberConfig
 from deadpool_protocol import (
-    HelloReply,
-    MemberHello,
     Placement,
     Rebuild,
     RebuildDelta,
     StoreAddress,
     Subjects,
-    decode,
     encode,
 )
 from deadpool_protocol.rebuild_delta import delta_of, notice_of
-from deadpool_runtime import ensure_events_stream
-from deadpool_runtime.logs import get_logger
+from tests.integration import member_links
 
 JOB = "rebuild-deltas"
 S = Subjects.for_job(JOB)
@@ -48,18 +43,7 @@ def command(generation: int, ranks: list[str], placement: list[list[str]], spare
 
 
 async def member_link(nc: Client, nats_url: str) -> ControlLink:
-    async def swapper(msg: Msg) -> None:
-        hello = decode(msg.data, MemberHello)
-        await nc.publish(msg.reply, encode(HelloReply(JOB, 0, hello.member, True, "registered")))
-
-    await nc.subscribe(S.hello, cb=swapper)
-    await ensure_events_stream(nc)
-    await nc.flush()
-    config = MemberConfig(JOB, nats_url, "m1", "l0", 1, 4, "h0")
-    link = ControlLink(config, get_logger(), on_command=lambda _c: None)
-    hello = MemberHello(JOB, 0, "m1", "h0", 1, "l0", 1, 4, "127.0.0.1", 4000, time.time())
-    await asyncio.to_thread(link.start, hello)
-    return link
+    return await member_links.member_link(nc, nats_url, MemberConfig(JOB, nats_url, "m1", "l0", 1, 4, "h0"))
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:

@@ -685,18 +685,10 @@ class Rebuild(JobMessage):
 
     def check(self) -> None:
         JobMessage.check(self)
-        _need(self.generation >= 1, "a rebuild names generation 1 or later")
-        _need(not (self.local and self.durable), "a rebuild restores from the durable tier or from buffers, not both")
-        _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
         _need(len(self.ranks) == self.world_size, "ranks does not hold world_size members")
         _need(len(self.ranks) + len(self.spares) <= MEMBERS_PER_JOB_MAX, "more members than MEMBERS_PER_JOB_MAX")
-        _need(len(set(self.ranks)) == len(self.ranks), "a member holds more than one rank")
-        _need(not set(self.ranks) & set(self.spares), "a member is both rank and spare")
-        if (bad := first_invalid_name([*self.ranks, *self.spares, self.rendezvous_member])) is not None:
-            _need_name(bad, "member")
+        _check_command(self, self.ranks)
         _need(self.rendezvous_member in self.ranks, "the rendezvous host holds no rank")
-        _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
-        _check_step(self.restore_step)
         _check_placement(self.stores, self.placement, self.world_size)
 
     def rank_of(self, member: str) -> int:
@@ -747,7 +739,6 @@ class RebuildDelta(JobMessage):
 
     def check(self) -> None:
         JobMessage.check(self)
-        _need(self.generation >= 1, "a rebuild names generation 1 or later")
         _need(0 <= self.base_generation < self.generation, "a delta's base is an earlier generation")
         _need(self.base_version >= 0, "a placement version is 0 or more")
         _need(0 < self.world_size <= MEMBERS_PER_JOB_MAX, "world_size out of range")
@@ -760,16 +751,22 @@ class RebuildDelta(JobMessage):
         for ranks in (self.moved, self.replaced):
             _need(all(map(int.__lt__, ranks, ranks[1:])), "a delta's ranks are named once each, in order")
             _need(not ranks or (ranks[0] >= 0 and ranks[-1] < self.world_size), "a delta's rank is out of range")
-        if (bad := first_invalid_name([*self.movers, *self.spares, self.rendezvous_member])) is not None:
-            _need_name(bad, "member")
-        _need(len(set(self.movers)) == len(self.movers), "a member holds more than one rank")
         _need(len(self.spares) <= MEMBERS_PER_JOB_MAX, "more spares than MEMBERS_PER_JOB_MAX")
-        _need(not set(self.movers) & set(self.spares), "a member is both rank and spare")
-        _need(0 < self.rendezvous_port < 65536, "rendezvous_port out of range")
-        _need(not (self.local and self.durable), "a rebuild restores from the durable tier or from buffers, not both")
-        _need(0 <= self.restore_generation <= self.generation, "restore_generation out of range")
-        _check_step(self.restore_step)
+        _check_command(self, self.movers)
         _check_placement(self.stores, self.replacements, len(self.replaced))
+
+
+def _check_command(command: Rebuild | RebuildDelta, members: list[str]) -> None:
+    """What a rebuild and its delta check alike, `members` the ranks' members either names."""
+    _need(command.generation >= 1, "a rebuild names generation 1 or later")
+    _need(not (command.local and command.durable), "a rebuild restores from the durable tier or from buffers, not both")
+    _need(0 <= command.restore_generation <= command.generation, "restore_generation out of range")
+    _need(len(set(members)) == len(members), "a member holds more than one rank")
+    _need(not set(members) & set(command.spares), "a member is both rank and spare")
+    if (bad := first_invalid_name([*members, *command.spares, command.rendezvous_member])) is not None:
+        _need_name(bad, "member")
+    _need(0 < command.rendezvous_port < 65536, "rendezvous_port out of range")
+    _check_step(command.restore_step)
 
 
 def _check_placement(stores: list[StoreAddress], placement: list[list[str]], world_size: int) -> None:

@@ -16,14 +16,16 @@ whole again (10-20 ms at 16,384 ranks, every member, every rebuild).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
-from deadpool_protocol.messages import Rebuild, RebuildDelta
+from deadpool_protocol.messages import Placement, Rebuild, RebuildDelta
 from deadpool_protocol.names import content_digest
 
-__all__ = ["CHANGES_MAX", "applied", "delta_of", "maps_digest", "notice_of"]
+__all__ = ["CHANGES_MAX", "applied", "base_of", "delta_of", "maps_digest", "notice_of"]
 
 CHANGES_MAX = MEMBERS_PER_JOB_MAX // 8
 """Past this many changed ranks (of members and of stores together) a delta is no smaller than it is
@@ -78,6 +80,15 @@ def delta_of(
     )
 
 
+def base_of(held: Rebuild | None, newest: Placement | None) -> tuple[int, list[list[str]]]:
+    """What a delta goes from, for a member that holds the command `held` and heard the placement
+    `newest` last: the placement's version and its maps where it is of `held`'s generation, else the
+    command's own (version 0)."""
+    if held is not None and newest is not None and newest.generation == held.generation:
+        return newest.version, newest.placement
+    return 0, [] if held is None else held.placement
+
+
 def applied(
     delta: RebuildDelta, base: Rebuild | None, base_version: int, base_placement: list[list[str]]
 ) -> Rebuild | None:
@@ -99,25 +110,7 @@ def applied(
         placement[rank] = stores
     if maps_digest(ranks, placement) != delta.digest:
         return None
-    return Rebuild(
-        job=delta.job,
-        generation=delta.generation,
-        world_size=delta.world_size,
-        ranks=ranks,
-        spares=list(delta.spares),
-        rendezvous_member=delta.rendezvous_member,
-        rendezvous_host=delta.rendezvous_host,
-        rendezvous_port=delta.rendezvous_port,
-        restore_step=delta.restore_step,
-        stores=list(delta.stores),
-        placement=placement,
-        incident=delta.incident,
-        t_decided=delta.t_decided,
-        restore_generation=delta.restore_generation,
-        durable=delta.durable,
-        traceparent=delta.traceparent,
-        local=delta.local,
-    )
+    return Rebuild(ranks=ranks, placement=placement, **_shared(delta))
 
 
 def _delta(
@@ -131,26 +124,25 @@ def _delta(
     replacements: list[list[str]],
 ) -> RebuildDelta:
     return RebuildDelta(
-        job=command.job,
-        generation=command.generation,
         base_generation=base_generation,
         base_version=base_version,
         digest=digest,
-        world_size=command.world_size,
         moved=moved,
         movers=movers,
         replaced=replaced,
         replacements=replacements,
-        spares=list(command.spares),
-        rendezvous_member=command.rendezvous_member,
-        rendezvous_host=command.rendezvous_host,
-        rendezvous_port=command.rendezvous_port,
-        restore_step=command.restore_step,
-        stores=list(command.stores),
-        incident=command.incident,
-        t_decided=command.t_decided,
-        restore_generation=command.restore_generation,
-        durable=command.durable,
-        traceparent=command.traceparent,
-        local=command.local,
+        **_shared(command),
     )
+
+
+_SHARED = tuple(f.name for f in dataclasses.fields(Rebuild) if f.name not in ("ranks", "placement"))
+"""The fields a rebuild and its delta both have, by the same names: all of the rebuild's but its maps."""
+
+
+def _shared(message: Rebuild | RebuildDelta) -> dict[str, Any]:
+    """`message`'s fields of `_SHARED`, its lists copied."""
+    return {name: _copied(getattr(message, name)) for name in _SHARED}
+
+
+def _copied(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value

@@ -62,7 +62,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.errors import DeadPoolError
-from deadpool_protocol.rebuild_delta import applied
+from deadpool_protocol.rebuild_delta import applied, base_of
 from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
 __all__ = ["ControlLink", "MemberRefusedError", "Progress"]
@@ -438,10 +438,7 @@ class ControlLink:
                 await self._resend_ack(ack)  # a retransmission (heard whole too, it answers there)
             self._hear_whole(False)  # deltas reach us, and we hold the command the next one goes from
             return
-        if placement is not None and held is not None and placement.generation == held.generation:
-            version, stores = placement.version, placement.placement
-        else:
-            version, stores = 0, [] if held is None else held.placement
+        version, stores = base_of(held, placement)
         command = applied(delta, held, version, stores)
         if command is None:
             if self._whole_rebuilds is None:  # else it comes whole to us anyway (a formation's notice)
