@@ -10,7 +10,8 @@ stores' reports) and of a tick with no replica to make, and saving a job record 
 commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
 fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save) and
 once a swap is decided; a swap's rebuild as its delta (`RebuildDelta`): its bytes, the swapper's work
-to make it, a member's to take it (where it decoded the whole rebuild before).
+to make it, a member's to take it (where it decoded the whole rebuild before); the same for a store
+lost, its new placement as its delta (`PlacementDelta`).
 
     .venv/bin/python bench/control_plane_costs.py [--ranks 8192 16384] [--repeats 5]
 
@@ -41,6 +42,8 @@ from deadpool_protocol import (
     FailureReason,
     Heartbeat,
     HeartbeatBatch,
+    Placement,
+    PlacementDelta,
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
@@ -54,6 +57,7 @@ from deadpool_protocol import (
 )
 from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
+from deadpool_protocol.placement_delta import placement_applied, placement_delta_of
 from deadpool_protocol.rebuild_delta import applied, delta_of
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
@@ -160,6 +164,30 @@ def rebuild_delta_costs(base: Rebuild, spare: str, repeats: int) -> dict[str, fl
     }
 
 
+def placement_delta_costs(state: JobState, base: Rebuild, repeats: int) -> dict[str, float]:
+    """A store lost (the first of `STORES`): the swapper's new placement (`place_snapshots`, its lost
+    store's ranks moved) whole and as its delta from the rebuild's (`base`): their bytes, the
+    swapper's work to make the delta (at the decision), a member's to take it (decode and
+    `placement_applied`) against decoding the whole placement, which every member did before."""
+    live = [StoreInfo(name, "10.0.0.1", 7000 + s, 0.0, node=f"host-{s}") for s, name in enumerate(STORES)][1:]
+    moved = place_snapshots(base.ranks, state.membership.members, live, 2, state.ledger.rank_bytes, base.placement)
+    addresses = [StoreAddress(s.store, s.host, s.port) for s in live]
+    whole = Placement(base.job, base.generation, 1, addresses, moved, f"stores lost: ['{STORES[0]}']")
+    delta = placement_delta_of(whole, 0, base.placement)
+    data, whole_data = encode(delta), encode(whole)
+    assert placement_applied(decode(data, PlacementDelta), base, 0, base.placement) == whole
+    return {
+        "placement_bytes": float(len(whole_data)),
+        "placement_delta_bytes": float(len(data)),
+        "placement_delta_ranks": float(len(delta.replaced)),
+        "decode_placement_ms": fastest_ms(lambda: decode(whole_data, Placement, 1 << 25), repeats),
+        "make_placement_delta_ms": fastest_ms(lambda: placement_delta_of(whole, 0, base.placement), repeats),
+        "take_placement_delta_ms": fastest_ms(
+            lambda: placement_applied(decode(data, PlacementDelta), base, 0, base.placement), repeats
+        ),
+    }
+
+
 def at_size(ranks: int, repeats: int) -> dict[str, float]:
     state = large_job(ranks)
     rebuild = rebuild_of(state)
@@ -199,6 +227,7 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
         "save_at_a_commit_no_memo_ms": fastest_ms(save_after(a_commit, None), repeats),
     }
     figures |= rebuild_delta_costs(rebuild, state.membership.spares[0], repeats)
+    figures |= placement_delta_costs(state, rebuild, repeats)
     figures["decide_a_swap_ms"] = decide_a_swap_ms(ranks, repeats)
     figures["save_in_formation_ms"] = save_in_formation_ms(ranks, repeats)
     figures["save_after_a_swap_ms"] = save_after_a_swap_ms(ranks, repeats)

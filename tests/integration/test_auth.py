@@ -37,6 +37,7 @@ from deadpool_protocol import (
     MemberError,
     MemberErrorCause,
     MemberHello,
+    Placement,
     Rebuild,
     Reserve,
     RunStart,
@@ -50,6 +51,7 @@ from deadpool_protocol.dataplane import job_token
 from deadpool_protocol.events import EVENTS_STREAM
 from deadpool_protocol.job_record import JOBS_BUCKET, unpack_record
 from deadpool_protocol.messages import Failure, Heartbeat
+from deadpool_protocol.placement_delta import placement_notice
 from deadpool_protocol.rebuild_delta import notice_of
 from deadpool_protocol.subjects import (
     PING_INBOX,
@@ -77,6 +79,8 @@ OTHER = Subjects.for_job("another-job")
 FORGED_REBUILD = Rebuild(
     JOB, 1 << 40, 1, ["attacker-0"], [], "attacker-0", "127.0.0.1", 1, 0, [], [[]], "", time.time()
 )
+FORGED_PLACEMENT = encode(placement_notice(Placement(JOB, 1 << 40, 1, [], [[]], "forged")))
+"""A placement every member would go to hear whole."""
 FORGED_FENCE = FenceRequest(JOB, 1, "victim-0", "forged")
 FORGED_FAILURE = Failure(JOB, 0, "victim-0", 0, FailureReason.HEARTBEAT, {}, time.time(), time.time())
 SQUATTED_RUN = RunStart("another-job", 0, "squatter", 1, "squatter", time.time())
@@ -141,6 +145,7 @@ async def test_a_client_without_credentials_is_refused(secured_nats: tuple[NatsS
 FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("job", S.rebuild, encode(FORGED_REBUILD)),
     ("job", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
+    ("job", S.placement_delta, FORGED_PLACEMENT),
     ("job", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("job", S.failure, encode(FORGED_FAILURE)),
     ("job", store_announce("store-0"), b"forged"),
@@ -161,12 +166,14 @@ FORBIDDEN: list[tuple[str, str, bytes]] = [
     ("swapper", S.member_error, encode(FORGED_ERROR)),
     ("store", S.rebuild, encode(FORGED_REBUILD)),
     ("store", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
+    ("store", S.placement_delta, FORGED_PLACEMENT),
     ("store", store_announce("store-1"), b"forged"),  # another store's name
     ("store", S.snapshot_complete_by("store-1"), b"forged"),  # another store's copies
     ("store", S.hello, b"forged"),
     ("store", store_reserve("store-1"), encode(FORGED_RESERVE)),
     ("detector", S.rebuild, encode(FORGED_REBUILD)),
     ("detector", S.rebuild_delta, encode(notice_of(FORGED_REBUILD))),
+    ("detector", S.placement_delta, FORGED_PLACEMENT),
     ("detector", S.fence("launcher-a"), encode(FORGED_FENCE)),
     ("detector", store_reserve("store-0"), encode(FORGED_RESERVE)),
     ("detector", f"$JS.API.STREAM.PURGE.KV_{JOBS_BUCKET}", b"{}"),  # once purged a running job's record

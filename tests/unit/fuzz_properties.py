@@ -527,7 +527,8 @@ def _listened_subjects() -> tuple[str, ...]:
         s = Subjects.for_job(job)
         subjects += [s.hello, s.heartbeat, s.member_error, s.member_done, s.rebuild_ack, s.step_resumed]
         subjects += [s.snapshot_interval, s.run_start, s.child_exit, s.heartbeat_batch, s.failure, s.straggler]
-        subjects += [s.group_broken, s.rebuild, s.rebuild_delta, s.void, s.placement, s.commit, s.finished, s.incident]
+        subjects += [s.group_broken, s.rebuild, s.rebuild_delta, s.void, s.placement, s.placement_delta]
+        subjects += [s.commit, s.finished, s.incident]
         subjects += [s.launcher_heartbeat("l0"), s.fence("l0"), s.launcher_ack("l0"), s.launcher_step_resumed("l0")]
         subjects += [s.rebuild_ack_batch, s.step_resumed_batch]
         subjects += [s.snapshot_complete_by(store) for store in (FORGER_STORE, VICTIM_STORE)]

@@ -17,6 +17,7 @@ from deadpool_protocol import (
     Failure,
     FailureReason,
     Incident,
+    Placement,
     ProtocolError,
     Rebuild,
     Reserve,
@@ -41,6 +42,7 @@ from deadpool_protocol.job_record import (
     split_record,
     unpack_record,
 )
+from deadpool_protocol.placement_delta import placement_notice
 from deadpool_swapper import section_memo
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
@@ -220,9 +222,9 @@ def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_inc
 
 RETRANSMIT_TIMERS = frozenset({"void_sent_t", "placement_sent_t", "replicate_sent_t"})
 """Not in the record: a new leader retransmits what is outstanding at once (each is idempotent)."""
-HINTS = frozenset({"reserving"})
+HINTS = frozenset({"reserving", "delta"})
 """Not in the record: what a new leader does not send again (a store faults a rank's buffers in at its
-first upload there anyway)."""
+first upload there anyway; a placement's delta: a notice instead, and members take the whole one)."""
 INSTANTS = frozenset({"finished_t", "last_hello_t", "hold_until", "awaiting_since", "unprotected_since", "held_since"})
 """The swapper's own monotonic instants: they travel as ages (or time left) and come back on the
 loader's clock."""
@@ -255,6 +257,7 @@ def every_field_set(saved_at: float) -> JobState:
     stores.placement_version, stores.placement_confirmed, stores.placement_sent_t = 3, False, saved_at - 1.0
     stores.announced_stores = {"store0": ("10.0.0.5", 7001)}
     stores.reserving = [Reserve("j", 2, "store1", [0], [1000])]
+    stores.delta = placement_notice(Placement("j", 2, 3, [], [[]], "stores lost: ['store2']"))
     log = state.incident_log
     log.incidents = [
         Incident(

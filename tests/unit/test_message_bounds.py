@@ -37,6 +37,7 @@ from deadpool_protocol import (
     MemberHello,
     Message,
     Placement,
+    PlacementDelta,
     ProtocolError,
     Rebuild,
     RebuildAck,
@@ -111,6 +112,7 @@ EXAMPLES: list[Message] = [
         "j", 2, 1, 0, "0" * 32, 2, [1], ["m1"], [1], [["s0"]], ["m2"], "m0", "127.0.0.1", 4000, 7, [STORE], "j-1", 12.5
     ),
     Placement("j", 2, 1, [STORE], [["s0"], ["s0"]], "stores lost: ['s1']"),
+    PlacementDelta("j", 2, 1, 0, 2, "0" * 32, [1], [["s0"]], [STORE], "stores lost: ['s1']"),
     Replicate("j", 2, 0, 7, "s1", STORE),
     Reserve("j", 2, "s1", [0, 3], [1024, 1024]),
     RebuildAck("j", 2, "m0", 0, 7, 8, RestoreSource.LOCAL, RebuildMarks(out=1.0, ready=2.0), 2.0),

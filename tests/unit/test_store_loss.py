@@ -16,6 +16,7 @@ from deadpool_protocol import (
     JobFinished,
     MemberHello,
     Placement,
+    PlacementDelta,
     Rebuild,
     RebuildAck,
     RebuildMarks,
@@ -25,7 +26,9 @@ from deadpool_protocol import (
     SnapshotComplete,
     StoreStatus,
 )
+from deadpool_protocol.placement_delta import placement_applied, placement_notice
 from deadpool_swapper.core import Decision, Publish, SwapperConfig, SwapperCore
+from deadpool_swapper.job_records import state_from_record, state_to_record
 from deadpool_swapper.placement import MemberInfo, StoreInfo, place_snapshots
 from tests.unit.test_swapper_core import first_steps
 
@@ -173,6 +176,36 @@ def test_the_new_placement_is_sent_again_until_a_step_commits_under_it() -> None
     complete(core, 3, first.placement, 2.8)
     announce(core, 3.9, survivors)
     assert published(core.tick(3.9), Placement) == []
+
+
+def test_a_new_placement_goes_first_as_its_delta_from_the_one_before_and_a_new_leader_sends_a_notice() -> None:
+    """Members hold the rebuild's placement: the delta from it, applied there, is the new placement
+    (what a member takes), and goes before the whole one, at the decision and with each retransmission.
+    A leader that loaded the placement from the record has no delta to send: a notice says the
+    placement is out whole."""
+    core, formation = formed()
+    complete(core, 2, formation.placement, 0.5)
+    lost = formation.placement[1][0]
+    survivors = tuple(s for s in STORES if s != lost)
+    announce(core, 1.6, survivors)
+    decision = core.tick(1.6)
+    (delta,) = published(decision, PlacementDelta)
+    (whole,) = published(decision, Placement)
+    kinds = [type(a.message) for a in decision.actions if isinstance(a, Publish)]
+    assert kinds.index(PlacementDelta) < kinds.index(Placement), "the delta goes first"
+    assert (delta.base_version, delta.version) == (0, whole.version) == (0, 1)
+    assert delta.replaced == [r for r, names in enumerate(formation.placement) if lost in names]
+    assert placement_applied(delta, formation, 0, formation.placement) == whole
+    announce(core, 2.7, survivors)
+    assert published(core.tick(2.7), PlacementDelta) == [delta], "sent again beside the whole one"
+
+    successor, _ = formed()
+    successor.jobs["j"] = state_from_record(state_to_record(core.jobs["j"], 2.8), 2.8)
+    announce(successor, 3.9, survivors)
+    retransmitted = successor.tick(3.9)
+    (again,) = published(retransmitted, Placement)
+    assert published(retransmitted, PlacementDelta) == [placement_notice(again)]
+    assert (again.version, again.placement) == (whole.version, whole.placement)
 
 
 def test_a_store_lost_while_a_rebuild_is_pending_is_left_to_the_rebuild() -> None:

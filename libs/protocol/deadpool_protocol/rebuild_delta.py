@@ -12,6 +12,11 @@ The digest covers the rank map and the placement, the only fields a delta leaves
 travel in the delta itself, checked by its own `check`. A delta that applies is the swapper's
 command, which it checked whole (`Rebuild.check`) before sending it: a member does not check the
 whole again (10-20 ms at 16,384 ranks, every member, every rebuild).
+
+A delta goes wherever there is a base, however much changed: a member hears the whole subject only
+once a delta fails it, so a notice in its place (a store lost beside a failure moves a quarter of the
+ranks on 8 stores) would have every member take the whole command anyway, a retransmission (1 s)
+later. At its largest (every rank changed) a delta is the whole command and its rank numbers.
 """
 
 from __future__ import annotations
@@ -21,15 +26,18 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.messages import Placement, Rebuild, RebuildDelta
 from deadpool_protocol.names import content_digest
 
-__all__ = ["CHANGES_MAX", "applied", "base_of", "delta_of", "maps_digest", "notice_of"]
-
-CHANGES_MAX = MEMBERS_PER_JOB_MAX // 8
-"""Past this many changed ranks (of members and of stores together) a delta is no smaller than it is
-worth: the swapper sends a notice (`notice_of`), and every member takes the whole command."""
+__all__ = [
+    "applied",
+    "base_of",
+    "changed_ranks",
+    "delta_of",
+    "maps_digest",
+    "notice_of",
+    "placement_digest",
+]
 
 _RANKS_END = b"\x1e"
 """Between the rank map and the placement in what `maps_digest` digests (between two ranks' stores too;
@@ -39,8 +47,22 @@ _RANKS_END = b"\x1e"
 def maps_digest(ranks: Sequence[str], placement: Sequence[Sequence[str]]) -> str:
     """The digest of a command's rank map and placement (3-4 ms at 16,384 ranks here: the joins, then
     SHA-256, which this machine's CPU does in hardware, twice as fast as BLAKE2 here)."""
-    maps = "\x1f".join(ranks).encode() + _RANKS_END + "\x1e".join(map("\x1f".join, placement)).encode()
-    return content_digest(maps)
+    return content_digest("\x1f".join(ranks).encode() + _RANKS_END + _joined(placement))
+
+
+def placement_digest(placement: Sequence[Sequence[str]]) -> str:
+    """The digest of a placement alone (`PlacementDelta`)."""
+    return content_digest(_joined(placement))
+
+
+def _joined(placement: Sequence[Sequence[str]]) -> bytes:
+    return "\x1e".join(map("\x1f".join, placement)).encode()
+
+
+def changed_ranks(placement: list[list[str]], base: list[list[str]]) -> list[int]:
+    """The ranks whose stores differ between two placements of one world (one pass in C: a store lost
+    moves a sixteenth of the ranks at most, a swap one or two)."""
+    return list(itertools.compress(range(len(placement)), map(list.__ne__, placement, base)))
 
 
 def notice_of(command: Rebuild) -> RebuildDelta:
@@ -57,17 +79,15 @@ def delta_of(
     base_placement: list[list[str]],
 ) -> RebuildDelta:
     """`command` as its changes from generation `base_generation` (its rank map `base_ranks`, its
-    placement as version `base_version` said `base_placement`); a notice (`notice_of`) where the
-    world size differs or too much changed."""
+    placement as version `base_version` said `base_placement`); a notice (`notice_of`) where there is
+    no base: a formation, a world size that changed."""
     size = command.world_size
     if not 0 < base_generation < command.generation or len(base_ranks) != size or len(base_placement) != size:
         return notice_of(command)
     ranks, placement = command.ranks, command.placement
     # One pass each in C: a swap changes a rank or two of 16,384.
     moved = list(itertools.compress(range(size), map(str.__ne__, ranks, base_ranks)))
-    replaced = list(itertools.compress(range(size), map(list.__ne__, placement, base_placement)))
-    if len(moved) + len(replaced) > CHANGES_MAX:
-        return notice_of(command)
+    replaced = changed_ranks(placement, base_placement)
     return _delta(
         command,
         base_generation,

@@ -186,6 +186,11 @@ class Subjects:
         return self._s("placement")
 
     @property
+    def placement_delta(self) -> str:
+        """Each placement as its changes from the one before (`PlacementDelta`), beside it whole."""
+        return self._s("placement_delta")
+
+    @property
     def commit(self) -> str:
         return self._s("commit")
 

@@ -15,7 +15,9 @@ every member). The swapper sends each one whole and as its changes from the gene
 (`RebuildDelta`). A member hears the whole ones until it holds a command, then the deltas only, and
 subscribes to the whole ones again when a delta cannot be applied to what it holds (it missed a
 generation or a placement, or the delta is a notice with no base): the whole command comes with the
-next retransmission (`rebuild_retransmit_s`).
+next retransmission (`rebuild_retransmit_s`). Placements within a generation go the same way
+(`PlacementDelta`): a member that holds the command of their generation takes each from its delta, and
+hears whole placements only when one does not apply.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -39,6 +41,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from deadpool.cpu_placement import BACKGROUND_CPUS_ENV, cpus_from_env, pin_this_thread
 from deadpool.member_config import MemberConfig
 from deadpool.thread_probe import probe_thread
+from deadpool.wanted_subscription import WantedSubscription
 from deadpool_protocol import (
     NO_RANK,
     Commit,
@@ -50,6 +53,7 @@ from deadpool_protocol import (
     MemberHello,
     MemberPhase,
     Placement,
+    PlacementDelta,
     ProtocolError,
     Rebuild,
     RebuildAck,
@@ -62,6 +66,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.errors import DeadPoolError
+from deadpool_protocol.placement_delta import placement_applied
 from deadpool_protocol.rebuild_delta import applied, base_of
 from deadpool_runtime import EventPublisher, connect, subscribe_validated
 
@@ -122,6 +127,7 @@ class Progress:
 
 
 Command = Rebuild | GenerationVoid | JobFinished
+_Whole = TypeVar("_Whole", Rebuild, Placement)
 
 
 class ControlLink:
@@ -161,12 +167,18 @@ class ControlLink:
         """The newest generation the swapper said will not form or train again."""
         self._placement: Placement | None = None
         """The newest placement within a generation (by generation, then version)."""
-        self._whole_rebuilds: Subscription | None = None
-        """The subscription to whole rebuilds, while this member holds no command a delta can go from."""
-        self._whole_wanted = True
-        self._whole_changes: asyncio.Task[None] | None = None
+        self._whole_rebuilds = WantedSubscription(
+            lambda: self._subscribe(self.subjects.rebuild, Rebuild, self._on_rebuild), "whole rebuilds", log
+        )
+        """Held while this member holds no command a delta can go from."""
+        self._whole_placements = WantedSubscription(
+            lambda: self._subscribe(self.subjects.placement, Placement, self._on_placement), "whole placements", log
+        )
+        """Held while a placement's delta did not apply to what this member holds, until a whole one comes."""
         self.rebuilds_from_deltas = 0
         """Commands this member made from deltas (a figure for tests)."""
+        self.placements_from_deltas = 0
+        """Placements this member made from deltas (a figure for tests)."""
         self._ack: RebuildAck | None = None
         """Our ack of the newest generation we completed, sent again if that rebuild is retransmitted."""
         self._events: EventPublisher | None = None
@@ -211,7 +223,11 @@ class ControlLink:
 
     def hears_whole_rebuilds(self) -> bool:
         """Whether this member is subscribed to whole rebuilds (it holds no command a delta goes from)."""
-        return self._whole_rebuilds is not None
+        return self._whole_rebuilds.held
+
+    def hears_whole_placements(self) -> bool:
+        """Whether this member is subscribed to whole placements (a placement's delta did not apply)."""
+        return self._whole_placements.held
 
     def latest_placement(self) -> Placement | None:
         with self._cond:
@@ -316,13 +332,13 @@ class ControlLink:
             inbox_prefix=self.subjects.inbox,
         )
         self._events = EventPublisher(self._nc, self.log)
-        self._whole_rebuilds = await subscribe_validated(
-            self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log
-        )
+        await self._whole_rebuilds.start()
         await subscribe_validated(self._nc, self.subjects.rebuild_delta, RebuildDelta, self._on_rebuild_delta, self.log)
         await subscribe_validated(self._nc, self.subjects.void, GenerationVoid, self._on_void, self.log)
         await subscribe_validated(self._nc, self.subjects.finished, JobFinished, self._on_finished, self.log)
-        await subscribe_validated(self._nc, self.subjects.placement, Placement, self._on_placement, self.log)
+        await subscribe_validated(
+            self._nc, self.subjects.placement_delta, PlacementDelta, self._on_placement_delta, self.log
+        )
         await subscribe_validated(
             self._nc, self.subjects.snapshot_interval, SnapshotInterval, self._on_interval, self.log
         )
@@ -425,7 +441,7 @@ class ControlLink:
                 self._cond.notify_all()
         if not seen:
             self._command(rebuild)
-            self._hear_whole(False)  # we hold a command: the next one comes as its delta
+            self._whole_rebuilds.want(False)  # we hold a command: the next one comes as its delta
         elif ack is not None and ack.generation == rebuild.generation:
             await self._resend_ack(ack)  # a retransmission: our ack was lost, again
         # else: an older generation's, nothing new
@@ -434,48 +450,30 @@ class ControlLink:
         with self._cond:
             held, placement, ack = self._rebuild, self._placement, self._ack
         if held is not None and delta.generation <= held.generation:
-            if ack is not None and ack.generation == delta.generation and self._whole_rebuilds is None:
+            if ack is not None and ack.generation == delta.generation and not self._whole_rebuilds.held:
                 await self._resend_ack(ack)  # a retransmission (heard whole too, it answers there)
-            self._hear_whole(False)  # deltas reach us, and we hold the command the next one goes from
+            self._whole_rebuilds.want(False)  # deltas reach us, and we hold the command the next one goes from
             return
         version, stores = base_of(held, placement)
         command = applied(delta, held, version, stores)
         if command is None:
-            if self._whole_rebuilds is None:  # else it comes whole to us anyway (a formation's notice)
+            if not self._whole_rebuilds.held:  # else it comes whole to us anyway (a formation's notice)
                 self.log.info(
                     "rebuild comes whole: its delta does not go from the command held here",
                     generation=delta.generation,
                     base=(delta.base_generation, delta.base_version),
                     held=None if held is None else (held.generation, version),
                 )
-            self._hear_whole(True)
+            self._whole_rebuilds.want(True)
             return
         self.rebuilds_from_deltas += 1
         await self._on_rebuild(command, msg)
 
-    def _hear_whole(self, wanted: bool) -> None:
-        """Subscribe to whole rebuilds, or leave them, in a task of its own (leaving a subscription
-        stops its handler, which must not be the one asking)."""
-        self._whole_wanted = wanted
-        if wanted == (self._whole_rebuilds is not None):
-            return
-        if self._whole_changes is None or self._whole_changes.done():
-            self._whole_changes = asyncio.get_running_loop().create_task(self._change_whole())
-
-    async def _change_whole(self) -> None:
-        while self._nc is not None and self._whole_wanted != (self._whole_rebuilds is not None):
-            try:
-                if self._whole_wanted:
-                    self._whole_rebuilds = await subscribe_validated(
-                        self._nc, self.subjects.rebuild, Rebuild, self._on_rebuild, self.log
-                    )
-                else:
-                    whole, self._whole_rebuilds = self._whole_rebuilds, None
-                    assert whole is not None
-                    await whole.unsubscribe()
-            except Exception as exc:  # the connection closing: nothing to hear then
-                self.log.warning("whole rebuilds: subscription not changed", wanted=self._whole_wanted, error=repr(exc))
-                return
+    async def _subscribe(
+        self, subject: str, kind: type[_Whole], handler: Callable[[_Whole, Msg], Awaitable[None]]
+    ) -> Subscription:
+        assert self._nc is not None
+        return await subscribe_validated(self._nc, subject, kind, handler, self.log)
 
     async def _resend_ack(self, ack: RebuildAck) -> None:
         """Our ack again, without waiting on the server (this is the rebuild subscription's callback)."""
@@ -502,12 +500,41 @@ class ControlLink:
             self._cond.notify_all()
         self._command(void)
 
+    async def _on_placement_delta(self, delta: PlacementDelta, msg: Msg) -> None:
+        """A placement of the generation this member holds, from its delta where it goes from the
+        newest one held; heard whole (from the next retransmission) where it does not. One of another
+        generation is of no use here: the member takes that generation's command whole or from its
+        delta, with its placement in it."""
+        with self._cond:
+            held, newest = self._rebuild, self._placement
+        if held is None or delta.generation != held.generation:
+            return
+        version, stores = base_of(held, newest)
+        if delta.version <= version:
+            self._whole_placements.want(False)  # a retransmission, or an older one
+            return
+        placement = placement_applied(delta, held, version, stores)
+        if placement is None:
+            if not self._whole_placements.held:
+                self.log.info(
+                    "placement comes whole: its delta does not go from the one held here",
+                    generation=delta.generation,
+                    version=delta.version,
+                    base=delta.base_version,
+                    held=version,
+                )
+            self._whole_placements.want(True)
+            return
+        self.placements_from_deltas += 1
+        await self._on_placement(placement, msg)
+
     async def _on_placement(self, placement: Placement, _msg: Msg) -> None:
         with self._cond:
             newest = self._placement
             if newest is not None and (placement.generation, placement.version) <= (newest.generation, newest.version):
                 return  # a retransmission, or an older one
             self._placement = placement
+        self._whole_placements.want(False)  # the next one's delta goes from this one
         if self._on_placement_cb is not None:
             try:
                 self._on_placement_cb(placement)

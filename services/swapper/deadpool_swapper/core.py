@@ -53,6 +53,7 @@ from deadpool_protocol import (
     MemberDone,
     MemberHello,
     Placement,
+    PlacementDelta,
     Rebuild,
     RebuildAck,
     RebuildAckBatch,
@@ -76,6 +77,7 @@ from deadpool_protocol.bounds import (
     clip_text,
 )
 from deadpool_protocol.messages import members_digest
+from deadpool_protocol.placement_delta import placement_delta_of
 from deadpool_protocol.rebuild_delta import delta_of
 from deadpool_protocol.subjects import Subjects, store_replicate, store_reserve
 from deadpool_swapper.job_parts import (
@@ -183,7 +185,18 @@ class SwapperConfig:
 
 @dataclass(frozen=True)
 class Publish:
-    message: Rebuild | RebuildDelta | GenerationVoid | Commit | JobFinished | Incident | Placement | Replicate | Reserve
+    message: (
+        Rebuild
+        | RebuildDelta
+        | GenerationVoid
+        | Commit
+        | JobFinished
+        | Incident
+        | Placement
+        | PlacementDelta
+        | Replicate
+        | Reserve
+    )
 
     @property
     def subject(self) -> str:
@@ -210,6 +223,8 @@ class Publish:
                 return subjects.incident
             case Placement():
                 return subjects.placement
+            case PlacementDelta():
+                return subjects.placement_delta
             case _:
                 typing.assert_never(message)
 
@@ -1192,7 +1207,8 @@ class SwapperCore:
         ):
             state.stores.placement_sent_t = now  # until a step commits under it, a member may not have it
             clock.due(now + retransmit)
-            actions.append(Publish(self._placement_message(state, "sent again")))
+            placement = self._placement_message(state, "sent again")
+            actions += [Publish(state.stores.delta_sent(placement)), Publish(placement)]
             actions += [Publish(r) for r in state.stores.reserving]
         if state.recovery.pending is None and clock.due(state.ledger.replicate_sent_t + retransmit):
             wanted = self._replicas_wanted(state, now)
@@ -1354,10 +1370,11 @@ class SwapperCore:
         if not live:
             actions: list[Action] = []
             if placed:
-                state.stores.placement = [[] for _ in state.stores.placement]
+                before, state.stores.placement = state.stores.placement, [[] for _ in state.stores.placement]
                 held = state.protection.hold_without_stores_s > 0 and state.recovery.formed
                 how = "training is held" if held else "training goes on unprotected"
-                actions += self._new_placement(state, now, f"every snapshot store is lost ({sorted(placed)}): {how}")
+                why = f"every snapshot store is lost ({sorted(placed)}): {how}"
+                actions += self._new_placement(state, now, why, before)
             return actions + self._hold_training(state, now)
         if state.protection.held_since is not None:
             return self._resume_training(state, now)
@@ -1386,7 +1403,8 @@ class SwapperCore:
             reason = f"stores on a new address: {readdressed}"
         else:
             reason = "stores came back: more replicas"
-        return self._new_placement(state, now, reason) + _reservations(state, before, frozenset(readdressed))
+        actions = self._new_placement(state, now, reason, before)
+        return actions + _reservations(state, before, frozenset(readdressed))
 
     def _hold_training(self, state: JobState, now: float) -> list[Action]:
         """Every store is lost and the run holds training then: the generation is voided, so every rank
@@ -1413,13 +1431,17 @@ class SwapperCore:
         decision = self._publish_rebuild(state, now, set(), "a store is back: training resumes", local=True)
         return [Persist(state.job), *decision.actions]
 
-    def _new_placement(self, state: JobState, now: float, reason: str) -> list[Action]:
+    def _new_placement(self, state: JobState, now: float, reason: str, before: list[list[str]]) -> list[Action]:
+        """Publish the placement that follows `before` (the newest version's, sent and heard): as its
+        changes from it first, which is all a member that holds it needs, then whole."""
         state.stores.placement_version += 1
         state.stores.reserving = []  # those of the placement before (`_reservations` says this one's)
         state.stores.placement_sent_t, state.stores.placement_confirmed = now, False
         state.ledger.replicate_sent_t = now
         message = self._placement_message(state, reason)
-        return [Persist(state.job), Publish(message), *self._replicas_wanted(state, now)]
+        state.stores.delta = placement_delta_of(message, message.version - 1, before)
+        actions: list[Action] = [Persist(state.job), Publish(state.stores.delta), Publish(message)]
+        return actions + self._replicas_wanted(state, now)
 
     def _placement_message(self, state: JobState, reason: str) -> Placement:
         named = sorted({name for names in state.stores.placement for name in names})

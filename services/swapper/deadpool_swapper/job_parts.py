@@ -26,10 +26,20 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Self
 
-from deadpool_protocol import NO_STEP, Incident, Rebuild, RebuildAck, RebuildDelta, Reserve
+from deadpool_protocol import (
+    NO_STEP,
+    Incident,
+    Placement,
+    PlacementDelta,
+    Rebuild,
+    RebuildAck,
+    RebuildDelta,
+    Reserve,
+)
 from deadpool_protocol.bounds import MEMBERS_PER_JOB_MAX
 from deadpool_protocol.codec import from_fields, to_fields
 from deadpool_protocol.job_record import JobSummary
+from deadpool_protocol.placement_delta import placement_notice
 from deadpool_protocol.rebuild_delta import notice_of
 from deadpool_swapper.commit_progress import CommitProgress
 from deadpool_swapper.placement import MemberInfo
@@ -345,6 +355,17 @@ class StorePlacement:
     reserving: list[Reserve] = field(default_factory=list)
     """The reservations of the newest placement, sent again with it until a step commits under it (then
     every rank has uploaded to its stores). Not in the record: a hint, which a new leader does not send."""
+    delta: PlacementDelta | None = None
+    """The newest placement as its changes from the one before (`placement_delta`), sent beside it with
+    every retransmission; in memory only: a leader that loads the placement sends a notice instead
+    (`delta_sent`), and the members that had not heard it take it whole."""
+
+    def delta_sent(self, placement: Placement) -> PlacementDelta:
+        """What goes beside `placement` (the newest, whole): its delta, or a notice where none is held."""
+        delta = self.delta
+        if delta is None or (delta.generation, delta.version) != (placement.generation, placement.version):
+            return placement_notice(placement)
+        return delta
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
         return {
