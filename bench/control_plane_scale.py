@@ -609,6 +609,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             (subjects.snapshot_complete, sized("message")),
             *((s, sized("message")) for s in (subjects.rebuild, subjects.placement, subjects.commit, subjects.void)),
             (subjects.rebuild_delta, sized("message")),
+            (subjects.placement_delta, sized("message")),
         ):
             await nc.subscribe(subject, cb=cb)
         await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())  # in parts when large
