@@ -1,6 +1,6 @@
 """A placement as the changes from the one before, and back (`PlacementDelta`).
 
-A `Placement` names every rank's stores: 330 kB at 16,384 ranks, and every member hears it, so a store
+A `Placement` names every rank's stores: 313 kB at 16,384 ranks, and every member hears it, so a store
 lost (or one back) put 5 GB through the server per placement and again per retransmission, where about
 a sixteenth of the ranks changed stores. A member that holds the placement before has all the rest,
 so the swapper sends the changes beside the whole placement (`placement_delta_of`), and a member takes
