@@ -119,7 +119,11 @@ async def test_a_commit_of_a_16384_rank_job_writes_a_small_head_and_no_membershi
     await records.save(state, now + 4.0)
     written = await sections_written(records)
     assert set(written) == {"hosts", "member_rows", "ranks", "spares", "placement"}
-    assert max(written.values()) == 1, ("a chunk of each, not the membership", written)
+    # A chunk of each, not the membership (15 chunks here): the members' chunk that lost the failed one
+    # and, where that chunk was cut by count (`CHUNK_ITEMS_MAX`, names that never hash to a cut), the
+    # next one, whose first member moves (exactly one failed 3 seeds of 48: PYTHONHASHSEED 21, 22, 35).
+    assert written["ranks"] == written["placement"] == 1, written
+    assert max(written.values()) <= 2, ("a chunk or two of each, not the membership", written)
 
     loaded = await JobRecords(records.kv, get_logger()).load("big", now + 10.0)
     assert loaded is not None
