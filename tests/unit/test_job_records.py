@@ -138,6 +138,19 @@ def test_a_record_written_before_a_field_existed_is_read_with_its_default() -> N
     )
 
 
+def test_a_record_saved_before_the_reports_lane_reads_them_from_where_it_read_everything() -> None:
+    """A record from before the reports' lane has one position: both lanes start after it (a default
+    of 0 would replay every store report of the stream into the job)."""
+    core, _ = formed_core()
+    state = core.jobs["j"]
+    state.position.applied_seq, state.position.reported_seq = 42, 44
+    raw = msgpack.unpackb(state_to_record(state, 2.0), raw=False)
+    assert state_from_record(msgpack.packb(raw, use_bin_type=True), 2.0).position.reported_seq == 44
+    del raw["swapper"]["reported_seq"]
+    loaded = state_from_record(msgpack.packb(raw, use_bin_type=True), 2.0)
+    assert (loaded.position.applied_seq, loaded.position.reported_seq) == (42, 42)
+
+
 def test_a_record_carries_its_timers_as_ages_so_a_loader_on_another_clock_keeps_them() -> None:
     """A new leader ran 10 min behind the old one and rebuilt 601 s after the failure: the record held
     the old leader's wall-clock instants. Now it holds ages, read on the loader's own clock."""
@@ -285,6 +298,7 @@ def every_field_set(saved_at: float) -> JobState:
     protection.unprotected_since, protection.unprotected_step = saved_at - 6.0, 38
     protection.hold_without_stores_s, protection.held_since = 9.0, saved_at - 8.0
     state.position.applied_seq, state.position.stream_id = 42, "2026-12-01T00:00:00+00:00"
+    state.position.reported_seq = 44  # the reports' lane, ahead
     return state
 
 

@@ -475,16 +475,30 @@ class EventsPosition:
     """Which events of the job's stream the state includes, kept by the shell and saved with it."""
 
     applied_seq: int = 0
-    """The events-stream sequence of the last event applied."""
+    """The events-stream sequence of the last event applied of those read in turn (`SWAPPER_IN_TURN`)."""
     stream_id: str = ""
-    """Which incarnation of the events stream `applied_seq` counts in."""
+    """Which incarnation of the events stream the sequences count in."""
+    reported_seq: int = 0
+    """The same for the stores' reports (`SWAPPER_REPORTS`), read in a lane of their own, ahead."""
+
+    def last(self, report: bool) -> int:
+        """The sequence of the last event applied in a lane."""
+        return self.reported_seq if report else self.applied_seq
+
+    def applied(self, report: bool, seq: int) -> None:
+        if report:
+            self.reported_seq = max(self.reported_seq, seq)
+        else:
+            self.applied_seq = max(self.applied_seq, seq)
 
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
-        return {"applied_seq": self.applied_seq, "stream_id": self.stream_id}
+        return {"applied_seq": self.applied_seq, "stream_id": self.stream_id, "reported_seq": self.reported_seq}
 
     @classmethod
     def from_record(cls, summary: JobSummary, p: Private, now: float) -> Self:
-        return cls(applied_seq=p.get("applied_seq", 0), stream_id=p.get("stream_id", ""))
+        applied = p.get("applied_seq", 0)
+        # A record saved before the lanes: every event was read in turn, up to `applied_seq`.
+        return cls(applied_seq=applied, stream_id=p.get("stream_id", ""), reported_seq=p.get("reported_seq", applied))
 
 
 _registered_at = operator.attrgetter("registered_at")

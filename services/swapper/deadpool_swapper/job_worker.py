@@ -1,9 +1,10 @@
 """One job's actor inside the swapper leader: its events, its decisions, its actions, in order.
 
-Each job has its own inbox, its own reader of the events stream and its own task, so one job's fence,
+Each job has its own inbox, its own readers of the events stream and its own task, so one job's fence,
 KV write or slow member never delays another job. The worker applies one input at a time (an event
 from the stream, a member's hello, a fence's answer, or a tick when the core's next deadline comes),
-then carries out the actions the core returned:
+then carries out the actions the core returned. The stores' reports, which commit steps, are read in
+a lane of their own, ahead of the rest (`SWAPPER_REPORTS`, `lanes.py`):
 
 - nothing is published, and no hello is answered, before the record that includes it is saved: a
   new leader always knows every generation anyone heard of. A save that fails (KV unreachable, a
@@ -19,8 +20,8 @@ due, a tick's deadline comes from the core's own rules (`Decision.next_at`, alwa
 every event's wait in the inbox is measured (`unheard_s_max`).
 
 Events are applied at most once into the state (each carries its stream sequence; the record saves
-the last one applied), and the reader of a new leader starts right after the saved sequence, so it
-replays exactly what its predecessor had not made durable.
+the last one applied in each lane), and the readers of a new leader start right after the saved
+sequences, so they replay exactly what its predecessor had not made durable.
 """
 
 from __future__ import annotations
@@ -50,22 +51,30 @@ from deadpool_protocol import (
     StepResumed,
     StepResumedBatch,
 )
-from deadpool_protocol.events import SWAPPER_EVENTS, event_subjects
+from deadpool_protocol.events import SWAPPER_IN_TURN, SWAPPER_REPORTS, event_subjects
 from deadpool_runtime import EventReader
 from deadpool_swapper.core import Archive, Decision, Fence, JobState, Persist, Publish, SwapperCore
 from deadpool_swapper.job_records import JobRecords, RecordConflictError, RecordTooLargeError, UnreadableRecordError
+from deadpool_swapper.lanes import AHEAD, IN_TURN, LanedQueue
 
 __all__ = ["Event", "Fenced", "Hello", "JobWorker", "Poke", "RunRequest"]
 
 JOB_INBOX_MAX = 4096
-"""Inputs waiting for one job; a full inbox slows that job's reader, never another job."""
+"""Inputs waiting for one job, both lanes together; a full inbox slows that job's readers, never
+another job."""
 SAVE_RETRY_S = 0.2
 TICK_MIN_S = 0.005
 """The shortest pause between two ticks with nothing read between them (the core only ever schedules
 the future; this bounds the cost of a bug that would not)."""
 INPUTS_PER_SAVE_MAX = 1024
 """Inputs already waiting that are decided together and saved in one write (a job of thousands of
-members registers in a few saves); the bound keeps one batch's publications from waiting long."""
+members registers in a few saves). A batch ends at the first input that has something to publish (a
+commit, a rebuild): it is saved and sent at once, not after the rest of the inbox (a commit at 8,192
+ranks waited up to 311 ms behind the launchers' acks that followed its store report)."""
+BATCH_APPLY_S_MAX = 0.05
+"""The longest the worker decides inputs before it saves and lets the process's other tasks run (the
+leader lease's renewal every 0.2 s, the readers): a batch of 1,024 acks is about 50 ms of one core at
+8,192 ranks, and much more on a machine short of cores."""
 HELD_MAX = 10_000
 """Publications held while the record cannot be saved; past it the oldest are dropped (logged): every
 command is retransmitted until it is confirmed, and commits and incidents are in the record."""
@@ -86,6 +95,11 @@ class Event:
     seq: int
     received: float = field(default_factory=time.monotonic)
     """When the reader handed it over (monotonic): its wait in the inbox counts from here."""
+
+    @property
+    def report(self) -> bool:
+        """Whether it is read in the reports' lane, ahead (and counted in `EventsPosition.reported_seq`)."""
+        return isinstance(self.message, SnapshotComplete)
 
 
 @dataclass
@@ -139,7 +153,7 @@ class JobWorker:
         self._fence = fence
         self._leading = leading
         self._stream_id, self._stream_last = stream
-        self.inbox: asyncio.Queue[Item] = asyncio.Queue(maxsize=JOB_INBOX_MAX)
+        self.inbox: LanedQueue[Item] = LanedQueue(JOB_INBOX_MAX)
         self._held: list[Publish] = []
         """Publications waiting for the record to be saved (and a rebuild, for the fences before it)."""
         self._dirty = False
@@ -151,7 +165,7 @@ class JobWorker:
         self._had_state = False
         self._last_reason = ""
         self._stop = asyncio.Event()
-        self._reader: EventReader | None = None
+        self._readers: list[EventReader] = []
         self._start_seq = 0
         self._task: asyncio.Task[None] | None = None
         self._next_tick = 0.0
@@ -184,24 +198,30 @@ class JobWorker:
                 await self._task
         for task in list(self._fences):
             task.cancel()
-        if self._reader is not None:
-            await self._reader.stop()
+        await self._stop_readers()
         for hello, _ in self._replies:
             hello.reply.cancel()
 
     # ------------------------------------------------------------------ the loop
 
     async def _start_reader(self) -> None:
-        """Follow this job's events from just after what its state already includes."""
+        """Follow this job's events, in each lane from just after what its state already includes."""
+        self._start_seq = self._stream_last + 1  # a new job, or a stream that was created again: from now on
+        starts = (self._start_seq, self._start_seq)
         if self._counts_in_stream():
             assert self.state is not None
-            start = self.state.position.applied_seq + 1  # 1 for a state saved while the stream was still empty
-        else:  # a new job, or a stream that was created again: from now on
-            start = self._stream_last + 1
-        self._start_seq = start
+            position = self.state.position  # 1 for a state saved while the stream was still empty
+            starts = (position.reported_seq + 1, position.applied_seq + 1)
         self._adopt_position()
-        self._reader = EventReader(self.nc, event_subjects(self.job, SWAPPER_EVENTS), self._on_event, self.log)
-        await self._reader.start(self._stop, start_seq=start)
+        lanes = ((SWAPPER_REPORTS, self._on_report), (SWAPPER_IN_TURN, self._on_event))
+        self._readers = [EventReader(self.nc, event_subjects(self.job, kinds), on, self.log) for kinds, on in lanes]
+        for reader, start in zip(self._readers, starts, strict=True):
+            await reader.start(self._stop, start_seq=start)
+
+    async def _stop_readers(self) -> None:
+        for reader in self._readers:
+            await reader.stop()
+        self._readers = []
 
     def _counts_in_stream(self) -> bool:
         """Whether the state's `applied_seq` is a position in this incarnation of the events stream.
@@ -211,12 +231,17 @@ class JobWorker:
         return state is not None and bool(self._stream_id) and state.position.stream_id == self._stream_id
 
     def _adopt_position(self) -> None:
-        """A state that does not count in this stream yet starts where this worker's reader starts."""
+        """A state that does not count in this stream yet starts where this worker's readers start."""
         if self.state is not None and not self._counts_in_stream():
-            self.state.position.stream_id, self.state.position.applied_seq = self._stream_id, self._start_seq - 1
+            position = self.state.position
+            position.stream_id = self._stream_id
+            position.applied_seq = position.reported_seq = self._start_seq - 1
+
+    async def _on_report(self, message: Message, seq: int) -> None:
+        await self.inbox.put(Event(message, seq), AHEAD)
 
     async def _on_event(self, message: Message, seq: int) -> None:
-        await self.inbox.put(Event(message, seq))
+        await self.inbox.put(Event(message, seq), IN_TURN)
 
     def _due(self) -> float:
         """The next moment the loop has work without an input: a tick, a save to retry, a log line."""
@@ -245,9 +270,10 @@ class JobWorker:
         while not self._stop.is_set():
             item = await self._next_input()
             try:
+                held, until = len(self._held), time.monotonic() + BATCH_APPLY_S_MAX
                 self._apply(item)
                 for _ in range(INPUTS_PER_SAVE_MAX - 1):  # what else is waiting goes into the same save
-                    if item is None:
+                    if item is None or len(self._held) > held or time.monotonic() > until:  # news to send now
                         break
                     try:
                         item = self.inbox.get_nowait()
@@ -301,12 +327,12 @@ class JobWorker:
                     waiting=self.inbox.qsize(),
                 )
         state = self.state
-        if state is not None and item.seq <= state.position.applied_seq:
+        if state is not None and item.seq <= state.position.last(item.report):
             return Decision([], f"event {item.seq} already applied", routine=True)
         decision = self._dispatch(item.message, now)
         state = self.state
         if state is not None:
-            state.position.applied_seq = max(state.position.applied_seq, item.seq)
+            state.position.applied(item.report, item.seq)
         return decision
 
     def _dispatch(self, message: Message, now: float) -> Decision:
@@ -435,6 +461,5 @@ class JobWorker:
             self.core.jobs.pop(self.job, None)
         else:
             self.core.jobs[self.job] = fresh
-        if self._reader is not None:
-            await self._reader.stop()
+        await self._stop_readers()
         await self._start_reader()
