@@ -210,8 +210,8 @@ class JobWorker:
         starts = (self._start_seq, self._start_seq)
         if self._counts_in_stream():
             assert self.state is not None
-            position = self.state.position  # 1 for a state saved while the stream was still empty
-            starts = (position.reported_seq + 1, position.applied_seq + 1)
+            position = self.state.position
+            starts = (position.reported_seq + 1, position.applied_seq + 1)  # 1: saved while the stream was empty
         self._adopt_position()
         lanes = ((SWAPPER_REPORTS, self._on_report), (SWAPPER_IN_TURN, self._on_event))
         self._readers = [EventReader(self.nc, event_subjects(self.job, kinds), on, self.log) for kinds, on in lanes]
