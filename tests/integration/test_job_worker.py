@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client
@@ -196,31 +197,39 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
         await new_leader.stop()
 
 
-async def test_a_commit_goes_out_before_the_inputs_waiting_behind_its_report(nc: Client) -> None:
-    """The worker decides what waits in its inbox together, in one save; a commit decided on the way is
-    saved and sent at once, not after the rest. (Seen at 8,192 ranks: a commit waited up to 311 ms
-    behind the launchers' acks that came after its store report.)"""
+async def watched_worker(
+    nc: Client, count: Callable[[WatchedCore], int]
+) -> tuple[WatchedCore, JobWorker, list[tuple[Message, int]], int]:
+    """A worker, not started, of a formed job whose stores stay live, on real job records: its core,
+    the worker, its publications each with `count(core)` when it went out, and the stream's last
+    sequence (the worker reads what comes after it)."""
     log = get_logger()
     await ensure_events_stream(nc)
     records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
     core = WatchedCore(SwapperConfig(replication=2, store_timeout_s=LIVENESS_BOUND_S, last_call_s=0.0))
     formed(core, time.monotonic())
     published: list[tuple[Message, int]] = []
-    """Each publication, with the number of reports the core had been given when it went out."""
 
     async def publish(action: Publish) -> None:
-        published.append((action.message, len(core.seen)))
+        published.append((action.message, count(core)))
 
     async def fence(_: Fence) -> float:
         return 0.0
 
     position = await stream_position(nc)
-    worker = JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, position)
+    return core, JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, position), published, position[1]
+
+
+async def test_a_commit_goes_out_before_the_inputs_waiting_behind_its_report(nc: Client) -> None:
+    """The worker decides what waits in its inbox together, in one save; a commit decided on the way is
+    saved and sent at once, not after the rest. (Seen at 8,192 ranks: a commit waited up to 311 ms
+    behind the launchers' acks that came after its store report.)"""
+    core, worker, published, last = await watched_worker(nc, lambda core: len(core.seen))
     # Step 1 sealed on both stores (its commit), then 100 reports of step 2 from one store, all waiting
     # in the inbox when the worker starts: a burst, as the events stream hands it over.
     reports = [SnapshotComplete(JOB, 1, f"store{i}", 1, [0, 1], [10, 10]) for i in range(2)]
     reports += [SnapshotComplete(JOB, 1, "store0", 2, [n % W], [10]) for n in range(100)]
-    for seq, report in enumerate(reports, position[1] + 1):
+    for seq, report in enumerate(reports, last + 1):
         worker.inbox.put_nowait(Event(report, seq))
     worker.start()
     try:
@@ -238,24 +247,9 @@ async def test_a_report_waiting_behind_a_rebuilds_acks_is_decided_before_them(nc
     """The stores' reports are read in a lane of their own, ahead of the rest: a commit waits behind
     none of a rebuild's acks (a batch per host: 1,024 at 8,192 ranks), and each lane's position is its
     own."""
-    log = get_logger()
-    await ensure_events_stream(nc)
-    records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
-    core = WatchedCore(SwapperConfig(replication=2, store_timeout_s=LIVENESS_BOUND_S, last_call_s=0.0))
-    formed(core, time.monotonic())
-    published: list[tuple[Message, int]] = []
-    """Each publication, with the number of ack batches the core had been given when it went out."""
-
-    async def publish(action: Publish) -> None:
-        published.append((action.message, len(core.acked)))
-
-    async def fence(_: Fence) -> float:
-        return 0.0
-
-    position = await stream_position(nc)
-    worker = JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, position)
-    acks = position[1] + 100
-    for seq in range(position[1] + 1, acks + 1):  # stored first: as the stream hands them over
+    core, worker, published, last = await watched_worker(nc, lambda core: len(core.acked))
+    acks = last + 100
+    for seq in range(last + 1, acks + 1):  # stored first: as the stream hands them over
         worker.inbox.put_nowait(Event(ack_batch(1), seq))
     for seq, store in enumerate(("store0", "store1"), acks + 1):
         worker.inbox.put_nowait(Event(SnapshotComplete(JOB, 1, store, 1, [0, 1], [10, 10]), seq), AHEAD)
