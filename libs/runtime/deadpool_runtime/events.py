@@ -307,8 +307,9 @@ class EventReader:
         finally:
             # nats.py hands a subscription's waiting messages to its callback without yielding in
             # between: a swapper's reader of a rebuild's 1,024 ack batches (8,192 ranks, 0.1 ms each to
-            # decode) held the loop for 0.1-0.3 s, while its other reader, its job worker and its
-            # leader lease (renewed every 0.2 s, lapsed past 0.75 s) waited.
+            # decode) held the loop for their whole decode, 0.1 s and more on a busy machine, while
+            # its other reader, its job worker and its leader lease (renewed every 0.2 s, lapsed past
+            # 0.75 s) waited.
             if time.monotonic() >= self._yield_at:
                 await asyncio.sleep(0)
                 self._yield_at = time.monotonic() + self.slice_s
