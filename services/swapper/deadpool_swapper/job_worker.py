@@ -51,7 +51,7 @@ from deadpool_protocol import (
     StepResumed,
     StepResumedBatch,
 )
-from deadpool_protocol.events import SWAPPER_IN_TURN, SWAPPER_REPORTS, event_subjects
+from deadpool_protocol.events import EVENT_KINDS, SWAPPER_IN_TURN, SWAPPER_REPORTS, event_subjects
 from deadpool_runtime import EventReader
 from deadpool_swapper.core import Archive, Decision, Fence, JobState, Persist, Publish, SwapperCore
 from deadpool_swapper.job_records import JobRecords, RecordConflictError, RecordTooLargeError, UnreadableRecordError
@@ -62,6 +62,8 @@ __all__ = ["Event", "Fenced", "Hello", "JobWorker", "Poke", "RunRequest"]
 JOB_INBOX_MAX = 4096
 """Inputs waiting for one job, both lanes together; a full inbox slows that job's readers, never
 another job."""
+REPORTS = tuple(EVENT_KINDS[kind] for kind in SWAPPER_REPORTS)
+"""The message types read in the reports' lane."""
 SAVE_RETRY_S = 0.2
 TICK_MIN_S = 0.005
 """The shortest pause between two ticks with nothing read between them (the core only ever schedules
@@ -99,7 +101,7 @@ class Event:
     @property
     def report(self) -> bool:
         """Whether it is read in the reports' lane, ahead (and counted in `EventsPosition.reported_seq`)."""
-        return isinstance(self.message, SnapshotComplete)
+        return isinstance(self.message, REPORTS)
 
 
 @dataclass
@@ -213,8 +215,10 @@ class JobWorker:
             position = self.state.position
             starts = (position.reported_seq + 1, position.applied_seq + 1)  # 1: saved while the stream was empty
         self._adopt_position()
-        lanes = ((SWAPPER_REPORTS, self._on_report), (SWAPPER_IN_TURN, self._on_event))
-        self._readers = [EventReader(self.nc, event_subjects(self.job, kinds), on, self.log) for kinds, on in lanes]
+        self._readers = [
+            EventReader(self.nc, event_subjects(self.job, kinds), self._on_event, self.log)
+            for kinds in (SWAPPER_REPORTS, SWAPPER_IN_TURN)
+        ]
         for reader, start in zip(self._readers, starts, strict=True):
             await reader.start(self._stop, start_seq=start)
 
@@ -237,11 +241,9 @@ class JobWorker:
             position.stream_id = self._stream_id
             position.applied_seq = position.reported_seq = self._start_seq - 1
 
-    async def _on_report(self, message: Message, seq: int) -> None:
-        await self.inbox.put(Event(message, seq), AHEAD)
-
     async def _on_event(self, message: Message, seq: int) -> None:
-        await self.inbox.put(Event(message, seq), IN_TURN)
+        event = Event(message, seq)
+        await self.inbox.put(event, AHEAD if event.report else IN_TURN)
 
     def _due(self) -> float:
         """The next moment the loop has work without an input: a tick, a save to retry, a log line."""
