@@ -20,6 +20,7 @@ from deadpool_protocol import (
     Placement,
     ProtocolError,
     Rebuild,
+    RebuildDelta,
     Reserve,
     RestoreSource,
     StoreAddress,
@@ -42,7 +43,8 @@ from deadpool_protocol.job_record import (
     split_record,
     unpack_record,
 )
-from deadpool_protocol.placement_delta import placement_notice
+from deadpool_protocol.placement_delta import placement_delta_of
+from deadpool_protocol.rebuild_delta import delta_of, notice_of
 from deadpool_swapper import section_memo
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
@@ -95,6 +97,32 @@ def test_a_new_leader_completes_the_loaded_rebuild_when_the_last_ack_arrives() -
     assert again == rebuild
     decision = successor.on_ack(ack(rebuild, "s1", 6.7, source=RestoreSource.STORE), 6.7)
     assert "recovered" in decision.reason and successor.jobs["j"].recovery.pending is None
+
+
+def test_a_new_leader_sends_the_loaded_rebuilds_delta_and_a_record_from_before_a_notice() -> None:
+    """A member that missed the rebuild holds the generation before: the new leader's retransmission
+    carries the delta it needs, not a notice (which sends every member to the whole subject, 937 kB
+    each at 16,384 ranks, a retransmission later). A record that holds no delta (one from before) gives
+    a notice; one whose delta is not the command's is unreadable, as any malformed entry is."""
+    core, _ = formed_core(spares=("s1",))
+    decision = fail(core, Failure("j", 1, "r1", 1, FailureReason.EXIT, {}, 5.0, 5.0), 5.0)
+    ((rebuild,), (delta,)) = published(decision, Rebuild), published(decision, RebuildDelta)
+    assert delta.base_generation == 1 and delta.movers == ["s1"]
+    raw = msgpack.unpackb(state_to_record(core.jobs["j"], 5.5), raw=False)
+
+    def retransmitted(record: dict[str, typing.Any]) -> list[RebuildDelta]:
+        successor, _ = formed_core()
+        successor.jobs["j"] = state_from_record(msgpack.packb(record, use_bin_type=True), 5.5)
+        sent = successor.tick(6.6)
+        assert published(sent, Rebuild) == [rebuild]
+        return published(sent, RebuildDelta)
+
+    assert retransmitted(raw) == [delta]
+    assert retransmitted(raw | {"swapper": raw["swapper"] | {"pending_delta": None}}) == [notice_of(rebuild)]
+    for wrong in ({"generation": 3}, {"job": "k"}, {"moved": [5], "movers": ["s1"]}):
+        bad = raw | {"swapper": raw["swapper"] | {"pending_delta": raw["swapper"]["pending_delta"] | wrong}}
+        with pytest.raises((ProtocolError, ValueError)):
+            state_from_record(msgpack.packb(bad, use_bin_type=True), 5.5)
 
 
 def test_a_record_that_is_not_ours_is_refused_with_a_reason() -> None:
@@ -235,9 +263,9 @@ def test_a_verdict_with_evidence_at_its_bound_leaves_a_record_that_loads_and_inc
 
 RETRANSMIT_TIMERS = frozenset({"void_sent_t", "placement_sent_t", "replicate_sent_t"})
 """Not in the record: a new leader retransmits what is outstanding at once (each is idempotent)."""
-HINTS = frozenset({"reserving", "delta"})
+HINTS = frozenset({"reserving"})
 """Not in the record: what a new leader does not send again (a store faults a rank's buffers in at its
-first upload there anyway; a placement's delta: a notice instead, and members take the whole one)."""
+first upload there anyway)."""
 INSTANTS = frozenset({"finished_t", "last_hello_t", "hold_until", "awaiting_since", "unprotected_since", "held_since"})
 """The swapper's own monotonic instants: they travel as ages (or time left) and come back on the
 loader's clock."""
@@ -270,7 +298,8 @@ def every_field_set(saved_at: float) -> JobState:
     stores.placement_version, stores.placement_confirmed, stores.placement_sent_t = 3, False, saved_at - 1.0
     stores.announced_stores = {"store0": ("10.0.0.5", 7001)}
     stores.reserving = [Reserve("j", 2, "store1", [0], [1000])]
-    stores.delta = placement_notice(Placement("j", 2, 3, [], [[]], "stores lost: ['store2']"))
+    newest = Placement("j", 2, 3, [StoreAddress("store0", "10.0.0.5", 7001)], [["store0"]], "store lost: store2")
+    stores.delta = placement_delta_of(newest, 2, [["store2"]])
     log = state.incident_log
     log.incidents = [
         Incident(
@@ -353,6 +382,7 @@ def test_every_field_of_a_job_state_survives_its_record_field_by_field() -> None
         elif name == "pending":
             assert got is not None and was is not None
             assert (got.command, got.acks, got.t_sent) == (was.command, was.acks, was.t_sent + shift)
+            assert got.delta == was.delta and was.delta is not None and was.delta.base_generation == 1
         else:
             assert got == was, path
 
@@ -370,9 +400,15 @@ def large_state(ranks: int = 400) -> JobState:
     state.ledger.committed_holders = {r: set(p) for r, p in enumerate(state.stores.placement)}
     state.ledger.previous_committed = CommittedCopies(1, 3, {r: set(p) for r, p in enumerate(state.stores.placement)})
     state.ledger.rank_bytes = dict.fromkeys(range(ranks), 1 << 30)
-    moved = [list(stores) for stores in state.stores.placement]  # the rebuild moves rank 0's copies:
-    moved[0].reverse()  # its placement is its own (a section), its ranks the job's (named, not held)
-    state.recovery.pending = PendingRebuild(dataclasses.replace(rebuild_of(state, generation=3), placement=moved), 4.0)
+    moved = [list(stores) for stores in state.stores.placement]  # the rebuild moves every rank's copies:
+    for stores in moved:  # its placement is its own (a section), its ranks the job's (named, not held),
+        stores.reverse()  # and its delta from generation 2 names every rank (a section too)
+    command = dataclasses.replace(rebuild_of(state, generation=3), placement=moved)
+    delta = delta_of(command, 2, 0, state.membership.ranks, state.stores.placement)
+    state.recovery.pending = PendingRebuild(command, 4.0, delta=delta)
+    unsent = Placement("big", 3, 1, command.stores, moved, "stores lost")  # and a placement not confirmed
+    state.stores.placement_confirmed = False
+    state.stores.delta = placement_delta_of(unsent, 0, state.stores.placement)
     return state
 
 

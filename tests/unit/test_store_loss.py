@@ -178,11 +178,11 @@ def test_the_new_placement_is_sent_again_until_a_step_commits_under_it() -> None
     assert published(core.tick(3.9), Placement) == []
 
 
-def test_a_new_placement_goes_first_as_its_delta_from_the_one_before_and_a_new_leader_sends_a_notice() -> None:
+def test_a_new_placement_goes_first_as_its_delta_from_the_one_before_and_a_new_leader_sends_it_too() -> None:
     """Members hold the rebuild's placement: the delta from it, applied there, is the new placement
     (what a member takes), and goes before the whole one, at the decision and with each retransmission.
-    A leader that loaded the placement from the record has no delta to send: a notice says the
-    placement is out whole."""
+    A leader that loaded the placement from the record sends the same delta; from a record that holds
+    none (one from before), a notice says the placement is out whole."""
     core, formation = formed()
     complete(core, 2, formation.placement, 0.5)
     lost = formation.placement[1][0]
@@ -199,13 +199,16 @@ def test_a_new_placement_goes_first_as_its_delta_from_the_one_before_and_a_new_l
     announce(core, 2.7, survivors)
     assert published(core.tick(2.7), PlacementDelta) == [delta], "sent again beside the whole one"
 
-    successor, _ = formed()
-    successor.jobs["j"] = state_from_record(state_to_record(core.jobs["j"], 2.8), 2.8)
-    announce(successor, 3.9, survivors)
-    retransmitted = successor.tick(3.9)
-    (again,) = published(retransmitted, Placement)
-    assert published(retransmitted, PlacementDelta) == [placement_notice(again)]
-    assert (again.version, again.placement) == (whole.version, whole.placement)
+    for kept_delta in (True, False):
+        successor, _ = formed()
+        successor.jobs["j"] = state_from_record(state_to_record(core.jobs["j"], 2.8), 2.8)
+        if not kept_delta:
+            successor.jobs["j"].stores.delta = None
+        announce(successor, 3.9, survivors)
+        retransmitted = successor.tick(3.9)
+        (again,) = published(retransmitted, Placement)
+        assert published(retransmitted, PlacementDelta) == [delta if kept_delta else placement_notice(again)]
+        assert (again.version, again.placement) == (whole.version, whole.placement)
 
 
 def test_a_store_lost_while_a_rebuild_is_pending_is_left_to_the_rebuild() -> None:

@@ -24,7 +24,7 @@ import dataclasses
 import operator
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypeVar
 
 from deadpool_protocol import (
     NO_STEP,
@@ -139,8 +139,10 @@ class PendingRebuild:
     rank_members: frozenset[str] = frozenset()
     delta: RebuildDelta | None = None
     """The command as its changes from the generation before (`rebuild_delta`), sent beside it with
-    every retransmission; kept in memory only: a leader that loads the command sends a notice instead
-    (`delta_sent`), and the members that had not heard the command take it whole."""
+    every retransmission, and kept in the record beside it: a leader that loads the command sends the
+    same delta, and a member that missed the command takes it from there. Without one (a record from
+    before) a notice goes instead (`delta_sent`): every member then takes the whole command, one
+    retransmission (`rebuild_retransmit_s`) after the notice sent it to the whole subject."""
 
     def __post_init__(self) -> None:
         self.rank_members = frozenset(self.command.ranks)
@@ -357,8 +359,9 @@ class StorePlacement:
     every rank has uploaded to its stores). Not in the record: a hint, which a new leader does not send."""
     delta: PlacementDelta | None = None
     """The newest placement as its changes from the one before (`placement_delta`), sent beside it with
-    every retransmission; in memory only: a leader that loads the placement sends a notice instead
-    (`delta_sent`), and the members that had not heard it take it whole."""
+    every retransmission. In the record while the placement is not confirmed, so a leader that loads it
+    sends the same delta; without one (a record from before) a notice goes instead (`delta_sent`), and
+    the members that had not heard the placement take it whole."""
 
     def delta_sent(self, placement: Placement) -> PlacementDelta:
         """What goes beside `placement` (the newest, whole): its delta, or a notice where none is held."""
@@ -367,12 +370,17 @@ class StorePlacement:
             return placement_notice(placement)
         return delta
 
+    def unconfirmed_delta(self) -> PlacementDelta | None:
+        """The delta while the placement is sent again (not confirmed): what the record keeps."""
+        return None if self.placement_confirmed else self.delta
+
     def to_record(self, now: float, left_out: Collection[str] = ()) -> dict[str, Any]:
         return {
             "placement": [] if "placement" in left_out else self.placement,
             "placement_version": self.placement_version,
             "placement_confirmed": self.placement_confirmed,
             "announced_stores": {name: list(address) for name, address in self.announced_stores.items()},
+            "placement_delta": None if "placement_delta" in left_out else _fields_of(self.unconfirmed_delta()),
         }
 
     @classmethod
@@ -382,6 +390,7 @@ class StorePlacement:
             placement_version=p.get("placement_version", 0),
             placement_confirmed=p.get("placement_confirmed", True),
             announced_stores={name: (str(a[0]), int(a[1])) for name, a in p.get("announced_stores", {}).items()},
+            delta=_delta(PlacementDelta, p.get("placement_delta"), summary.job, "placement_delta"),
         )
 
 
@@ -559,9 +568,10 @@ def command_entries(
     again, at every save that decided a rebuild. A record's reader takes them from the job's
     (`_pending`). `left_out`: the command is packed already (`SectionMemo`), not built."""
     if pending is None:
-        return {"pending_command": None, "pending_command_shares": []}
+        return {"pending_command": None, "pending_command_shares": [], "pending_delta": None}
     command = None if "pending_command" in left_out else to_fields(command_less(pending.command, shares))
-    return {"pending_command": command, "pending_command_shares": list(shares)}
+    delta = None if "pending_delta" in left_out else _fields_of(pending.delta)
+    return {"pending_command": command, "pending_command_shares": list(shares), "pending_delta": delta}
 
 
 def command_less(command: Rebuild, shares: Collection[str]) -> Rebuild:
@@ -589,11 +599,32 @@ def _pending(summary: JobSummary, p: Private, now: float) -> PendingRebuild | No
     command = from_fields(Rebuild, raw_command | {name: job_lists[name] for name in shares}, "pending.command")
     command.check()
     sent_age_s = p.get("pending_sent_age_s", old_pending.get("sent_age_s")) or 0.0
-    pending = PendingRebuild(command, t_sent=now - float(sent_age_s))
+    delta = _delta(RebuildDelta, p.get("pending_delta"), summary.job, "pending.delta")
+    if delta is not None and delta.generation != command.generation:
+        raise ValueError("the rebuild in flight's delta in the record is of another generation")
+    pending = PendingRebuild(command, t_sent=now - float(sent_age_s), delta=delta)
     for raw in p.get("pending_acks", old_pending.get("acks", [])):
         ack = from_fields(RebuildAck, raw, "pending.ack")
         pending.acks[ack.member] = ack
     return pending
+
+
+_Delta = TypeVar("_Delta", RebuildDelta, PlacementDelta)
+
+
+def _fields_of(delta: RebuildDelta | PlacementDelta | None) -> dict[str, Any] | None:
+    return None if delta is None else to_fields(delta)
+
+
+def _delta(kind: type[_Delta], raw: Any, job: str, what: str) -> _Delta | None:
+    """A delta kept in the record (None where there is none), checked as one off the wire is."""
+    if raw is None:
+        return None
+    delta = from_fields(kind, raw, what)
+    delta.check()
+    if delta.job != job:
+        raise ValueError(f"the record's {what} is another job's")
+    return delta
 
 
 def copy_command(command: Rebuild | None) -> Rebuild | None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack
 
-from deadpool_protocol import Rebuild
+from deadpool_protocol import Rebuild, RebuildDelta
 from deadpool_protocol.job_record import SECTION_INLINE_BYTES, Section
 from deadpool_protocol.names import content_digest
 from deadpool_swapper.core import JobState
@@ -154,6 +154,15 @@ def _copy_pending(kept: tuple[Rebuild, tuple[str, ...]] | None) -> tuple[Rebuild
     return None if kept is None else (copy_command(kept[0]), kept[1])
 
 
+def _pending_delta(state: JobState) -> RebuildDelta | None:
+    pending = state.recovery.pending
+    return None if pending is None else pending.delta
+
+
+def _as_is(value: Any) -> Any:
+    return value
+
+
 def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
     return {rank: frozenset(stores) for rank, stores in holders.items()}
 
@@ -163,10 +172,13 @@ _WHOLE: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], 
     ("swapper", "previous_committed_holders", lambda s: s.ledger.previous_committed.holders, _frozen_holders),
     ("swapper", "rank_bytes", lambda s: s.ledger.rank_bytes, dict),
     ("swapper", "pending_command", _pending_command, _copy_pending),
+    ("swapper", "pending_delta", _pending_delta, _as_is),
+    ("swapper", "placement_delta", lambda s: s.stores.unconfirmed_delta(), _as_is),
 )
 """The large fields kept whole: each with its source in the state and how to copy it. The rebuild in
 flight's command is one (with the lists it shares with the job: what its entry leaves out): every
-save while its acks came in packed it again, 10 ms at 16,384 ranks."""
+save while its acks came in packed it again, 10 ms at 16,384 ranks. Deltas are messages, never
+changed once made: kept as they are."""
 
 FIELDS_KEPT = frozenset({spec.field for spec in _CHUNKED} | {name for _, name, *_ in _WHOLE})
 """Every field a memo keeps, in chunks or whole."""
