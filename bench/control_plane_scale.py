@@ -26,7 +26,8 @@ generation before, or whole, whichever comes first; failure -> the whole command
 reported beside it (as every member took it before deltas),
 detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
 formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
-report sent -> its commit received) p50/p99, and the largest job record part written to KV and the
+report sent -> its commit received) p50/p99 and, of it, p99 to the swapper's decision and from the
+decision (`Commit.t_decided`) to here, and the largest job record part written to KV and the
 largest message on the job's swapper subjects and store reports, in bytes, and a rebuild's size whole and
 as its delta, with the bytes the server sends for one rebuild to real members, launchers and detectors
 (`fanout`: each real member hears the rebuild on a connection of its own, where the simulated ones
@@ -528,6 +529,11 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         paused: dict[int, list[float]] = {}
         stores = SimulatedStores(nc, args.stores or max(2, members // MEMBERS_PER_STORE), args.step_s)
         commit_ms: list[float] = []
+        commit_decide_ms: list[float] = []
+        commit_out_ms: list[float] = []
+        """Of each commit's time: its last store report sent -> the swapper's decision (`Commit.t_decided`),
+        and the decision -> the commit here (the record's save, the publication, the transit, this bench's
+        loop)."""
         largest: dict[str, tuple[int, str]] = {"record": (0, ""), "message": (0, "")}
         command_bytes = {"whole": 0, "delta": 0}
         """The largest rebuild whole (all its parts) and the largest delta of one (`RebuildDelta`)."""
@@ -536,7 +542,10 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             commit = decode(msg.data, Commit)
             sealed = stores.sealed_at.get(commit.step)
             if sealed is not None:
-                commit_ms.append((time.time() - sealed) * 1000)
+                now = time.time()
+                commit_ms.append((now - sealed) * 1000)
+                commit_decide_ms.append((commit.t_decided - sealed) * 1000)
+                commit_out_ms.append((now - commit.t_decided) * 1000)
 
         placements: list[Placement] = []
         """The newest placement heard (by generation, then version)."""
@@ -761,6 +770,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "commits": len(commit_ms),
         "commit_ms_p50": round(statistics.median(commit_ms), 1) if commit_ms else None,
         "commit_ms_p99": round(percentile(commit_ms, 99), 1) if commit_ms else None,
+        "commit_to_decision_ms_p99": round(percentile(commit_decide_ms, 99), 1) if commit_decide_ms else None,
+        "commit_decision_out_ms_p99": round(percentile(commit_out_ms, 99), 1) if commit_out_ms else None,
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
@@ -820,7 +831,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole, "
             f"{r['heartbeat_messages_of_nominal']} of the nominal message rate (simulator nice {r['simulator_nice']}) "
             f"({r['beats']} beats); formation {r['formation_s']} s; "
-            f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits); largest record "
+            f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits; to the "
+            f"decision p99 {r['commit_to_decision_ms_p99']} ms, the decision -> here p99 "
+            f"{r['commit_decision_out_ms_p99']} ms); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']}); "
             f"a rebuild {r['rebuild_bytes']} B whole, {r['rebuild_delta_bytes']} B as its delta: the server sends "
             f"{r['rebuild_fanout_mb']} MB to real members, launchers and detectors "

@@ -439,6 +439,7 @@ def test_a_step_commits_when_every_rank_is_complete_on_all_its_stores() -> None:
     decision = core.on_snapshot_complete(SnapshotComplete("j", 1, store, 6, [rank], [10]), 2.0)
     (commit,) = published(decision, Commit)
     assert commit.step == 6 and core.jobs["j"].ledger.committed_step == 6
+    assert commit.t_decided == 2.0  # the decision's instant on the wall clock (this core's offset is 0)
 
 
 def test_snapshots_of_an_abandoned_timeline_do_not_commit() -> None:

@@ -1029,6 +1029,10 @@ class Commit(JobMessage):
     step: int
     snapshot_bytes: int = 0
     """The largest snapshot a rank of the job has streamed: a warm spare's landing size (`HelloReply`)."""
+    t_decided: float = 0.0
+    """The swapper's wall clock when it decided the commit (0: not said), as `Rebuild.t_decided`: a
+    reader on a synced clock splits a commit's time into the wait for the decision and the way out
+    (the record's save, the publication, the transit)."""
 
     def check(self) -> None:
         JobMessage.check(self)

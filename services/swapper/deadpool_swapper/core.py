@@ -754,7 +754,7 @@ class SwapperCore:
             )
         if not self._stores_known(now):  # the tick tries again once they are
             return Decision([], "the stores' view is not fresh: waiting to hear them before choosing a restore")
-        committed = self._commit_newest(state, self._live_names(now))
+        committed = self._commit_newest(state, self._live_names(now), now)
         base_ranks = list(state.membership.ranks)  # what members hold: the delta goes from it
         failed_hosts = {i.host for i in state.incident_log.open_incidents}
         newcomers: set[str] = set()
@@ -1304,7 +1304,7 @@ class SwapperCore:
         if durable or committed_again:
             kind = "resumed" if durable else "committed"
             return Decision([Persist(state.job)] if changed else [], f"{kind} {what}")
-        committed = self._commit_newest(state, live)
+        committed = self._commit_newest(state, live, now)
         if committed is None:
             return Decision([], what)  # not saved: replayed from the stream if this leader stops
         return Decision(committed.actions, f"{what}; {committed.reason}")
@@ -1319,7 +1319,7 @@ class SwapperCore:
             placements.append(state.recovery.pending.command.placement)
         return placements
 
-    def _commit_newest(self, state: JobState, live: frozenset[str]) -> Decision | None:
+    def _commit_newest(self, state: JobState, live: frozenset[str], now: float) -> Decision | None:
         """Commit the newest step every rank has complete on the `live` stores, if any is newer than the
         committed one. Also asked before a restore is chosen: a complete read while its store's status
         was stale (after a pause) did not count then, and its store may have been heard since."""
@@ -1339,7 +1339,7 @@ class SwapperCore:
         state.stores.placement_confirmed = True
         state.stores.reserving = []  # every rank has uploaded to its stores: nothing left to fault in first
         state.ledger.commit_progress.drop_through(state.ledger.completes, step)
-        commit = Commit(state.job, state.generation, step, state.ledger.snapshot_bytes_max())
+        commit = Commit(state.job, state.generation, step, state.ledger.snapshot_bytes_max(), self._wall(now))
         return Decision([Persist(state.job), Publish(commit)], f"step {step} committed")
 
     # ---------------------------------------------------------------- store loss, without a rebuild
