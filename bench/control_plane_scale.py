@@ -27,12 +27,13 @@ reported beside it (as every member took it before deltas),
 detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
 formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
 report sent -> its commit received) p50/p99 and, of it, p99 to the swapper's decision and from the
-decision (`Commit.t_decided`) to here, and the largest job record part written to KV and the
-largest message on the job's swapper subjects and store reports, in bytes, and a rebuild's size whole and
-as its delta, with the bytes the server sends for one rebuild to real members, launchers and detectors
-(`fanout`: each real member hears the rebuild on a connection of its own, where the simulated ones
-share a few). By default the members'
-heartbeats travel in batches of their (simulated) host's 8 members, one message every `--batch-s`
+decision (`Commit.t_decided`) to here and to a process that hears nothing else (`--commit-probe`: this
+bench's own loop is busy with the simulated stores and what it measures), and the largest job record
+part written to KV and the largest message on the job's swapper subjects and store reports, in bytes,
+and a rebuild's size whole and as its delta, with the bytes the server sends for one rebuild to real
+members, launchers and detectors (`fanout`: each real member hears the rebuild on a connection of its
+own, where the simulated ones share a few). By default the members' heartbeats travel in batches of
+their (simulated) host's 8 members, one message every `--batch-s`
 (default 0.25 s, each member's newest beat with its age), as `deadpool launch` sends them;
 `--no-batching` has every member publish its own. A member's beats say what a real member's do within a
 step (its frame and whether it waits on its peers change beat by beat: forward, backward, optimizer) and
@@ -60,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +157,29 @@ class SimulatedMember:
         self.step = 0
         self.sent = 0
         self.last_beat = 0.0
+
+
+async def commit_probe(url: str, nkey: str) -> None:
+    """Hear the job's commits and print each as it arrives (a JSON line: its step, the swapper's decision
+    instant, the arrival), until terminated: the way out of a commit as a process with nothing else to do
+    sees it, beside this bench's own loop, which the simulation keeps busy."""
+    nc = await nats.connect(url, nkeys_seed=nkey or None)
+
+    async def on_commit(msg: Msg) -> None:
+        arrived = time.time()
+        commit = decode(msg.data, Commit)
+        print(json.dumps({"step": commit.step, "t_decided": commit.t_decided, "t": arrived}), flush=True)
+
+    await nc.subscribe(Subjects.for_job(JOB).commit, cb=on_commit)
+    await asyncio.Event().wait()
+
+
+def probed_out_ms(probe: subprocess.Popen[bytes], steps: Collection[int]) -> list[float]:
+    """The decision -> arrival times the commit probe printed, for `steps` (it is stopped here)."""
+    probe.terminate()
+    out, _ = probe.communicate(timeout=10)
+    heard = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    return [(h["t"] - h["t_decided"]) * 1000 for h in heard if h["step"] in steps]
 
 
 async def worker_main(
@@ -531,6 +556,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         commit_ms: list[float] = []
         commit_decide_ms: list[float] = []
         commit_out_ms: list[float] = []
+        committed_steps: list[int] = []
         """Of each commit's time: its last store report sent -> the swapper's decision (`Commit.t_decided`),
         and the decision -> the commit here (the record's save, the publication, the transit, this bench's
         loop)."""
@@ -546,6 +572,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                 commit_ms.append((now - sealed) * 1000)
                 commit_decide_ms.append((commit.t_decided - sealed) * 1000)
                 commit_out_ms.append((now - commit.t_decided) * 1000)
+                committed_steps.append(commit.step)
 
         placements: list[Placement] = []
         """The newest placement heard (by generation, then version)."""
@@ -660,6 +687,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
                 )
             )
+        probe: subprocess.Popen[bytes] | None = None
         try:
             deadline = time.monotonic() + 120 + members / 20
             started = time.monotonic()
@@ -669,6 +697,11 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(0.1)
             formation_s = time.monotonic() - started
             print(f"  {members} members: formed in {formation_s:.1f} s", flush=True)
+            admin_nkey = nkey_file(stack.credentials or "", "admin")
+            probe = subprocess.Popen(
+                [sys.executable, __file__, "--commit-probe", "--url", stack.url, "--nkey", admin_nkey],
+                stdout=subprocess.PIPE,
+            )
             await asyncio.sleep(args.warm_s)
             detector_pid = stack.processes["detector"].pid
             swapper_pid = stack.processes["swapper"].pid
@@ -697,8 +730,11 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
             counts1 = dict(counts)
+            probe_out_ms = probed_out_ms(probe, set(committed_steps))
         finally:
             stopped = time.time()  # the members stop beating: verdicts from here on are the bench's end
+            if probe is not None and probe.poll() is None:
+                probe.kill()
             for task in background:
                 task.cancel()
             for p in workers:
@@ -772,6 +808,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "commit_ms_p99": round(percentile(commit_ms, 99), 1) if commit_ms else None,
         "commit_to_decision_ms_p99": round(percentile(commit_decide_ms, 99), 1) if commit_decide_ms else None,
         "commit_decision_out_ms_p99": round(percentile(commit_out_ms, 99), 1) if commit_out_ms else None,
+        "commit_decision_to_probe_ms_p99": round(percentile(probe_out_ms, 99), 1) if probe_out_ms else None,
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
@@ -833,7 +870,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits; to the "
             f"decision p99 {r['commit_to_decision_ms_p99']} ms, the decision -> here p99 "
-            f"{r['commit_decision_out_ms_p99']} ms); largest record "
+            f"{r['commit_decision_out_ms_p99']} ms, -> a process that only hears commits p99 "
+            f"{r['commit_decision_to_probe_ms_p99']} ms); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']}); "
             f"a rebuild {r['rebuild_bytes']} B whole, {r['rebuild_delta_bytes']} B as its delta: the server sends "
             f"{r['rebuild_fanout_mb']} MB to real members, launchers and detectors "
@@ -946,11 +984,15 @@ def main() -> None:
         help="every rank named by a rebuild stores its first step as an event of its own, as a member does",
     )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--commit-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.commit_probe:
+        asyncio.run(commit_probe(args.url, args.nkey))
+        return
     if args.worker >= 0:
         os.nice(args.simulator_nice)
         members = [(str(n), int(h)) for n, h in json.loads(args.spec)]
