@@ -20,6 +20,7 @@ from deadpool_protocol import (
     Placement,
     ProtocolError,
     Rebuild,
+    RebuildAck,
     RebuildDelta,
     Reserve,
     RestoreSource,
@@ -28,6 +29,7 @@ from deadpool_protocol import (
     encode,
 )
 from deadpool_protocol.bounds import EVIDENCE_ENTRIES_MAX
+from deadpool_protocol.codec import to_fields
 from deadpool_protocol.job_record import (
     PART_SEPARATOR,
     RECORD_BYTES_MAX,
@@ -45,7 +47,7 @@ from deadpool_protocol.job_record import (
 )
 from deadpool_protocol.placement_delta import placement_delta_of
 from deadpool_protocol.rebuild_delta import delta_of, notice_of
-from deadpool_swapper import section_memo
+from deadpool_swapper import job_parts, section_memo
 from deadpool_swapper.core import JobState
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery, StorePlacement
 from deadpool_swapper.job_records import (
@@ -406,10 +408,16 @@ def large_state(ranks: int = 400) -> JobState:
     command = dataclasses.replace(rebuild_of(state, generation=3), placement=moved)
     delta = delta_of(command, 2, 0, state.membership.ranks, state.stores.placement)
     state.recovery.pending = PendingRebuild(command, 4.0, delta=delta)
+    for member in command.ranks[:300]:  # and 300 of its acks in
+        state.recovery.pending.acks[member] = big_ack(command, member, 4.5)
     unsent = Placement("big", 3, 1, command.stores, moved, "stores lost")  # and a placement not confirmed
     state.stores.placement_confirmed = False
     state.stores.delta = placement_delta_of(unsent, 0, state.stores.placement)
     return state
+
+
+def big_ack(command: Rebuild, member: str, t: float) -> RebuildAck:
+    return dataclasses.replace(ack(command, member, t), job="big")
 
 
 def rebuild_of(state: JobState, generation: int) -> Rebuild:
@@ -436,6 +444,12 @@ def hand_over(state: JobState, rank: int, spare: str) -> None:
     state.membership.ranks[rank] = spare
 
 
+def acked(state: JobState, member: str, t: float) -> None:
+    pending = state.recovery.pending
+    assert pending is not None
+    pending.acks[member] = big_ack(pending.command, member, t)
+
+
 CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     "a member joins": lambda s: s.membership.members.__setitem__(
         "new", MemberInfo("new", "h", 1, "l", -1, "h", 1, 0.5)
@@ -451,6 +465,8 @@ CHANGES_IN_PLACE: dict[str, typing.Callable[[JobState], object]] = {
     "a previous holder goes": lambda s: s.ledger.previous_committed.holders[4].discard("store-4"),
     "a size changes": lambda s: s.ledger.rank_bytes.__setitem__(9, 5),
     "another rebuild goes out": lambda s: setattr(s.recovery, "pending", PendingRebuild(rebuild_of(s, 4), 5.0)),
+    "an ack comes in": lambda s: acked(s, "m350", 5.0),
+    "an ack comes again, later": lambda s: acked(s, "m120", 5.0),
     "nothing changes": lambda s: None,
 }
 
@@ -461,6 +477,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(section_memo, "MEMBER_CHUNK_MEAN", 8)
     monkeypatch.setattr(section_memo, "CHUNK_ITEMS_MAX", 10_000)
     monkeypatch.setattr(section_memo, "RANK_CHUNK_ITEMS", 16)
+    monkeypatch.setattr(section_memo, "ACK_CHUNK_ITEMS", 16)
 
 
 @pytest.mark.parametrize("chunks", ["as shipped", "small"])
@@ -494,6 +511,8 @@ def assert_loads_as(encoded: typing.Any, parts: dict[str, bytes], state: JobStat
     loaded = state_from_record(join_sections(fields, values), 5.0)
     assert list(loaded.membership.members.items()) == list(state.membership.members.items())
     assert loaded.membership.ranks == state.membership.ranks and loaded.stores.placement == state.stores.placement
+    pending, loaded_pending = state.recovery.pending, loaded.recovery.pending
+    assert (pending and list(pending.acks.items())) == (loaded_pending and list(loaded_pending.acks.items()))
 
 
 @given(
@@ -554,6 +573,23 @@ def test_a_save_while_a_job_forms_or_after_a_swap_writes_one_chunk_of_each_field
         # the rebuild in flight's command is whole (here it shares the placement: a swap sends a new one)
         members = [] if alone else ["hosts", "member_rows"]
         assert written(again) == sorted([*members, "pending_command", "placement"])
+        assert_loads_as(again, parts, state)
+    pending = state.recovery.pending
+    assert pending is not None
+    converted: list[RebuildAck] = []
+
+    def counted(message: typing.Any) -> typing.Any:
+        converted.extend([message] if isinstance(message, RebuildAck) else [])
+        return to_fields(message)
+
+    for module in (section_memo, job_parts):
+        monkeypatch.setattr(module, "to_fields", counted)
+    for rank in range(300, 310):  # acks come in: the newest chunk of them is built, nothing else
+        acked(state, pending.command.ranks[rank], 6.0)
+        converted.clear()
+        again = records._encode("big", state, 5.0, stored, memo)
+        assert written(again) == ["pending_acks"]
+        assert 0 < len(converted) <= 2 * section_memo.ACK_CHUNK_ITEMS < len(pending.acks) / 8  # not every ack
         assert_loads_as(again, parts, state)
 
 

@@ -220,7 +220,9 @@ class Recovery:
         pending = self.pending
         return {
             "pending_sent_age_s": None if pending is None else age(now, pending.t_sent),
-            "pending_acks": [] if pending is None else [to_fields(a) for a in pending.acks.values()],
+            "pending_acks": (
+                [] if pending is None or "pending_acks" in left_out else [to_fields(a) for a in pending.acks.values()]
+            ),
             "hold_left_s": max(0.0, self.hold_until - now) if self.hold_until else None,
             "silent_hosts": {h: list(v) for h, v in self.silent_hosts.items()},
             "void_generation": self.void_generation,
