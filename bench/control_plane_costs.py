@@ -8,8 +8,9 @@ its rebuild), the detector's passes over every member (its review of stragglers 
 rules, the pass that finds a sixteenth of the hosts silent), the swapper's work of a committed step (the
 stores' reports) and of a tick with no replica to make, and saving a job record of N ranks: at a
 commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
-fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save) and
-once a swap is decided; a swap's rebuild as its delta (`RebuildDelta`): its bytes, the swapper's work
+fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save), once
+a swap is decided, and while a swap's acks come in (a save after each 64 ack batches: their sum and
+the slowest); a swap's rebuild as its delta (`RebuildDelta`): its bytes, the swapper's work
 to make it, a member's to take it (where it decoded the whole rebuild before); the same for a store
 lost, its new placement as its delta (`PlacementDelta`).
 
@@ -232,6 +233,7 @@ def at_size(ranks: int, repeats: int) -> dict[str, float]:
     figures["save_in_formation_ms"] = save_in_formation_ms(ranks, repeats)
     figures["save_after_a_swap_ms"] = save_after_a_swap_ms(ranks, repeats)
     figures |= step_reports_ms(ranks, repeats)
+    figures |= saves_while_acked_ms(ranks)
     state.recovery.pending = PendingRebuild(rebuild, 100.0)
     figures["save_while_pending_ms"] = fastest_ms(save_after(nothing, SectionMemo()), repeats)
     figures["save_while_pending_no_memo_ms"] = fastest_ms(save_after(nothing, None), repeats)
@@ -276,6 +278,45 @@ def save_after_a_swap_ms(ranks: int, repeats: int) -> float:
         records._encode("big", state, 100.0, stored, memo)
         times.append(1e3 * (time.perf_counter() - started))
     return min(times)
+
+
+SAVE_EVERY_ACK_BATCHES = 64
+"""Ack batches (of a host's 8 acks) the swapper takes between two saves while a rebuild's acks come in
+(its worker saves after each batch of inputs, 50 ms of deciding at most: about 64 of 0.8 ms here)."""
+
+
+def saves_while_acked_ms(ranks: int) -> dict[str, float]:
+    """The saves of a job of `ranks` ranks while the acks of a swap's rebuild come in, a host's 8 at a
+    time, a save after each `SAVE_EVERY_ACK_BATCHES` of them: their sum and the slowest (one run: each
+    save is of its own acks)."""
+    state = large_job(ranks)
+    core = a_core_with(state)
+    victim = state.membership.ranks[100]
+    core.on_failure(Failure("big", state.generation, victim, 100, FailureReason.HEARTBEAT, {}, 1.0, 1.0), 1.0)
+    core.tick(1.0 + core.config.last_call_s)
+    assert state.recovery.pending is not None, "the swap is decided"
+    command = state.recovery.pending.command
+    records, memo = JobRecords(None, None), SectionMemo()  # type: ignore[arg-type]  # encoding only: no KV
+    stored = records._encode("big", state, 2.0, {}, memo).sections
+    times = []
+    t = time.time()
+    marks = RebuildMarks(received=t, begin=t, restored=t, rendezvous=t, ready=t)
+    for batch, host in enumerate(range(0, ranks, 8)):
+        acks = [
+            RebuildAck(
+                "big", command.generation, command.ranks[r], r, command.restore_step, 5, RestoreSource.LOCAL, marks, t
+            )
+            for r in range(host, min(host + 8, ranks))
+        ]
+        launcher = state.membership.members[command.ranks[host]].launcher
+        core.on_ack_batch(RebuildAckBatch("big", command.generation, launcher, acks), 2.0)
+        if state.recovery.pending is None:
+            break  # every rank acked: the rebuild is done
+        if batch % SAVE_EVERY_ACK_BATCHES == SAVE_EVERY_ACK_BATCHES - 1:
+            started = time.perf_counter()
+            stored = records._encode("big", state, 2.0, stored, memo).sections
+            times.append(1e3 * (time.perf_counter() - started))
+    return {"saves_while_acked_ms": sum(times), "save_while_acked_ms_max": max(times)}
 
 
 def a_core_with(state: JobState) -> SwapperCore:
