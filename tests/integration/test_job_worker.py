@@ -9,11 +9,14 @@ never read an event again while using most of a core: a rank killed later was ne
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from deadpool_protocol import (
     Commit,
@@ -29,8 +32,10 @@ from deadpool_protocol import (
     SnapshotComplete,
     StoreStatus,
     Subjects,
+    decode,
 )
 from deadpool_runtime import EventPublisher, ensure_events_stream
+from deadpool_runtime.bus import publish as bus_publish
 from deadpool_runtime.events import stream_position
 from deadpool_runtime.logs import get_logger
 from deadpool_swapper.core import Decision, Fence, Publish, SwapperConfig, SwapperCore
@@ -198,20 +203,23 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
 
 
 async def watched_worker(
-    nc: Client, count: Callable[[WatchedCore], int]
+    nc: Client, count: Callable[[WatchedCore], int], core_class: type[WatchedCore] = WatchedCore, send: bool = False
 ) -> tuple[WatchedCore, JobWorker, list[tuple[Message, int]], int]:
-    """A worker, not started, of a formed job whose stores stay live, on real job records: its core,
-    the worker, its publications each with `count(core)` when it went out, and the stream's last
-    sequence (the worker reads what comes after it)."""
+    """A worker, not started, of a formed job whose stores stay live, on real job records: its core (a
+    `core_class`), the worker, its publications each with `count(core)` when it went out (`send`: on
+    `nc` too, as the swapper publishes), and the stream's last sequence (the worker reads what comes
+    after it)."""
     log = get_logger()
     await ensure_events_stream(nc)
     records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
-    core = WatchedCore(SwapperConfig(replication=2, store_timeout_s=LIVENESS_BOUND_S, last_call_s=0.0))
+    core = core_class(SwapperConfig(replication=2, store_timeout_s=LIVENESS_BOUND_S, last_call_s=0.0))
     formed(core, time.monotonic())
     published: list[tuple[Message, int]] = []
 
     async def publish(action: Publish) -> None:
         published.append((action.message, count(core)))
+        if send:
+            await bus_publish(nc, action.subject, action.message)
 
     async def fence(_: Fence) -> float:
         return 0.0
@@ -241,6 +249,81 @@ async def test_a_commit_goes_out_before_the_inputs_waiting_behind_its_report(nc:
         assert core.jobs[JOB].ledger.committed_step == 1  # the later reports committed nothing
     finally:
         await worker.stop()
+
+
+BUSY_S = 1.0
+"""How long the input after a commit holds the worker's loop (a batch's deciding, a save's encoding)."""
+
+
+class BusyCore(WatchedCore):
+    """Holds the loop for `BUSY_S` on each ack batch, noting when it began and ended."""
+
+    busy: list[tuple[float, float]]
+
+    def on_ack_batch(self, batch: RebuildAckBatch, now: float) -> Decision:
+        began = time.monotonic()
+        time.sleep(BUSY_S)
+        self.busy = [*getattr(self, "busy", []), (began, time.monotonic())]
+        return super().on_ack_batch(batch, now)
+
+
+class CommitListener(threading.Thread):
+    """Hears the job's commits on a connection and a loop of its own (the worker's may be held), and
+    notes when each arrives."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.heard: list[tuple[int, float]] = []
+        self.listening = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        asyncio.run(self._listen())
+
+    async def _listen(self) -> None:
+        nc = await nats.connect(self.url)
+
+        async def on_commit(msg: Msg) -> None:
+            self.heard.append((decode(msg.data, Commit).step, time.monotonic()))
+
+        await nc.subscribe(Subjects.for_job(JOB).commit, cb=on_commit)
+        await nc.flush()
+        self.listening.set()
+        while not self.done.is_set():
+            await asyncio.sleep(0.01)
+        await nc.close()
+
+
+async def test_a_commit_is_on_the_wire_before_the_worker_decides_what_came_after_it(nc: Client, nats_url: str) -> None:
+    """A publish only queues the commit's bytes: the client's flusher, a task of the worker's loop,
+    writes them once the worker yields. At 8,192 ranks the worker went on at once to the next batch's
+    deciding and its save's encoding, and a commit waited behind them (the decision to the commit heard
+    elsewhere: 180-530 ms p99). Here the input after the commit holds the loop for a second: the commit
+    must have reached a listener on another connection by then."""
+    core, worker, published, last = await watched_worker(nc, lambda core: len(core.acked), BusyCore, send=True)
+    listener = CommitListener(nats_url)
+    listener.start()
+    assert await asyncio.to_thread(listener.listening.wait, LIVENESS_BOUND_S), "the listener subscribed"
+    for seq, store in enumerate(("store0", "store1"), last + 1):
+        worker.inbox.put_nowait(Event(SnapshotComplete(JOB, 1, store, 1, [0, 1], [10, 10]), seq))
+    worker.inbox.put_nowait(Event(ack_batch(1), last + 3))  # waiting behind the reports: taken next
+    worker.start()
+    try:
+        await until(lambda: len(core.acked) == 1, "the ack batch handled")
+        (busy_began, busy_ended) = core.busy[0]  # type: ignore[attr-defined]
+        assert [m.step for m, acked in published if isinstance(m, Commit)] == [1]
+        await until(lambda: bool(listener.heard), "the commit heard")
+        ((step, heard_at),) = listener.heard
+        assert step == 1
+        assert heard_at < busy_ended - BUSY_S / 2, (
+            f"the commit was heard {heard_at - busy_began:.3f} s after the next input began to hold the loop "
+            f"({BUSY_S} s): it waited for it"
+        )
+    finally:
+        listener.done.set()
+        await worker.stop()
+        await asyncio.to_thread(listener.join, LIVENESS_BOUND_S)
 
 
 async def test_a_report_waiting_behind_a_rebuilds_acks_is_decided_before_them(nc: Client) -> None:
