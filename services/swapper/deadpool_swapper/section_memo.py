@@ -10,8 +10,8 @@ its own, so a save costs what changed, not the job's size:
 - the members (their rows, and the summary's map of their hosts), in the order they registered, cut
   after a member whose name hashes to a multiple of `MEMBER_CHUNK_MEAN`: where the cuts fall depends
   on the names alone, so a member that registers changes the last chunk, one that fails its own;
-- the rank maps (the ranks, the placement), cut every `RANK_CHUNK_ITEMS` ranks: a swap changes one
-  chunk of each;
+- the rank maps (the ranks, the placement) and the holders of the committed step and the one before,
+  cut every `RANK_CHUNK_ITEMS` ranks: a swap changes one chunk of each;
 - the rebuild in flight's acks, in the order they came, cut every `ACK_CHUNK_ITEMS`: a save while
   they come in builds the newest chunk again.
 Whole, a save while 16,384 members registered built, packed and compressed the membership again,
@@ -35,7 +35,7 @@ from deadpool_protocol.codec import to_fields
 from deadpool_protocol.job_record import SECTION_INLINE_BYTES, Section
 from deadpool_protocol.names import content_digest
 from deadpool_swapper.core import JobState
-from deadpool_swapper.job_parts import command_less, command_shares, copy_command, member_row
+from deadpool_swapper.job_parts import command_less, command_shares, copy_command, holders_entry, member_row
 from deadpool_swapper.placement import MemberInfo
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "RANK_CHUNK_ITEMS",
     "SectionMemo",
     "ack_chunks",
+    "holder_chunks",
     "member_chunks",
     "rank_chunks",
 ]
@@ -84,6 +85,14 @@ def ack_chunks(acks: dict[str, RebuildAck]) -> list[Chunk]:
     where each starts (an ack repeated by its member replaces its own in place)."""
     items = list(acks.values())
     return [(start, items[start : start + ACK_CHUNK_ITEMS]) for start in range(0, len(items), ACK_CHUNK_ITEMS)]
+
+
+def holder_chunks(holders: dict[int, set[str]]) -> list[Chunk]:
+    """A step's holders in rank order, `RANK_CHUNK_ITEMS` ranks a chunk, keyed by their first rank."""
+    items = sorted(holders.items())
+    return [
+        (items[start][0], items[start : start + RANK_CHUNK_ITEMS]) for start in range(0, len(items), RANK_CHUNK_ITEMS)
+    ]
 
 
 def rank_chunks(by_rank: list[Any]) -> list[Chunk]:
@@ -137,6 +146,14 @@ def _same(items: list[Any], _: None) -> list[Any]:
     return items
 
 
+def _holders(items: list[tuple[int, set[str]]], _: None) -> list[list[Any]]:
+    return holders_entry(dict(items))
+
+
+def _frozen_items(items: list[tuple[int, set[str]]]) -> list[tuple[int, frozenset[str]]]:
+    return [(rank, frozenset(stores)) for rank, stores in items]
+
+
 def _acks(state: JobState) -> dict[str, RebuildAck]:
     pending = state.recovery.pending
     return {} if pending is None else pending.acks
@@ -152,11 +169,33 @@ _CHUNKED = (
     _Chunked("summary", "ranks", lambda s: s.membership.ranks, None, rank_chunks, _nothing, _same, list),
     _Chunked("swapper", "placement", lambda s: s.stores.placement, None, rank_chunks, _nothing, _lists, _lists),
     _Chunked("swapper", "pending_acks", _acks, None, ack_chunks, _nothing, _ack_fields, list),
+    _Chunked(
+        "swapper",
+        "committed_holders",
+        lambda s: s.ledger.committed_holders,
+        None,
+        holder_chunks,
+        _nothing,
+        _holders,
+        _frozen_items,
+    ),
+    _Chunked(
+        "swapper",
+        "previous_committed_holders",
+        lambda s: s.ledger.previous_committed.holders,
+        None,
+        holder_chunks,
+        _nothing,
+        _holders,
+        _frozen_items,
+    ),
 )
 """The fields kept in chunks (a member's info is kept as it is: `MemberInfo` is frozen, and so is an
 ack). The members are compared whole first (cutting them hashes every name); a rank map is sliced, and
 only the chunks that changed are copied: a copy of the whole placement was a third of a save after a
-swap at 16,384 ranks. The acks are sliced too: they only grow while a rebuild is in flight."""
+swap at 16,384 ranks. The acks are sliced too: they only grow while a rebuild is in flight. The
+holders of the committed step and of the one before are cut by rank: a swap changes a chunk of each,
+where the commit after it built both whole (8,192 ranks' sorted stores, each)."""
 
 
 def pending_shares(state: JobState) -> tuple[str, ...]:
@@ -189,13 +228,7 @@ def _as_is(value: Any) -> Any:
     return value
 
 
-def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
-    return {rank: frozenset(stores) for rank, stores in holders.items()}
-
-
 _WHOLE: tuple[tuple[str, str, Callable[[JobState], Any], Callable[[Any], Any]], ...] = (
-    ("swapper", "committed_holders", lambda s: s.ledger.committed_holders, _frozen_holders),
-    ("swapper", "previous_committed_holders", lambda s: s.ledger.previous_committed.holders, _frozen_holders),
     ("swapper", "rank_bytes", lambda s: s.ledger.rank_bytes, dict),
     ("swapper", "pending_command", _pending_command, _copy_pending),
     ("swapper", "pending_delta", _pending_delta, _as_is),
