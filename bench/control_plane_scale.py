@@ -61,7 +61,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -174,12 +173,14 @@ async def commit_probe(url: str, nkey: str) -> None:
     await asyncio.Event().wait()
 
 
-def probed_out_ms(probe: subprocess.Popen[bytes], steps: Collection[int]) -> list[float]:
-    """The decision -> arrival times the commit probe printed, for `steps` (it is stopped here)."""
+def probed_ms(probe: subprocess.Popen[bytes], sealed_at: dict[int, float]) -> tuple[list[float], list[float]]:
+    """What the commit probe printed for the steps in `sealed_at` (it is stopped here): each commit's
+    last store report sent -> its arrival there, and its decision -> its arrival there."""
     probe.terminate()
     out, _ = probe.communicate(timeout=10)
     heard = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    return [(h["t"] - h["t_decided"]) * 1000 for h in heard if h["step"] in steps]
+    heard = [h for h in heard if h["step"] in sealed_at]
+    return [(h["t"] - sealed_at[h["step"]]) * 1000 for h in heard], [(h["t"] - h["t_decided"]) * 1000 for h in heard]
 
 
 async def worker_main(
@@ -730,7 +731,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
             counts1 = dict(counts)
-            probe_out_ms = probed_out_ms(probe, set(committed_steps))
+            probe_ms, probe_out_ms = probed_ms(probe, {s: stores.sealed_at[s] for s in committed_steps})
         finally:
             stopped = time.time()  # the members stop beating: verdicts from here on are the bench's end
             if probe is not None and probe.poll() is None:
@@ -809,6 +810,8 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "commit_to_decision_ms_p99": round(percentile(commit_decide_ms, 99), 1) if commit_decide_ms else None,
         "commit_decision_out_ms_p99": round(percentile(commit_out_ms, 99), 1) if commit_out_ms else None,
         "commit_decision_to_probe_ms_p99": round(percentile(probe_out_ms, 99), 1) if probe_out_ms else None,
+        "commit_probe_ms_p50": round(statistics.median(probe_ms), 1) if probe_ms else None,
+        "commit_probe_ms_p99": round(percentile(probe_ms, 99), 1) if probe_ms else None,
         "record_bytes_max": largest["record"][0],
         "message_bytes_max": largest["message"][0],
         "message_bytes_max_subject": largest["message"][1],
@@ -871,7 +874,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits; to the "
             f"decision p99 {r['commit_to_decision_ms_p99']} ms, the decision -> here p99 "
             f"{r['commit_decision_out_ms_p99']} ms, -> a process that only hears commits p99 "
-            f"{r['commit_decision_to_probe_ms_p99']} ms); largest record "
+            f"{r['commit_decision_to_probe_ms_p99']} ms; heard there p50 {r['commit_probe_ms_p50']} p99 "
+            f"{r['commit_probe_ms_p99']} ms); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']}); "
             f"a rebuild {r['rebuild_bytes']} B whole, {r['rebuild_delta_bytes']} B as its delta: the server sends "
             f"{r['rebuild_fanout_mb']} MB to real members, launchers and detectors "
