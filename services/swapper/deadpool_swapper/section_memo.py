@@ -150,6 +150,10 @@ def _holders(items: list[tuple[int, set[str]]], _: None) -> list[list[Any]]:
     return holders_entry(dict(items))
 
 
+def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
+    return {rank: frozenset(stores) for rank, stores in holders.items()}
+
+
 def _frozen_items(items: list[tuple[int, set[str]]]) -> list[tuple[int, frozenset[str]]]:
     return [(rank, frozenset(stores)) for rank, stores in items]
 
@@ -173,7 +177,7 @@ _CHUNKED = (
         "swapper",
         "committed_holders",
         lambda s: s.ledger.committed_holders,
-        None,
+        _frozen_holders,
         holder_chunks,
         _nothing,
         _holders,
@@ -183,7 +187,7 @@ _CHUNKED = (
         "swapper",
         "previous_committed_holders",
         lambda s: s.ledger.previous_committed.holders,
-        None,
+        _frozen_holders,
         holder_chunks,
         _nothing,
         _holders,
@@ -194,8 +198,9 @@ _CHUNKED = (
 ack). The members are compared whole first (cutting them hashes every name); a rank map is sliced, and
 only the chunks that changed are copied: a copy of the whole placement was a third of a save after a
 swap at 16,384 ranks. The acks are sliced too: they only grow while a rebuild is in flight. The
-holders of the committed step and of the one before are cut by rank: a swap changes a chunk of each,
-where the commit after it built both whole (8,192 ranks' sorted stores, each)."""
+holders of the committed step and of the one before are compared whole first (the commits between
+swaps change neither, and cutting sorts them), then cut by rank: a swap changes a chunk of each, where
+the commit after it built both whole (8,192 ranks' sorted stores, each)."""
 
 
 def pending_shares(state: JobState) -> tuple[str, ...]:
