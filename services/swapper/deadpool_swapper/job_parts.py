@@ -76,7 +76,12 @@ def age(now: float, instant: float) -> float:
 
 def holders_entry(holders: dict[int, set[str]]) -> list[list[Any]]:
     """Per rank in order, its stores in order (a set of one is its own order: most are one or two)."""
-    return [[rank, sorted(stores) if len(stores) > 1 else list(stores)] for rank, stores in sorted(holders.items())]
+    return holder_rows(sorted(holders.items()))
+
+
+def holder_rows(items: list[tuple[int, set[str]]]) -> list[list[Any]]:
+    """`holders_entry` of holders already in rank order, as (rank, stores) items."""
+    return [[rank, sorted(stores) if len(stores) > 1 else list(stores)] for rank, stores in items]
 
 
 def holders_of(entry: list[Any]) -> dict[int, set[str]]:

@@ -35,7 +35,7 @@ from deadpool_protocol.codec import to_fields
 from deadpool_protocol.job_record import SECTION_INLINE_BYTES, Section
 from deadpool_protocol.names import content_digest
 from deadpool_swapper.core import JobState
-from deadpool_swapper.job_parts import command_less, command_shares, copy_command, holders_entry, member_row
+from deadpool_swapper.job_parts import command_less, command_shares, copy_command, holder_rows, member_row
 from deadpool_swapper.placement import MemberInfo
 
 __all__ = [
@@ -80,24 +80,25 @@ def member_chunks(members: dict[str, MemberInfo]) -> list[Chunk]:
     return chunks
 
 
+def _slices(items: list[Any], size: int) -> list[Chunk]:
+    """`items` in slices of `size`, each with where it starts."""
+    return [(start, items[start : start + size]) for start in range(0, len(items), size)]
+
+
 def ack_chunks(acks: dict[str, RebuildAck]) -> list[Chunk]:
     """The rebuild in flight's acks in the order they came, in chunks of `ACK_CHUNK_ITEMS`, keyed by
     where each starts (an ack repeated by its member replaces its own in place)."""
-    items = list(acks.values())
-    return [(start, items[start : start + ACK_CHUNK_ITEMS]) for start in range(0, len(items), ACK_CHUNK_ITEMS)]
+    return _slices(list(acks.values()), ACK_CHUNK_ITEMS)
 
 
 def holder_chunks(holders: dict[int, set[str]]) -> list[Chunk]:
     """A step's holders in rank order, `RANK_CHUNK_ITEMS` ranks a chunk, keyed by their first rank."""
-    items = sorted(holders.items())
-    return [
-        (items[start][0], items[start : start + RANK_CHUNK_ITEMS]) for start in range(0, len(items), RANK_CHUNK_ITEMS)
-    ]
+    return [(items[0][0], items) for _, items in _slices(sorted(holders.items()), RANK_CHUNK_ITEMS)]
 
 
 def rank_chunks(by_rank: list[Any]) -> list[Chunk]:
     """A rank map in chunks of `RANK_CHUNK_ITEMS` ranks, keyed by their first rank."""
-    return [(start, by_rank[start : start + RANK_CHUNK_ITEMS]) for start in range(0, len(by_rank), RANK_CHUNK_ITEMS)]
+    return _slices(by_rank, RANK_CHUNK_ITEMS)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ def _same(items: list[Any], _: None) -> list[Any]:
 
 
 def _holders(items: list[tuple[int, set[str]]], _: None) -> list[list[Any]]:
-    return holders_entry(dict(items))
+    return holder_rows(items)
 
 
 def _frozen_holders(holders: dict[int, set[str]]) -> dict[int, frozenset[str]]:
