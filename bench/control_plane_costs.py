@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -248,18 +249,30 @@ FORMATION_BATCH = 16
 def save_in_formation_ms(ranks: int, repeats: int) -> float:
     """A save of a job that forms, `ranks` members registered, `FORMATION_BATCH` of them since the
     last save (fastest of `repeats`; each save's new sections compressed, as a save writes them)."""
-    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
     state = JobState("big", run="run-1", membership=Membership(world_size=ranks), recovery=Recovery())
     infos = [member_info(i, ranks) for i in range(ranks + (repeats + 1) * FORMATION_BATCH)]
     state.membership.members = {info.member: info for info in infos[:ranks]}
+
+    def joined(start: int) -> None:
+        state.membership.members |= {info.member: info for info in infos[start : start + FORMATION_BATCH]}
+
+    starts = range(ranks, ranks + repeats * FORMATION_BATCH, FORMATION_BATCH)
+    return fastest_save_after_ms(state, (functools.partial(joined, start) for start in starts))
+
+
+def fastest_save_after_ms(state: JobState, changes: Iterable[Callable[[], None]], follow: bool = False) -> float:
+    """The fastest save of `state`, with the memo of the saves before, after each of `changes` in turn.
+    Each save knows the sections the first one stored, or (`follow`) those of the save before it."""
+    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
     memo = SectionMemo()
     stored = records._encode("big", state, 100.0, {}, memo).sections
     times = []
-    for start in range(ranks, ranks + repeats * FORMATION_BATCH, FORMATION_BATCH):
-        state.membership.members |= {info.member: info for info in infos[start : start + FORMATION_BATCH]}
+    for change in changes:
+        change()
         started = time.perf_counter()
-        records._encode("big", state, 100.0, stored, memo)
+        saved = records._encode("big", state, 100.0, stored, memo).sections
         times.append(1e3 * (time.perf_counter() - started))
+        stored = saved if follow else stored
     return min(times)
 
 
@@ -267,36 +280,27 @@ def save_at_a_commit_after_a_swap_ms(ranks: int, repeats: int) -> float:
     """The save of the first commit after a swap that moved a rank's copies: the holders of the
     committed step differ at that rank, and those of the step before at the rank of the swap before
     (fastest of `repeats`, each after a swap of its own)."""
-    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
     state = large_job(ranks)
-    memo = SectionMemo()
-    stored = records._encode("big", state, 100.0, {}, memo).sections
-    times = []
-    for rank in range(100, 100 + repeats):
+
+    def moved_then_committed(rank: int) -> None:
         state.stores.placement[rank] = [STORES[(rank + 5) % 32], STORES[(rank + 6) % 32]]
         commit(state, state.ledger.committed_step + 1)
-        started = time.perf_counter()
-        stored = records._encode("big", state, 100.0, stored, memo).sections
-        times.append(1e3 * (time.perf_counter() - started))
-    return min(times)
+
+    ranks_moved = range(100, 100 + repeats)
+    return fastest_save_after_ms(state, (functools.partial(moved_then_committed, r) for r in ranks_moved), True)
 
 
 def save_after_a_swap_ms(ranks: int, repeats: int) -> float:
     """The save of a job of `ranks` ranks once a swap is decided: a spare holds the failed rank, its
     stores changed, the rebuild command is new (fastest of `repeats`, each a swap of its own)."""
-    records = JobRecords(None, None)  # type: ignore[arg-type]  # encoding only: no KV
     state = large_job(ranks)
-    memo = SectionMemo()
-    stored = records._encode("big", state, 100.0, {}, memo).sections
-    times = []
-    for rank in range(100, 100 + repeats):
+
+    def swapped(rank: int) -> None:
         swap(state, rank)
         state.recovery.pending = PendingRebuild(rebuild_of(state), 100.0)
         state.generation += 1
-        started = time.perf_counter()
-        records._encode("big", state, 100.0, stored, memo)
-        times.append(1e3 * (time.perf_counter() - started))
-    return min(times)
+
+    return fastest_save_after_ms(state, (functools.partial(swapped, r) for r in range(100, 100 + repeats)))
 
 
 SAVE_EVERY_ACK_BATCHES = 64

@@ -258,12 +258,14 @@ BUSY_S = 1.0
 class BusyCore(WatchedCore):
     """Holds the loop for `BUSY_S` on each ack batch, noting when it began and ended."""
 
-    busy: list[tuple[float, float]]
+    def __init__(self, config: SwapperConfig) -> None:
+        super().__init__(config)
+        self.busy: list[tuple[float, float]] = []
 
     def on_ack_batch(self, batch: RebuildAckBatch, now: float) -> Decision:
         began = time.monotonic()
         time.sleep(BUSY_S)
-        self.busy = [*getattr(self, "busy", []), (began, time.monotonic())]
+        self.busy.append((began, time.monotonic()))
         return super().on_ack_batch(batch, now)
 
 
@@ -311,7 +313,8 @@ async def test_a_commit_is_on_the_wire_before_the_worker_decides_what_came_after
     worker.start()
     try:
         await until(lambda: len(core.acked) == 1, "the ack batch handled")
-        (busy_began, busy_ended) = core.busy[0]  # type: ignore[attr-defined]
+        assert isinstance(core, BusyCore)
+        (busy_began, busy_ended) = core.busy[0]
         assert [m.step for m, acked in published if isinstance(m, Commit)] == [1]
         await until(lambda: bool(listener.heard), "the commit heard")
         ((step, heard_at),) = listener.heard
