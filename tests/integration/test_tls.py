@@ -114,7 +114,11 @@ async def test_a_rogue_server_joins_a_plain_cluster_and_no_route_without_the_rou
     # As the finding was made: a cluster without TLS on its routes takes in a server with no users.
     plain = NatsCluster(tmp_path / "plain", 2, authorization=authorization)
     plain.start()
-    rogue = NatsServer(tmp_path / "rogue-plain", cluster_port=free_port(), routes=[plain.servers[0].cluster_port])
+    # Routed to both nodes by name: a route the rogue only learns of (to the admin's node, through the
+    # other) is tried once and never again (nats-server's `connect_retries` is 0 for discovered routes),
+    # so one attempt lost on a busy machine left the control waiting in vain.
+    routes = [server.cluster_port for server in plain.servers]
+    rogue = NatsServer(tmp_path / "rogue-plain", cluster_port=free_port(), routes=routes)
     try:
         rogue.start()
         admin = await nats.connect(plain.servers[1].url, nkeys_seed=admin_seed)
