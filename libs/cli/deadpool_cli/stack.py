@@ -326,7 +326,8 @@ class Stack:
 
             await nc.subscribe(STORE_STATUS, cb=on_store)
             deadline = time.monotonic() + READY_TIMEOUT_S
-            pending = {"deadpool-detector", "deadpool-swapper"}
+            wanted = (("deadpool-detector", self.config.detectors), ("deadpool-swapper", self.config.swappers))
+            pending = {service for service, count in wanted if count}  # a stack may leave one out
             while pending or len(stores_seen) < self.config.stores:
                 self._check_alive()
                 if time.monotonic() > deadline:
