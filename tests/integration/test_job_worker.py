@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats
@@ -22,6 +22,7 @@ from deadpool_protocol import (
     Commit,
     Failure,
     FailureReason,
+    GenerationVoid,
     MemberHello,
     Message,
     Rebuild,
@@ -48,6 +49,9 @@ W = 2
 STORE_TIMEOUT_S = 0.5
 LIVENESS_BOUND_S = 20.0
 """Every event must be handled well within this (a liveness bound, not a timing goal)."""
+FENCE_TO_REBUILD_S = 0.5
+"""A fence's answer -> its rebuild out, at most: the worker's own reaction, not its next input or tick
+(a rebuild's retransmission, a second)."""
 
 
 class WatchedCore(SwapperCore):
@@ -202,13 +206,21 @@ async def test_a_new_leader_reads_what_was_stored_after_a_record_saved_on_an_emp
         await new_leader.stop()
 
 
+async def answered_at_once(_: Fence) -> float:
+    return 0.0
+
+
 async def watched_worker(
-    nc: Client, count: Callable[[WatchedCore], int], core_class: type[WatchedCore] = WatchedCore, send: bool = False
+    nc: Client,
+    count: Callable[[WatchedCore], int],
+    core_class: type[WatchedCore] = WatchedCore,
+    send: bool = False,
+    fence: Callable[[Fence], Awaitable[float]] = answered_at_once,
 ) -> tuple[WatchedCore, JobWorker, list[tuple[Message, int]], int]:
     """A worker, not started, of a formed job whose stores stay live, on real job records: its core (a
     `core_class`), the worker, its publications each with `count(core)` when it went out (`send`: on
     `nc` too, as the swapper publishes), and the stream's last sequence (the worker reads what comes
-    after it)."""
+    after it). Its fences are `fence`'s (each answered at once by default)."""
     log = get_logger()
     await ensure_events_stream(nc)
     records = await JobRecords.open(nc.jetstream(timeout=2.0), log, 1, nc.max_payload)
@@ -221,11 +233,69 @@ async def watched_worker(
         if send:
             await bus_publish(nc, action.subject, action.message)
 
-    async def fence(_: Fence) -> float:
-        return 0.0
-
     position = await stream_position(nc)
     return core, JobWorker(JOB, core, records, nc, log, publish, fence, lambda: True, position), published, position[1]
+
+
+class HeldFences:
+    """A launcher's fences, each noted, and answered (saying it took `took_s`) only once `answer` is set."""
+
+    def __init__(self, took_s: float) -> None:
+        self.took_s = took_s
+        self.asked: list[Fence] = []
+        self.answer = asyncio.Event()
+
+    async def __call__(self, fence: Fence) -> float:
+        self.asked.append(fence)
+        await self.answer.wait()
+        return self.took_s
+
+
+def rebuilds(published: list[tuple[Message, int]]) -> list[Rebuild]:
+    return [m for m, _ in published if isinstance(m, Rebuild) and m.generation > 1]
+
+
+async def test_the_spare_of_a_lost_host_does_not_wait_for_a_fence_nobody_can_answer(nc: Client) -> None:
+    """Seen in `test_multi_node.py`: a host whose link went down stays connected on the server until its
+    pings go unanswered (tens of seconds), so a fence sent to its launcher gets no "no responders"
+    either, and the spare waited the whole fence timeout: 5.00 s of the host's 10.25 s of downtime. A
+    member of a lost host is fenced by generation (hello, stores); its fence still goes, and holds
+    nothing."""
+    gone = HeldFences(0.0)  # the launcher's host is gone: no answer, until cancelled
+    core, worker, published, _ = await watched_worker(nc, lambda core: 0, fence=gone)
+    worker.start()
+    try:
+        t = time.time()
+        lost = Failure(JOB, 1, "r1", 1, FailureReason.HEARTBEAT, {}, t, t, lost_host="h1", lost_host_members=1)
+        assert await EventPublisher(nc, get_logger()).publish(Subjects.for_job(JOB).failure, lost)
+        await until(lambda: rebuilds(published), "rank 1 swapped while its launcher never answers")
+        assert [(f.member, f.holds_rebuild) for f in gone.asked] == [("r1", False)]
+        assert rebuilds(published)[0].ranks == ["r0", "s0"]
+        assert core.jobs[JOB].incident_log.open_incidents[0].fence_s == 0.0  # nobody waited for it
+    finally:
+        await worker.stop()
+
+
+async def test_a_rebuild_held_by_a_fence_goes_out_as_soon_as_the_fence_answers(nc: Client) -> None:
+    """A lone silent member may still run: its rebuild waits for the fence (`Fence.holds_rebuild`),
+    then goes out with the fence's answer, not at the worker's next input or tick."""
+    launcher = HeldFences(0.05)
+    core, worker, published, _ = await watched_worker(nc, lambda core: 0, fence=launcher)
+    worker.start()
+    try:
+        t = time.time()
+        silent = Failure(JOB, 1, "r1", 1, FailureReason.HEARTBEAT, {}, t, t)
+        assert await EventPublisher(nc, get_logger()).publish(Subjects.for_job(JOB).failure, silent)
+        await until(lambda: any(isinstance(m, GenerationVoid) for m, _ in published), "generation 1 voided")
+        assert [(f.member, f.holds_rebuild) for f in launcher.asked] == [("r1", True)]
+        assert not rebuilds(published), "the rebuild went out before the fence answered"
+        answered = time.monotonic()
+        launcher.answer.set()
+        await until(lambda: rebuilds(published), "rank 1 swapped once fenced")
+        assert time.monotonic() - answered < FENCE_TO_REBUILD_S
+        assert core.jobs[JOB].incident_log.open_incidents[0].fence_s == 0.05
+    finally:
+        await worker.stop()
 
 
 async def test_a_commit_goes_out_before_the_inputs_waiting_behind_its_report(nc: Client) -> None:

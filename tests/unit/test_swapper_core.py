@@ -260,12 +260,18 @@ def test_a_lost_host_is_swapped_in_one_generation() -> None:
     assert rebuild.generation == 2 and rebuild.ranks[:2] == ["s0", "s1"] and rebuild.ranks[2:] == ["r2", "r3"]
     shown = [i.evidence for i in core.jobs["j"].incident_log.open_incidents]  # for people: the host lost, as before
     assert [(e["host"], e["host_members_silent"]) for e in shown] == [("a", "2"), ("a", "2")]
+    # Each is fenced, but its launcher went with the host: the rebuild does not wait for the answer.
+    fences = [a for d in (first, second) for a in d.actions if isinstance(a, Fence)]
+    assert [(f.member, f.holds_rebuild) for f in fences] == [("r0", False), ("r1", False)]
 
 
 def test_a_single_silent_member_is_swapped_at_once() -> None:
     core = two_hosts_core()
-    (rebuild,) = published(fail(core, Failure("j", 1, "r0", 0, FailureReason.HEARTBEAT, {}, 5.0, 6.0), 6.0), Rebuild)
+    decision = fail(core, Failure("j", 1, "r0", 0, FailureReason.HEARTBEAT, {}, 5.0, 6.0), 6.0)
+    (rebuild,) = published(decision, Rebuild)
     assert rebuild.ranks == ["s0", "r1", "r2", "r3"]
+    (fence,) = [a for a in decision.actions if isinstance(a, Fence)]
+    assert fence.holds_rebuild  # it may still run, its launcher beside it: killed before its spare goes
 
 
 def test_a_lost_host_whose_second_failure_is_lost_is_swapped_after_the_window() -> None:

@@ -236,6 +236,13 @@ class Fence:
     member: str
     launcher: str
     reason: str
+    holds_rebuild: bool = True
+    """Whether the rebuild waits for this fence's answer (`JobWorker`). Not for a member whose whole
+    host went silent (`Failure.lost_host`): its launcher went with it, or is cut off with it. A request
+    to it reaches nobody, yet the server keeps a vanished host's connection until its pings go
+    unanswered (tens of seconds): no "no responders" comes, and the rebuild waited the whole
+    `fence_timeout_s` (5.00 s of a lost host's 10.25 s in `test_multi_node.py`). The fence still goes, and
+    such a member is fenced by generation anyway: refused at hello, its uploads refused by the stores."""
 
 
 @dataclass(frozen=True)
@@ -630,7 +637,8 @@ class SwapperCore:
         del state.membership.failed[:-FAILED_KEPT]
         actions: list[Action] = [Persist(state.job)]
         if failure.reason.needs_fence:
-            actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason))
+            holds = not failure.lost_host  # a lost host's launcher answers nobody (`Fence.holds_rebuild`)
+            actions.append(Fence(state.job, state.generation, failure.member, info.launcher, failure.reason, holds))
         if failure.cause.ends_job:
             rank = state.membership.ranks.index(failure.member) if failure.member in state.membership.ranks else -1
             error = failure.evidence.get("error", "")

@@ -13,7 +13,8 @@ a lane of their own, ahead of the rest (`SWAPPER_REPORTS`, `lanes.py`):
   is dropped (reloaded away), with the reason logged, never retried for ever;
 - fences run in the background (a lost host's members are killed in parallel, each bounded by
   `fence_timeout_s`) while the worker goes on reading events; a rebuild, and whatever was decided
-  after it, goes out only once every fence before it has answered.
+  after it, goes out only once every fence before it that holds it has answered (not a lost host's:
+  `Fence.holds_rebuild`).
 
 The worker never stops reading: an input waiting in the inbox is taken before a tick that is not
 due, a tick's deadline comes from the core's own rules (`Decision.next_at`, always in the future), and
@@ -163,7 +164,11 @@ class JobWorker:
         self._replies: list[tuple[Hello | RunRequest, HelloReply | RunReply]] = []
         self._archives: list[JobState] = []
         """Records of runs that ended, to keep before the state that replaced them is saved."""
-        self._fences: set[asyncio.Task[None]] = set()
+        self._fences: dict[asyncio.Task[None], Fence] = {}
+        """The fences in flight, each with its task. A task that is done has answered, even while its
+        removal from here is still to run: the worker can take the answer from its inbox first (it was
+        woken before the task ended; only `wait_for`'s own task, in Python 3.11, puts a turn of the
+        loop between them)."""
         self._had_state = False
         self._last_reason = ""
         self._stop = asyncio.Event()
@@ -304,6 +309,8 @@ class JobWorker:
         if item is None or isinstance(item, Poke):
             return self.core.tick_job(self.job, now)
         if isinstance(item, Fenced):
+            if not item.fence.holds_rebuild:  # its time was nobody's downtime
+                return Decision([], f"fence of {item.fence.member}, of a lost host, over in {item.took_s:.2f} s")
             self.core.on_fenced(self.job, item.fence.member, item.took_s)
             return Decision([], f"fence of {item.fence.member} answered")
         if isinstance(item, Hello):
@@ -381,8 +388,8 @@ class JobWorker:
             self._last_reason = decision.reason
         for fence in (a for a in decision.actions if isinstance(a, Fence)):
             task = asyncio.create_task(self._fenced(fence), name=f"fence-{fence.member}")
-            self._fences.add(task)
-            task.add_done_callback(self._fences.discard)
+            self._fences[task] = fence
+            task.add_done_callback(self._fences.pop)
         self._dirty = self._dirty or any(isinstance(a, Persist) for a in decision.actions)
         self._archives += [a.state for a in decision.actions if isinstance(a, Archive)]
         for action in (a for a in decision.actions if isinstance(a, Publish)):
@@ -404,7 +411,7 @@ class JobWorker:
                 request.reply.set_result(reply)  # type: ignore[arg-type]
         while self._held:
             action = self._held[0]
-            if isinstance(action.message, Rebuild) and self._fences:
+            if isinstance(action.message, Rebuild) and self._fence_holding():
                 break  # a member that may still run is killed before anyone takes its place
             del self._held[0]
             await self._publish(action)
@@ -413,6 +420,10 @@ class JobWorker:
         # ms at 8,192 ranks, more on a busy machine) ran first, and a commit waited behind them.
         await asyncio.sleep(0)
         await self.records.collect(self.job)  # the parts the saves stopped naming, once the news is out
+
+    def _fence_holding(self) -> bool:
+        """Whether a fence that holds the rebuild (`Fence.holds_rebuild`) has not answered yet."""
+        return any(fence.holds_rebuild and not task.done() for task, fence in self._fences.items())
 
     async def _fenced(self, fence: Fence) -> None:
         took_s = await self._fence(fence)
