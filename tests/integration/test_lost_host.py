@@ -24,8 +24,9 @@ import pytest
 from deadpool_cli.job_watch import JobWatch
 from deadpool_cli.stack import Stack, StackConfig
 from deadpool_cli.weights_check import compare_final_states
-from deadpool_runtime.logs import get_logger
 from deadpool_store.service import INGEST_LIMIT_ENV
+
+from .jobs import watcher
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 RUN_TIMEOUT_S = 180.0
@@ -36,15 +37,32 @@ SLOW_INGEST_BYTES_PER_S = 4_000_000
 
 
 async def launch(
-    nats_args: list[str], job: str, host: str, rank_offset: int, spares: int, out: Path, log: Path, steps: int
+    nats_args: list[str],
+    job: str,
+    host: str,
+    rank_offset: int,
+    spares: int,
+    out: Path,
+    log: Path,
+    steps: int,
+    nproc: int = 2,
+    world_size: int = 4,
 ) -> asyncio.subprocess.Process:
-    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", "2"]
-    command += ["--world-size", "4", "--rank-offset", str(rank_offset), "--spares", str(spares), "--run-id", job]
+    command = [sys.executable, "-m", "deadpool_cli", "launch", *nats_args, "--job", job, "--nproc", str(nproc)]
+    command += ["--world-size", str(world_size), "--rank-offset", str(rank_offset), "--spares", str(spares)]
+    command += ["--run-id", job]
     command += ["--collective-timeout-s", "20", str(SCRIPT), "--steps", str(steps), "--model-size", "tiny"]
     command += ["--out", str(out)]
     env = {**os.environ, "DEADPOOL_HOST": host}
     with open(log, "wb") as sink:
         return await asyncio.create_subprocess_exec(*command, stdout=sink, stderr=sink, env=env)
+
+
+def two_hosts_stack(workdir: Path) -> StackConfig:
+    """The control plane of this module's jobs. Heartbeat timeout 2 s, not less: on 2 busy cores (six
+    members importing torch at once) a member's beats were once late by a second during formation, and
+    1 s declared a healthy host lost."""
+    return StackConfig(workdir=workdir, stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
 
 
 @pytest.mark.parametrize("slow_stores", [False, True], ids=["stores-keep-up", "slow-stores"])
@@ -54,13 +72,8 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
     steps, kill_at = (SLOW_STEPS, 60) if slow_stores else (STEPS, 8)
     if slow_stores:  # the stores inherit it; the members ignore it
         monkeypatch.setenv(INGEST_LIMIT_ENV, str(SLOW_INGEST_BYTES_PER_S))
-    # 2 s, not less: on 2 busy cores (six members importing torch at once) a member's beats were once
-    # late by a second during formation, and 1 s declared a healthy host lost.
-    config = StackConfig(workdir=tmp_path, stores=2, heartbeat_timeout_s=2.0, hang_floor_s=3.0)
-    async with Stack(config) as stack:
-        nc = await stack.connect()
-        watch = JobWatch(nc, "lost-host", get_logger(test="lost-host"))
-        await watch.start()
+    async with Stack(two_hosts_stack(tmp_path)) as stack:
+        nc, watch = await watcher(stack, "lost-host")
         out = tmp_path / "swap"
         host_a = await launch(stack.nats_args, "lost-host", "hosta", 0, 0, out, tmp_path / "a.log", steps)
         host_b = await launch(stack.nats_args, "lost-host", "hostb", 2, 2, out, tmp_path / "b.log", steps)
@@ -102,6 +115,37 @@ async def test_a_lost_host_is_replaced_in_one_generation_and_training_ends_bit_i
         await nc.close()
     identical, tensors, differences = compare_final_states(out, reference)
     assert identical and tensors > 0, differences[:5]
+
+
+async def test_a_member_alone_on_its_host_hung_is_fenced_by_its_launcher_before_its_spare_goes(tmp_path: Path) -> None:
+    """A host that runs one member: when that member goes silent (stopped), its launcher still sends a
+    batch every period, empty, so the detector does not take the host for lost. The swapper then waits
+    for the launcher to kill the member before its spare takes the rank. (Where the launcher goes
+    silent too, the host is lost, and nobody waits for a fence it cannot answer: `test_multi_node.py`.)
+    Without the empty batches the verdict said this host lost."""
+    async with Stack(two_hosts_stack(tmp_path)) as stack:
+        nc, watch = await watcher(stack, "alone")
+        out = tmp_path / "out"
+        host_a = await launch(stack.nats_args, "alone", "hosta", 0, 0, out, tmp_path / "a.log", STEPS, 1, 2)
+        host_b = await launch(stack.nats_args, "alone", "hostb", 1, 1, out, tmp_path / "b.log", STEPS, 1, 2)
+        try:
+            await asyncio.wait_for(watch.wait_for(lambda: min_rank_step(watch) >= 8), 120)
+            assert watch.rebuild is not None
+            alone = watch.rebuild.ranks[0]  # host a's one member (`--rank-offset 0 --nproc 1`)
+            os.kill(watch.members[alone].pid, signal.SIGSTOP)  # silent; its launcher alive beside it
+            await asyncio.wait_for(watch.wait_for(lambda: bool(watch.incidents)), RUN_TIMEOUT_S)
+            (failure,) = [f for f in watch.failures if f.member == alone]
+            assert (failure.reason, failure.lost_host) == ("heartbeat", ""), failure
+            (incident,) = watch.incidents
+            assert incident.phases["fence"] > 0, incident.phases  # the spare waited for the kill
+            # The job ends on host b; host a's launcher, its one member killed, ends too (not cleanly).
+            assert await asyncio.wait_for(host_b.wait(), RUN_TIMEOUT_S) == 0, (tmp_path / "b.log").read_text()[-3000:]
+            assert await asyncio.wait_for(host_a.wait(), RUN_TIMEOUT_S) != 0
+        finally:
+            for process in (host_a, host_b):
+                if process.returncode is None:
+                    process.kill()
+        await nc.close()
 
 
 def in_order(seen: list[str], wanted: list[str]) -> bool:

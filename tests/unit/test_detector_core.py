@@ -9,6 +9,7 @@ from deadpool_protocol import (
     Failure,
     GroupBroken,
     Heartbeat,
+    HeartbeatBatch,
     JobFinished,
     MemberDone,
     MemberError,
@@ -320,6 +321,42 @@ def test_hosts_lost_together_are_each_declared_whole_with_their_own_count() -> N
         "m4": ("b", 3),
         "m5": ("", 0),
     }
+
+
+def beats_of(core: DetectorCore, launcher: str, members: dict[str, str], t: float) -> None:
+    """Launcher `launcher`'s batch at `t`: the whole beat of each of `members` (member -> host)."""
+    beats = [Heartbeat("j", 1, m, int(m[1:]), 100, 3, True, t, t, host=host) for m, host in members.items()]
+    core.on_batch(HeartbeatBatch("j", 1, launcher, beats, [], [0] * len(beats)), t)
+
+
+def test_a_member_alone_on_its_host_whose_launcher_went_silent_too_is_its_host_lost() -> None:
+    """A host that vanishes takes its launcher: a fence sent there is never answered (its connection
+    still looks open to the server), so the swapper must not wait for it. A member alone on its host
+    has no mates to show the host gone; its launcher's silence does."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0", "m1"), spares=())
+    for t in (0.0, 0.25, 0.5):
+        beats_of(core, "l-a", {"m0": "a"}, t)
+        beats_of(core, "l-b", {"m1": "b"}, t)
+    for t in (0.75, 1.0, 1.25, 1.5):  # host a gone: nothing from l-a; host b's launcher goes on
+        beats_of(core, "l-b", {"m1": "b"}, t)
+    (failure,) = core.check(1.55)
+    assert (failure.member, failure.lost_host, failure.lost_host_members) == ("m0", "a", 1)
+
+
+def test_a_member_alone_on_its_host_whose_launcher_still_sends_is_a_member_lost() -> None:
+    """Its launcher sends an empty batch every period (`deadpool.launcher`): alive, it can kill the
+    member, and the swapper waits for that before the member's spare takes its rank."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0", "m1"), spares=())
+    for t in (0.0, 0.25, 0.5):
+        beats_of(core, "l-a", {"m0": "a"}, t)
+        beats_of(core, "l-b", {"m1": "b"}, t)
+    for t in (0.75, 1.0, 1.25, 1.5):  # m0 silent (stopped, hung), its launcher alive and sending
+        beats_of(core, "l-a", {}, t)
+        beats_of(core, "l-b", {"m1": "b"}, t)
+    (failure,) = core.check(1.55)
+    assert (failure.member, failure.lost_host, failure.lost_host_members) == ("m0", "", 0)
 
 
 def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:

@@ -433,7 +433,8 @@ class HeartbeatBatch(JobMessage):
 
     At a thousand members the detector's cost is per NATS message, not per heartbeat: batching by
     host divides it by the members per host. Only beats received in the period are included, so a
-    frozen member goes silent in the batches too.
+    frozen member goes silent in the batches too. A launcher sends one every period, empty when none
+    of its members beat: its own silence says its host is gone (a fence sent there reaches nobody).
     """
 
     KIND: ClassVar[str] = "heartbeat_batch"

@@ -526,12 +526,12 @@ class Launcher:
             self.log.warning("first steps stored but not answered", members=len(replies), error=repr(exc))
 
     async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
-        """Every heartbeat period, the beats received since the last batch, in one message."""
+        """Every heartbeat period, the beats received since the last batch, in one message: an empty one
+        when no member beat, so that the detector tells this launcher's members gone silent from its
+        host gone (`DetectorCore._launcher_gone`): a fence sent to a vanished host is never answered."""
         assert self._nc is not None
         while not stop.is_set():
             await asyncio.sleep(self.config.heartbeat_batch_s)
-            if not self._beats:
-                continue
             received, self._beats = self._beats, {}
             batch = self._compaction.batch(
                 self.config.job, self.generation, self.launcher_id, received, time.monotonic()

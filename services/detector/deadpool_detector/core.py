@@ -132,6 +132,8 @@ UNNAMED_KEPT_MAX = 4096
 """Unnamed members remembered per job; past it, more are ignored until the oldest are forgotten."""
 UNNAMED_KEPT_S = 60.0
 """How long an unnamed member is remembered."""
+LAUNCHERS_KEPT_MAX = 65_536
+"""Launchers whose last batch is remembered per job (`JobView.launcher_seen`): past it, new ones are not."""
 NAMING_WAIT_S = 10.0
 """How long after an unnamed member was first heard of the job record is read again for it (the
 swapper writes a spare into the record as it accepts its hello)."""
@@ -318,6 +320,9 @@ class JobView:
     """Members heard of that no rebuild or job record named, with when first heard: not watched."""
     record_read_t: float = float("-inf")
     """When the job record was last read for unnamed members."""
+    launcher_seen: dict[str, float] = field(default_factory=dict)
+    """Launcher -> when its last batch arrived. A launcher sends one every period, empty when none of
+    its members beat (`deadpool.launcher`): one gone silent went with its host, or is cut off with it."""
 
 
 class DetectorCore:
@@ -398,6 +403,9 @@ class DetectorCore:
         """A launcher's batch, arrived at `now`: each beat and name dated by `now` less its age in the
         launcher (`HeartbeatBatch.ages_ms`), so a silence is timed from a member's last beat however
         long the launcher gathered beats. Returns (member, why) for each one refused."""
+        view = self.jobs.get(batch.job)
+        if view is not None and (batch.launcher in view.launcher_seen or len(view.launcher_seen) < LAUNCHERS_KEPT_MAX):
+            view.launcher_seen[batch.launcher] = now
         refused = [
             (hb.member, self.on_heartbeat(hb, now - batch.age_s(i), batch.launcher)) for i, hb in enumerate(batch.beats)
         ]
@@ -794,6 +802,8 @@ class DetectorCore:
                     "pid": str(w.pid),
                 }
                 lost_host = silent_on_host[w.host] if w.host else 0
+                if lost_host == 1 and not self._launcher_gone(view, w, now):
+                    lost_host = 0  # alone, its launcher still sending: a member lost, not its host
                 failures.append(
                     self._declare(
                         view,
@@ -803,7 +813,7 @@ class DetectorCore:
                         evidence,
                         self._wall(w.last_seen),
                         now,
-                        lost_host=(w.host, lost_host) if lost_host > 1 else ("", 0),
+                        lost_host=(w.host, lost_host) if lost_host else ("", 0),
                     )
                 )
             if not hang_rules:
@@ -916,6 +926,13 @@ class DetectorCore:
         ):
             return []
         return behind
+
+    def _launcher_gone(self, view: JobView, w: Watched, now: float) -> bool:
+        """Whether `w`'s launcher, heard of before, sent no batch for half the heartbeat timeout either:
+        the host of a member alone on it is gone (or cut off), and its launcher with it. (Where two or
+        more members of a host go silent together, the host is lost without asking: `check`.)"""
+        seen = view.launcher_seen.get(w.launcher) if w.launcher else None
+        return seen is not None and now - seen > self.config.heartbeat_timeout_s / 2
 
     def _silent_host_mates(self, view: JobView, silent: list[Watched], now: float) -> list[Watched]:
         """Members sharing a host with a silent member, and silent for half the timeout themselves,
