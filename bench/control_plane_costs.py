@@ -5,7 +5,9 @@ member and second of real members' beats (`real_beats`) as their launcher's `Bea
 them, with the beats it sends whole, decoding and encoding a rebuild of N ranks, placing a rebuild's
 snapshots after a swap, the swapper's whole decision of a swap (the tick after the last call that builds
 its rebuild), the detector's passes over every member (its review of stragglers and stalls, its hang
-rules, the pass that finds a sixteenth of the hosts silent), the swapper's work of a committed step (the
+rules, the pass that finds a sixteenth of the hosts silent), the detector's whole work per member and
+second for a job of N ranks (10 s of its launchers' real batches decoded and taken, its passes at their
+periods; and of it the decode, msgpack's unpacking, the take, the passes), the swapper's work of a committed step (the
 stores' reports) and of a tick with no replica to make, and saving a job record of N ranks: at a
 commit, while a rebuild is pending (an ack, a store report), both without the memo of its large
 fields (`section_memo.SectionMemo`), while the job forms (16 members more since the last save), once
@@ -33,12 +35,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from detector_scale import JOB as SCALE_JOB
+from detector_scale import host_batches, job_rebuild
 from real_beats import real_beat
 
 from deadpool.beat_compaction import BeatCompaction
 from deadpool.launcher import HEARTBEAT_BATCH_PERIOD_S
 from deadpool_detector.core import BUSY_SAMPLES_PER_BEAT_MAX, DetectorConfig, DetectorCore, _sample_busy
+from deadpool_detector.service import HANG_RULES_PERIOD_S, REVIEW_PERIOD_S, DetectorServiceConfig
 from deadpool_protocol import (
     Failure,
     FailureReason,
@@ -61,6 +68,7 @@ from deadpool_protocol.codec import decode, decode_on
 from deadpool_protocol.messages import MemberPhase
 from deadpool_protocol.placement_delta import placement_applied, placement_delta_of
 from deadpool_protocol.rebuild_delta import applied, delta_of
+from deadpool_protocol.subjects import Subjects
 from deadpool_protocol.timeouts import HEARTBEAT_PERIOD_S_DEFAULT
 from deadpool_swapper.core import JobState, SwapperConfig, SwapperCore
 from deadpool_swapper.job_parts import Membership, PendingRebuild, Recovery
@@ -413,6 +421,54 @@ def detector_review_ms(ranks: int, repeats: int) -> dict[str, float]:
     }
 
 
+def detector_at_size_us(ranks: int, repeats: int, seconds: float = 10.0) -> dict[str, float]:
+    """The detector's whole work per member and second for a job of `ranks` members, in one process
+    (no NATS): `seconds` of its launchers' real beat batches (`detector_scale.host_batches`: hosts of 8,
+    a batch every 0.25 s, a whole beat at each step and every second) decoded and taken, and its passes
+    over every member at their periods (the silence check every 50 ms, the hang rules every 0.25 s,
+    the review every second); and of it, msgpack's unpacking alone. Each part is the fastest of
+    `repeats`, and the whole their sum."""
+    periods = int(seconds / HEARTBEAT_BATCH_PERIOD_S)
+    planned = sorted(
+        ((at, data) for host in range(-(-ranks // 8)) for at, data, _ in host_batches(host, ranks, periods)),
+        key=lambda batch: batch[0],
+    )
+    subject = Subjects.for_job(SCALE_JOB).heartbeat_batch
+    member_s = ranks * seconds
+    decoded: list[tuple[float, HeartbeatBatch]] = []
+
+    def decode_all() -> None:
+        decoded[:] = [(at, decode_on(subject, data, HeartbeatBatch)) for at, data in planned]
+
+    def take_all() -> DetectorCore:
+        core = DetectorCore(DetectorConfig())
+        core.on_rebuild(job_rebuild(ranks), 0.0)
+        for at, batch in decoded:
+            core.on_batch(batch, at)
+        return core
+
+    def passes(core: DetectorCore) -> None:
+        now = seconds  # every member heard within the last period: none silent
+        for i in range(int(seconds / DetectorServiceConfig.check_period_s)):
+            hang_rules = i % round(HANG_RULES_PERIOD_S / DetectorServiceConfig.check_period_s) == 0
+            core.check(now, hang_rules, timeouts=core.overdue(now))
+            core.repeats(now)
+            if i % round(REVIEW_PERIOD_S / DetectorServiceConfig.check_period_s) == 0:
+                core.prune(now)
+                core.stragglers(now)
+                core.stalls(now)
+
+    decode_ms = fastest_ms(decode_all, repeats)
+    take_ms = fastest_ms(take_all, repeats)
+    core = take_all()
+    passes_ms = fastest_ms(lambda: passes(core), repeats)
+    unpack_ms = fastest_ms(lambda: [msgpack.unpackb(data) for _, data in planned], repeats)
+    per_member_s = {"decode": decode_ms, "unpack": unpack_ms, "take": take_ms, "passes": passes_ms}
+    figures = {f"detector_{part}_us_per_member_s": 1e3 * ms / member_s for part, ms in per_member_s.items()}
+    figures["detector_us_per_member_s"] = 1e3 * (decode_ms + take_ms + passes_ms) / member_s
+    return figures
+
+
 def detector_lost_rack_ms(ranks: int, repeats: int) -> float:
     """The detector's pass that finds a sixteenth of a job's hosts of 8 silent at once (a rack, a
     switch): every silent member declared, with its host's count (fastest of `repeats`)."""
@@ -442,6 +498,7 @@ def main() -> None:
     for ranks in args.ranks:
         figures = at_size(ranks, args.repeats) | detector_review_ms(ranks, args.repeats)
         figures["detector_lost_rack_ms"] = detector_lost_rack_ms(ranks, args.repeats)
+        figures |= detector_at_size_us(ranks, min(args.repeats, 3))
         for name, value in figures.items():
             print(f"{ranks:>6} ranks {name:>31}: {value:10.1f}")
         sizes.append({"ranks": ranks, **{k: round(v, 2) for k, v in figures.items()}})

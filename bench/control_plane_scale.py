@@ -27,8 +27,9 @@ reported beside it (as every member took it before deltas),
 detector and swapper CPU (% of one core over the measurement window), heartbeat messages per second,
 formation seconds (workers started -> the formation's rebuild), commit latency (a step's last store
 report sent -> its commit received) p50/p99 and, of it, p99 to the swapper's decision and from the
-decision (`Commit.t_decided`) to here and to a process that hears nothing else (`--commit-probe`: this
-bench's own loop is busy with the simulated stores and what it measures), and the largest job record
+decision (`Commit.t_decided`) to here and to a process that hears nothing else (`--probe`: this
+bench's own loop is busy with the simulated stores and what it measures; the probe also times failure ->
+rebuild as it hears them, `decide_probe_ms`, as a member on a host of its own would), and the largest job record
 part written to KV and the largest message on the job's swapper subjects and store reports, in bytes,
 and a rebuild's size whole and as its delta, with the bytes the server sends for one rebuild to real
 members, launchers and detectors (`fanout`: each real member hears the rebuild on a connection of its
@@ -60,7 +61,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +119,10 @@ RUN = "simulated"
 HEARTBEAT_PERIOD_S = 0.1
 FIRST_STEPS_IN_FLIGHT = 256
 """A worker's `StepResumedBatch` events stored at once (`--step-resumed`)."""
+PROBE_READY_S = 60.0
+"""How long the probe process may take to start and subscribe (imports on a loaded machine)."""
+PROBE_HEARD_S = 10.0
+"""How long the probe may take, once the failures are over, to hear the swaps this bench heard."""
 HELLO_CONCURRENCY = 64
 """Hellos in flight per worker process by default (`--hello-concurrency`): 2 shared cores cannot play
 16,384 members saying hello at once (the workers' own beats then lag past the heartbeat timeout)."""
@@ -158,29 +166,131 @@ class SimulatedMember:
         self.last_beat = 0.0
 
 
-async def commit_probe(url: str, nkey: str) -> None:
-    """Hear the job's commits and print each as it arrives (a JSON line: its step, the swapper's decision
-    instant, the arrival), until terminated: the way out of a commit as a process with nothing else to do
-    sees it, beside this bench's own loop, which the simulation keeps busy."""
+async def probe_main(url: str, nkey: str) -> None:
+    """Hear the job's commits, failures and rebuilds and print each as it arrives (a JSON line), until
+    terminated: the way out of them as a process with nothing else to do sees it (a member on a host of
+    its own), beside this bench's own loop, which the simulation keeps busy. A rebuild is printed at the
+    first of its messages to arrive, its delta or the whole command; a member holding the generation
+    before takes the delta at once (`control_plane_costs.py`: well under a millisecond)."""
     nc = await nats.connect(url, nkeys_seed=nkey or None)
+    subjects = Subjects.for_job(JOB)
+    generations: set[int] = set()
+
+    def heard(**line: Any) -> None:
+        print(json.dumps(line), flush=True)
 
     async def on_commit(msg: Msg) -> None:
         arrived = time.time()
         commit = decode(msg.data, Commit)
-        print(json.dumps({"step": commit.step, "t_decided": commit.t_decided, "t": arrived}), flush=True)
+        heard(step=commit.step, t_decided=commit.t_decided, t=arrived)
 
-    await nc.subscribe(Subjects.for_job(JOB).commit, cb=on_commit)
+    async def on_failure(msg: Msg) -> None:
+        arrived = time.time()
+        heard(failure=decode(msg.data, Failure).member, t=arrived)
+
+    def on_generation(generation: int, arrived: float) -> None:
+        if generation not in generations:
+            generations.add(generation)
+            heard(generation=generation, t=arrived)
+
+    async def on_delta(delta: RebuildDelta, _msg: Msg) -> None:
+        on_generation(delta.generation, time.time())
+
+    async def on_rebuild(rebuild: Rebuild, _msg: Msg) -> None:
+        on_generation(rebuild.generation, time.time())
+
+    await nc.subscribe(subjects.commit, cb=on_commit)
+    await nc.subscribe(subjects.failure, cb=on_failure)
+    await subscribe_validated(nc, subjects.rebuild_delta, RebuildDelta, on_delta, get_logger())
+    await subscribe_validated(nc, subjects.rebuild, Rebuild, on_rebuild, get_logger())
+    await nc.flush()
+    heard(ready=True)  # the bench silences nobody before this line
     await asyncio.Event().wait()
 
 
-def probed_ms(probe: subprocess.Popen[bytes], sealed_at: dict[int, float]) -> tuple[list[float], list[float]]:
-    """What the commit probe printed for the steps in `sealed_at` (it is stopped here): each commit's
-    last store report sent -> its arrival there, and its decision -> its arrival there."""
-    probe.terminate()
-    out, _ = probe.communicate(timeout=10)
-    heard = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    heard = [h for h in heard if h["step"] in sealed_at]
-    return [(h["t"] - sealed_at[h["step"]]) * 1000 for h in heard], [(h["t"] - h["t_decided"]) * 1000 for h in heard]
+class ProbeProcess:
+    """The probe process (`probe_main`), and the lines it printed so far, read as it prints them."""
+
+    def __init__(self, url: str, nkey: str) -> None:
+        command = [sys.executable, __file__, "--probe", "--url", url, "--nkey", nkey]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE)
+        self.lines: list[dict[str, Any]] = []
+        self._printed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name="probe-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
+            if raw.startswith(b"{"):
+                with self._printed:
+                    self.lines.append(json.loads(raw))
+                    self._printed.notify_all()
+
+    async def until(self, heard: Callable[[list[dict[str, Any]]], bool], bound_s: float) -> bool:
+        """Whether the probe printed what `heard` wants within `bound_s`."""
+
+        def wait() -> bool:
+            with self._printed:
+                return bool(self._printed.wait_for(lambda: heard(self.lines), bound_s))
+
+        return await asyncio.to_thread(wait)
+
+    def stop(self) -> Probed:
+        self.process.terminate()
+        self.process.wait(10)
+        self._reader.join(10)
+        with self._printed:
+            return Probed.of(list(self.lines))
+
+
+@dataclass
+class Probed:
+    """What the probe process heard (`probe_main`), each as it arrived there."""
+
+    commits: list[dict[str, Any]]
+    failures: dict[str, float]
+    """member -> when its failure arrived"""
+    generations: dict[int, float]
+    """generation -> when its first message arrived (delta or whole)"""
+
+    @staticmethod
+    def of(lines: list[dict[str, Any]]) -> Probed:
+        failures: dict[str, float] = {}
+        for h in lines:
+            if "failure" in h:
+                failures.setdefault(h["failure"], h["t"])  # the first: a verdict unanswered is published again
+        return Probed(
+            [h for h in lines if "step" in h], failures, {h["generation"]: h["t"] for h in lines if "generation" in h}
+        )
+
+    def commit_ms(self, sealed_at: dict[int, float]) -> tuple[list[float], list[float]]:
+        """For the steps in `sealed_at`: each commit's last store report sent -> its arrival there, and its
+        decision -> its arrival there."""
+        heard = [h for h in self.commits if h["step"] in sealed_at]
+        to_sealed = [(h["t"] - sealed_at[h["step"]]) * 1000 for h in heard]
+        return to_sealed, [(h["t"] - h["t_decided"]) * 1000 for h in heard]
+
+    def failure_to_rebuild_ms(self, rebuilt_in: dict[str, int]) -> list[float]:
+        """For each victim -> the generation that swapped it out (as this bench found it): its failure's
+        arrival there -> that generation's first message there."""
+        return [
+            (self.generations[g] - self.failures[victim]) * 1000
+            for victim, g in rebuilt_in.items()
+            if victim in self.failures and g in self.generations
+        ]
+
+
+def swapped_in(
+    victim: str, failures: dict[str, tuple[Failure, float]], rebuilds: dict[int, tuple[Rebuild, float]]
+) -> int | None:
+    """The generation that swapped `victim` out: the first rebuild heard after its failure that does not
+    name it (one before the failure may lack it too: the victim was a spare then); None if none yet."""
+    if victim not in failures:
+        return None
+    received = failures[victim][1]
+    later = [g for g, (r, t) in rebuilds.items() if g > 1 and t >= received and victim not in r.ranks]
+    return min(later, default=None)
 
 
 async def worker_main(
@@ -596,7 +706,9 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
 
         async def on_failure(msg: Msg) -> None:
             failure = decode(msg.data, Failure)
-            failures[failure.member] = (failure, time.time())
+            # The first: a verdict no rebuild answered within the detector's repeat is published again, and
+            # timing from the repeat once took the next generation for this failure's (a 6.1 s decision).
+            failures.setdefault(failure.member, (failure, time.time()))
 
         incidents: dict[str, Incident] = {}
 
@@ -688,7 +800,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
                     stderr=open(workdir / f"worker-{w}.log", "wb"),  # noqa: SIM115
                 )
             )
-        probe: subprocess.Popen[bytes] | None = None
+        probe: ProbeProcess | None = None
         try:
             deadline = time.monotonic() + 120 + members / 20
             started = time.monotonic()
@@ -699,10 +811,9 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             formation_s = time.monotonic() - started
             print(f"  {members} members: formed in {formation_s:.1f} s", flush=True)
             admin_nkey = nkey_file(stack.credentials or "", "admin")
-            probe = subprocess.Popen(
-                [sys.executable, __file__, "--commit-probe", "--url", stack.url, "--nkey", admin_nkey],
-                stdout=subprocess.PIPE,
-            )
+            probe = ProbeProcess(stack.url, admin_nkey)
+            if not await probe.until(lambda lines: any("ready" in h for h in lines), PROBE_READY_S):
+                raise RuntimeError(f"the probe did not say it listens within {PROBE_READY_S} s")
             await asyncio.sleep(args.warm_s)
             detector_pid = stack.processes["detector"].pid
             swapper_pid = stack.processes["swapper"].pid
@@ -731,11 +842,20 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu1 = (cpu_seconds(detector_pid), cpu_seconds(swapper_pid), time.monotonic())
             others1 = others()
             counts1 = dict(counts)
-            probe_ms, probe_out_ms = probed_ms(probe, {s: stores.sealed_at[s] for s in committed_steps})
+            # The window may close before the last swap went out: the probe is stopped once it heard every
+            # generation this bench saw swap a victim out (a loaded machine once took longer than the gap).
+            heard_by = time.monotonic() + PROBE_HEARD_S
+            declared = [v for v in victims if v in failures]
+            while any(swapped_in(v, failures, rebuilds) is None for v in declared) and time.monotonic() < heard_by:
+                await asyncio.sleep(0.02)  # this bench's own loop hears them meanwhile
+            wanted = {g for v in declared if (g := swapped_in(v, failures, rebuilds)) is not None}
+            await probe.until(lambda lines: wanted <= {h.get("generation") for h in lines}, PROBE_HEARD_S)
+            probed = probe.stop()
+            probe_ms, probe_out_ms = probed.commit_ms({s: stores.sealed_at[s] for s in committed_steps})
         finally:
             stopped = time.time()  # the members stop beating: verdicts from here on are the bench's end
-            if probe is not None and probe.poll() is None:
-                probe.kill()
+            if probe is not None and probe.process.poll() is None:
+                probe.process.kill()
             for task in background:
                 task.cancel()
             for p in workers:
@@ -751,21 +871,23 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         hosts / args.batch_s if not args.no_batching else members / HEARTBEAT_PERIOD_S
     )  # what the workers would send if they never ran late: a batch per host every `batch_s`
     detect_ms, decide_ms, decide_own_ms, out_ms, decide_whole_ms = [], [], [], [], []
+    rebuilt_in: dict[str, int] = {}
+    """victim -> the generation that swapped it out"""
     for victim in victims:
         if victim not in failures or victim not in silenced:
             continue
         failure, received = failures[victim]
         detect_ms.append((failure.t_detected - silenced[victim]) * 1000)
-        # the first rebuild after the failure that took the victim's rank (one before it may lack it too:
-        # the victim was a spare then)
-        later = [(g, r) for g, r in rebuilds.items() if victim not in r[0].ranks and g > 1 and r[1] >= received]
-        if later:
-            generation, (rebuild, rebuild_received) = min(later)
+        generation = swapped_in(victim, failures, rebuilds)
+        if generation is not None:
+            rebuild, rebuild_received = rebuilds[generation]
+            rebuilt_in[victim] = generation
             decide_ms.append((rebuild_received - received) * 1000)
             if generation in whole_at:
                 decide_whole_ms.append((whole_at[generation] - received) * 1000)
             decide_own_ms.append((rebuild.t_decided - failure.t_detected) * 1000)
             out_ms.append((rebuild_received - rebuild.t_decided) * 1000)
+    decide_probe_ms = probed.failure_to_rebuild_ms(rebuilt_in)
     return {
         "members": members,
         "world_size": world_size,
@@ -785,6 +907,9 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         "decide_swapper_clock_ms_p99": round(percentile(decide_own_ms, 99), 1) if decide_own_ms else None,
         "decided_to_received_ms_p50": round(statistics.median(out_ms), 1) if out_ms else None,
         "decided_to_received_ms_p99": round(percentile(out_ms, 99), 1) if out_ms else None,
+        "rebuilds_probed": len(decide_probe_ms),
+        "decide_probe_ms_p50": round(statistics.median(decide_probe_ms), 1) if decide_probe_ms else None,
+        "decide_probe_ms_p99": round(percentile(decide_probe_ms, 99), 1) if decide_probe_ms else None,
         "detector_cpu_pct": round(100 * (cpu1[0] - cpu0[0]) / window, 1),
         "swapper_cpu_pct": round(100 * (cpu1[1] - cpu0[1]) / window, 1),
         "nats_cpu_pct": round(100 * (others1[0] - others0[0]) / window, 1),
@@ -865,7 +990,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"size {members}: detect p50 {r['detect_ms_p50']} p99 {r['detect_ms_p99']} ms; failure->rebuild p50 "
             f"{r['decide_ms_p50']} p99 {r['decide_ms_p99']} ms ({r['rebuilds_seen']} of {r['failures_injected']} "
             f"rebuilt; to the whole command decoded here p50 {r['decide_whole_ms_p50']} p99 "
-            f"{r['decide_whole_ms_p99']} ms); false verdicts {r['false_verdicts']} (the simulator's longest pause "
+            f"{r['decide_whole_ms_p99']} ms; as a process that only hears failures, rebuilds and commits: p50 "
+            f"{r['decide_probe_ms_p50']} p99 {r['decide_probe_ms_p99']} ms); false verdicts {r['false_verdicts']} "
+            f"(the simulator's longest pause "
             f"{r['simulator_paused_ms_max']} ms, round trip {r['simulator_round_trip_ms_max']} ms); "
             f"detector CPU {r['detector_cpu_pct']} %, swapper CPU "
             f"{r['swapper_cpu_pct']} %; {r['heartbeats_per_s']} heartbeats/s, {r['whole_beats_per_s']} sent whole, "
@@ -873,7 +1000,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             f"({r['beats']} beats); formation {r['formation_s']} s; "
             f"commit p50 {r['commit_ms_p50']} p99 {r['commit_ms_p99']} ms ({r['commits']} commits; to the "
             f"decision p99 {r['commit_to_decision_ms_p99']} ms, the decision -> here p99 "
-            f"{r['commit_decision_out_ms_p99']} ms, -> a process that only hears commits p99 "
+            f"{r['commit_decision_out_ms_p99']} ms, -> that process p99 "
             f"{r['commit_decision_to_probe_ms_p99']} ms; heard there p50 {r['commit_probe_ms_p50']} p99 "
             f"{r['commit_probe_ms_p99']} ms); largest record "
             f"{r['record_bytes_max']} B, message {r['message_bytes_max']} B ({r['message_bytes_max_subject']}); "
@@ -926,8 +1053,10 @@ def print_table(results: list[dict[str, Any]]) -> None:
         ("false_verdicts", "false verdicts"),
         ("decide_ms_p50", "rebuild p50 ms"),
         ("decide_ms_p99", "rebuild p99 ms"),
+        ("decide_probe_ms_p99", "rebuild p99 (probe) ms"),
         ("commit_ms_p50", "commit p50 ms"),
         ("commit_ms_p99", "commit p99 ms"),
+        ("commit_probe_ms_p99", "commit p99 (probe) ms"),
         ("detector_cpu_pct", "detector CPU %"),
         ("swapper_cpu_pct", "swapper CPU %"),
         ("nats_cpu_pct", "nats CPU %"),
@@ -988,14 +1117,14 @@ def main() -> None:
         help="every rank named by a rebuild stores its first step as an event of its own, as a member does",
     )
     parser.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--commit-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", default="", help=argparse.SUPPRESS)
     parser.add_argument("--nkey", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--spec", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.commit_probe:
-        asyncio.run(commit_probe(args.url, args.nkey))
+    if args.probe:
+        asyncio.run(probe_main(args.url, args.nkey))
         return
     if args.worker >= 0:
         os.nice(args.simulator_nice)

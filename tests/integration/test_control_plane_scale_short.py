@@ -35,6 +35,7 @@ def test_silences_among_hundreds_of_simulated_members_are_each_rebuilt_and_nobod
     assert (result["members"], result["failures_injected"]) == (MEMBERS, FAILURES), context
     assert result["failures_detected"] == FAILURES, context
     assert result["rebuilds_seen"] == FAILURES, context
+    assert result["rebuilds_probed"] == FAILURES, context  # the probe process heard each failure and its rebuild
     assert result["false_verdicts"] == 0, context
     assert result["commits"] >= 1, context
     # The workers' beat messages over their own report times, as a share of the nominal rate: about
