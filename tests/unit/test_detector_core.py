@@ -359,6 +359,40 @@ def test_a_member_alone_on_its_host_whose_launcher_still_sends_is_a_member_lost(
     assert (failure.member, failure.lost_host, failure.lost_host_members) == ("m0", "", 0)
 
 
+def test_members_of_a_host_frozen_beside_a_launcher_that_still_sends_are_members_lost() -> None:
+    """Two of a host's members stopped together (SIGSTOP, a hung driver), its launcher alive: not a
+    lost host, however many. The launcher can kill them, so their spares wait for that (a lost host's
+    do not: `Fence.holds_rebuild`); and each is declared at its own timeout, not pulled in with the
+    other as a lost host's mates are."""
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0", "m1", "m2"), spares=())
+    beats_of(core, "l-a", {"m0": "a", "m1": "a"}, 0.0)
+    beats_of(core, "l-b", {"m2": "b"}, 0.0)
+    beats_of(core, "l-a", {"m1": "a"}, 0.5)  # m1 beats once more before it stops
+    beats_of(core, "l-b", {"m2": "b"}, 0.5)
+    for t in (0.75, 1.0, 1.25):  # both silent now, their launcher sending its empty batches
+        beats_of(core, "l-a", {}, t)
+        beats_of(core, "l-b", {"m2": "b"}, t)
+    (first,) = core.check(1.25)  # m0 past the timeout; m1, silent for half of it, is not its mate
+    assert (first.member, first.lost_host, first.lost_host_members) == ("m0", "", 0)
+    for t in (1.5, 1.75):
+        beats_of(core, "l-a", {}, t)
+        beats_of(core, "l-b", {"m2": "b"}, t)
+    (second,) = core.check(1.75)
+    assert (second.member, second.lost_host, second.lost_host_members) == ("m1", "", 0)
+
+
+def test_a_host_whose_launcher_went_silent_with_its_members_is_lost_whole() -> None:
+    core = detector(DetectorConfig(heartbeat_timeout_s=1.0))
+    formed(core, 0.0, ranks=("m0", "m1", "m2"), spares=())
+    beats_of(core, "l-a", {"m0": "a", "m1": "a"}, 0.0)
+    beats_of(core, "l-a", {"m1": "a"}, 0.25)
+    for t in (0.0, 0.25, 0.5, 0.75, 1.0, 1.25):  # host a gone after 0.25 s, launcher and all
+        beats_of(core, "l-b", {"m2": "b"}, t)
+    failures = core.check(1.1)  # m0 past the timeout, m1 its mate: one pass
+    assert {(f.member, f.lost_host, f.lost_host_members) for f in failures} == {("m0", "a", 2), ("m1", "a", 2)}
+
+
 def test_every_rank_busy_in_its_own_code_at_once_is_a_pause_not_a_hang() -> None:
     core = detector(DetectorConfig(heartbeat_timeout_s=1, hang_factor=10, hang_floor_s=3))
     formed(core, 0.0)

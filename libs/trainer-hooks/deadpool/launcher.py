@@ -528,7 +528,7 @@ class Launcher:
     async def _send_heartbeat_batches(self, stop: asyncio.Event) -> None:
         """Every heartbeat period, the beats received since the last batch, in one message: an empty one
         when no member beat, so that the detector tells this launcher's members gone silent from its
-        host gone (`DetectorCore._launcher_gone`): a fence sent to a vanished host is never answered."""
+        host gone (`DetectorCore._host_lost`): a fence sent to a vanished host is never answered."""
         assert self._nc is not None
         while not stop.is_set():
             await asyncio.sleep(self.config.heartbeat_batch_s)

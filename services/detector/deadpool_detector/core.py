@@ -801,9 +801,8 @@ class DetectorCore:
                     "last_step": str(w.last_step),
                     "pid": str(w.pid),
                 }
-                lost_host = silent_on_host[w.host] if w.host else 0
-                if lost_host == 1 and not self._launcher_gone(view, w, now):
-                    lost_host = 0  # alone, its launcher still sending: a member lost, not its host
+                here = silent_on_host[w.host] if w.host else 0
+                lost_host = here if here and self._host_lost(view, w, here, now) else 0
                 failures.append(
                     self._declare(
                         view,
@@ -927,19 +926,29 @@ class DetectorCore:
             return []
         return behind
 
-    def _launcher_gone(self, view: JobView, w: Watched, now: float) -> bool:
-        """Whether `w`'s launcher, heard of before, sent no batch for half the heartbeat timeout either:
-        the host of a member alone on it is gone (or cut off), and its launcher with it. (Where two or
-        more members of a host go silent together, the host is lost without asking: `check`.)"""
+    def _launcher_sending(self, view: JobView, w: Watched, now: float) -> bool | None:
+        """Whether `w`'s launcher sent a batch in the last half heartbeat timeout (it sends one every
+        period, empty when none of its members beat); None where it was never heard of (its members
+        beat to the detector directly)."""
         seen = view.launcher_seen.get(w.launcher) if w.launcher else None
-        return seen is not None and now - seen > self.config.heartbeat_timeout_s / 2
+        return None if seen is None else now - seen <= self.config.heartbeat_timeout_s / 2
+
+    def _host_lost(self, view: JobView, w: Watched, silent_on_host: int, now: float) -> bool:
+        """Whether silent `w` went with its host (a fence sent there reaches nobody: `Fence.holds_rebuild`)
+        rather than alone: its launcher went silent too, or, where no launcher was heard of, two or more
+        of the host's members went silent together. Members frozen beside a launcher that still sends
+        (stopped, hung in the kernel) are members lost, however many: the launcher can kill them, and
+        their spares wait for that."""
+        sending = self._launcher_sending(view, w, now)
+        return not sending if sending is not None else silent_on_host > 1
 
     def _silent_host_mates(self, view: JobView, silent: list[Watched], now: float) -> list[Watched]:
         """Members sharing a host with a silent member, and silent for half the timeout themselves,
         when every member of that host is: the host is gone, and all of it is declared in one pass
-        (their heartbeats stopped together but cross the timeout up to a period apart)."""
+        (their heartbeats stopped together but cross the timeout up to a period apart). Not where the
+        host's launcher still sends: the host is there, and each member is declared at its own timeout."""
         declared = {w.member for w in silent}
-        hosts = {w.host for w in silent if w.host}
+        hosts = {w.host for w in silent if w.host and not self._launcher_sending(view, w, now)}
         mates_of: dict[str, list[Watched]] = {host: [] for host in hosts}
         for w in view.members.values():  # one pass over the job, not one per silent host (a lost rack)
             if w.host in mates_of and not w.done and w.member not in declared:
