@@ -425,9 +425,10 @@ def detector_at_size_us(ranks: int, repeats: int, seconds: float = 10.0) -> dict
     """The detector's whole work per member and second for a job of `ranks` members, in one process
     (no NATS): `seconds` of its launchers' real beat batches (`detector_scale.host_batches`: hosts of 8,
     a batch every 0.25 s, a whole beat at each step and every second) decoded and taken, and its passes
-    over every member at their periods (the silence check every 50 ms, the hang rules every 0.25 s,
-    the review every second); and of it, msgpack's unpacking alone. Each part is the fastest of
-    `repeats`, and the whole their sum."""
+    over the members at their periods on the same clock (the silence check every 50 ms, the hang rules
+    every 0.25 s, the review every second; heartbeat timeout 1 s, as issue 26 sets it); and of it,
+    msgpack's unpacking alone. Each part is the fastest of `repeats` (the passes: the batches taken
+    with them, less without), and the whole their sum. No pass may declare anyone."""
     periods = int(seconds / HEARTBEAT_BATCH_PERIOD_S)
     planned = sorted(
         ((at, data) for host in range(-(-ranks // 8)) for at, data, _ in host_batches(host, ranks, periods)),
@@ -436,32 +437,34 @@ def detector_at_size_us(ranks: int, repeats: int, seconds: float = 10.0) -> dict
     subject = Subjects.for_job(SCALE_JOB).heartbeat_batch
     member_s = ranks * seconds
     decoded: list[tuple[float, HeartbeatBatch]] = []
+    check_s = DetectorServiceConfig.check_period_s
+    hang_every, review_every = round(HANG_RULES_PERIOD_S / check_s), round(REVIEW_PERIOD_S / check_s)
 
     def decode_all() -> None:
         decoded[:] = [(at, decode_on(subject, data, HeartbeatBatch)) for at, data in planned]
 
-    def take_all() -> DetectorCore:
-        core = DetectorCore(DetectorConfig())
-        core.on_rebuild(job_rebuild(ranks), 0.0)
-        for at, batch in decoded:
-            core.on_batch(batch, at)
-        return core
+    def passes_at(core: DetectorCore, now: float, i: int) -> None:
+        declared = core.check(now, i % hang_every == 0, timeouts=core.overdue(now))
+        assert declared == [], [(f.member, f.reason) for f in declared[:5]]
+        core.repeats(now)
+        if i % review_every == 0:
+            core.prune(now)
+            core.stragglers(now)
+            core.stalls(now)
 
-    def passes(core: DetectorCore) -> None:
-        now = seconds  # every member heard within the last period: none silent
-        for i in range(int(seconds / DetectorServiceConfig.check_period_s)):
-            hang_rules = i % round(HANG_RULES_PERIOD_S / DetectorServiceConfig.check_period_s) == 0
-            core.check(now, hang_rules, timeouts=core.overdue(now))
-            core.repeats(now)
-            if i % round(REVIEW_PERIOD_S / DetectorServiceConfig.check_period_s) == 0:
-                core.prune(now)
-                core.stragglers(now)
-                core.stalls(now)
+    def take_all(with_passes: bool) -> None:
+        core = DetectorCore(DetectorConfig(heartbeat_timeout_s=1.0, hang_floor_s=3.0))
+        core.on_rebuild(job_rebuild(ranks), 0.0)
+        i = 0
+        for at, batch in decoded:
+            while with_passes and i * check_s <= at:
+                passes_at(core, i * check_s, i)
+                i += 1
+            core.on_batch(batch, at)
 
     decode_ms = fastest_ms(decode_all, repeats)
-    take_ms = fastest_ms(take_all, repeats)
-    core = take_all()
-    passes_ms = fastest_ms(lambda: passes(core), repeats)
+    take_ms = fastest_ms(lambda: take_all(False), repeats)
+    passes_ms = fastest_ms(lambda: take_all(True), repeats) - take_ms
     unpack_ms = fastest_ms(lambda: [msgpack.unpackb(data) for _, data in planned], repeats)
     per_member_s = {"decode": decode_ms, "unpack": unpack_ms, "take": take_ms, "passes": passes_ms}
     figures = {f"detector_{part}_us_per_member_s": 1e3 * ms / member_s for part, ms in per_member_s.items()}
