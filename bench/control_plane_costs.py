@@ -38,8 +38,8 @@ from typing import Any
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from detector_scale import HOST_MEMBERS, host_batches, job_rebuild
 from detector_scale import JOB as SCALE_JOB
-from detector_scale import host_batches, job_rebuild
 from real_beats import real_beat
 
 from deadpool.beat_compaction import BeatCompaction
@@ -431,7 +431,7 @@ def detector_at_size_us(ranks: int, repeats: int, seconds: float = 10.0) -> dict
     with them, less without), and the whole their sum. No pass may declare anyone."""
     periods = int(seconds / HEARTBEAT_BATCH_PERIOD_S)
     planned = sorted(
-        ((at, data) for host in range(-(-ranks // 8)) for at, data, _ in host_batches(host, ranks, periods)),
+        ((at, data) for host in range(-(-ranks // HOST_MEMBERS)) for at, data, _ in host_batches(host, ranks, periods)),
         key=lambda batch: batch[0],
     )
     subject = Subjects.for_job(SCALE_JOB).heartbeat_batch

@@ -91,12 +91,18 @@ def host_batches(
     return out
 
 
+def replay_periods(args: argparse.Namespace) -> int:
+    """The batch periods each host's replay covers: the warm-up, the window and a second more (the replay
+    processes make that many, and the share sent is counted against it)."""
+    return int((args.warm_s + args.seconds + 1.0) / args.batch_s)
+
+
 async def replay_main(args: argparse.Namespace) -> None:
     """A replay process: make its hosts' batches, say so, take the start time from stdin, publish each
     batch at its time, and print what it sent and how late."""
     members = args.members[0]
     hosts = range(args.worker, -(-members // args.host_members), args.processes)
-    periods = int((args.warm_s + args.seconds + 1.0) / args.batch_s)
+    periods = replay_periods(args)
     t0_wall = time.time()
     planned = sorted(
         (
@@ -185,7 +191,7 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
     window = t1 - t0
     cpu_pct = 100 * (cpu1 - cpu0) / window
     hosts = -(-members // args.host_members)
-    periods = int((args.warm_s + args.seconds + 1.0) / args.batch_s)
+    periods = replay_periods(args)
     return {
         "members": members,
         "heartbeat_timeout_ms": args.timeout_s * 1000,
