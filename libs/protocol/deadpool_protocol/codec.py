@@ -419,8 +419,15 @@ def _fast_path(f: _Field, v: str, i: int, env: dict[str, Any]) -> tuple[str, str
         env[f"N{i}"] = f.named
         return f"(type({v}) is str or {v} is None) and {v} in N{i}", f"{v} = N{i}[{v}]"
     if f.items is not None:
+        # An empty list is within any bound, and a plain one within its bound is checked in one call:
+        # a launcher's batch has four lists, two or three of them empty, 8,200 batches a second.
         env[f"I{i}"] = f.items
-        return f"type({v}) is list", f"{v} = _checked_list({v}, I{i}, where + {'.' + f.name!r})"
+        checked = f"_checked_list({v}, I{i}, where + {'.' + f.name!r})"
+        bound, plain = f.items.bound, f.items.plain
+        if bound is not None and plain is not None:
+            env[f"P{i}"] = plain
+            checked = f"list({v}) if len({v}) <= {bound.most} and P{i}({v}) else {checked}"
+        return f"type({v}) is list", f"{v} = ({checked}) if {v} else []"
     if f.nested is not None:
         env[f"C{i}"] = f.nested
         return f"type({v}) is dict", f"{v} = _from_fields(C{i}, {v}, where + {'.' + f.name!r})"
