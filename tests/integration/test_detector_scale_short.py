@@ -31,5 +31,7 @@ def test_a_replay_of_hundreds_of_members_beats_is_watched_without_a_verdict() ->
     assert result["members"] == MEMBERS, context
     assert result["verdicts"] == 0, context
     assert result["replay_sent_share"] == 1.0, context  # every batch made went out
-    assert 0.9 <= result["whole_beats_per_member_s"] <= 1.1, context  # real beats: a step's change, a refresh
+    # Real beats, a step every 2 s: a member's beat goes whole when its step moves, and the refresh
+    # (`HEARTBEAT_REFRESH_S`, 2 s) adds next to nothing; a beat whole every period would be 4.
+    assert 0.45 <= result["whole_beats_per_member_s"] <= 0.6, context
     assert result["detector_cpu_pct"] > 0, context

@@ -443,8 +443,8 @@ class HeartbeatBatch(JobMessage):
     alive: Annotated[list[Name], BEATS] = field(default_factory=list)
     """Members whose beat of this period said what their last one in `beats` said (its send time, its
     `where` and its `waiting` aside): named, not repeated. A launcher repeats a member's whole beat when
-    anything else in it changes and at least every second (`deadpool.beat_compaction`), so the detector
-    decodes about one beat in ten."""
+    anything else in it changes and at least every 2 s (`deadpool.beat_compaction`), so the detector
+    decodes about one beat in twenty at a step every 2 s."""
     ages_ms: Annotated[list[int], BEAT_AGES] = field(default_factory=list)
     """How long before the batch was sent the launcher received each member's beat, in `beats` then
     `alive` order, on the launcher's own clock (empty: all just now). The detector dates a beat by
