@@ -338,6 +338,12 @@ def _parser() -> argparse.ArgumentParser:
         default=DetectorConfig.straggler_window,
         help="heartbeats a rank's busy share is judged over before it can be called a straggler",
     )
+    detector.add_argument(
+        "--io-wait-min-s",
+        type=float,
+        default=DetectorServiceConfig.io_wait_min_s,
+        help="the event loop waits for I/O at most once per this, reading messages in chunks (0: asyncio's own)",
+    )
     _add_replicas(detector, DetectorServiceConfig.js_replicas)
 
     swapper = sub.add_parser("swapper", help="run the swap scheduler")
@@ -452,7 +458,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"deadpool detector: {exc}")
         nkey, _ = _role_files(args, "detector")
         detector_main(
-            DetectorServiceConfig(args.nats, detector=detector_config, js_replicas=args.js_replicas, nkey_file=nkey)
+            DetectorServiceConfig(
+                args.nats,
+                detector=detector_config,
+                js_replicas=args.js_replicas,
+                nkey_file=nkey,
+                io_wait_min_s=args.io_wait_min_s,
+            )
         )
     elif command == "swapper":
         from deadpool_runtime.credentials import read_dataplane_key, signing_key_file

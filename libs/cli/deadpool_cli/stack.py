@@ -39,6 +39,7 @@ from deadpool_protocol.subjects import STORE_STATUS
 from deadpool_runtime import server_urls, tls
 from deadpool_runtime.bus import tls_options
 from deadpool_runtime.credentials import nkey_file
+from deadpool_runtime.event_loop import IO_WAIT_MIN_S
 from deadpool_runtime.host import LOOPBACK
 from deadpool_runtime.tracing import TRACE_FILE_ENV
 from deadpool_store import StoreConfig
@@ -74,6 +75,8 @@ class StackConfig:
     hang_floor_s: float = DetectorConfig.hang_floor_s
     first_step_s: float = DetectorConfig.first_step_s
     straggler_window: int = DetectorConfig.straggler_window
+    detector_io_wait_min_s: float = IO_WAIT_MIN_S
+    """The detectors' event loops wait for I/O at most once per this (0: asyncio's own loop)."""
     store_capacity_bytes: int = StoreConfig.capacity_bytes
     trace_file: str = ""
     restart_after_s: float = 0.0
@@ -111,6 +114,7 @@ class StackConfig:
             *("--heartbeat-timeout-s", str(self.heartbeat_timeout_s), "--hang-factor", str(self.hang_factor)),
             *("--hang-floor-s", str(self.hang_floor_s), "--first-step-s", str(self.first_step_s)),
             *("--straggler-window", str(self.straggler_window), "--js-replicas", str(self.js_replicas)),
+            *("--io-wait-min-s", str(self.detector_io_wait_min_s)),
         ]
 
     def swapper_args(self) -> list[str]:

@@ -71,8 +71,14 @@ class StopDeadline:
         return max(0.0, self.at - keep_s - time.monotonic())
 
 
-def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log: Any = None, hard_stop_s: float = 0.0) -> None:
-    """Run `main(stop)`; `stop` is set on SIGINT/SIGTERM and `main` is expected to return soon after.
+def run_service(
+    main: Callable[[asyncio.Event], Awaitable[None]],
+    log: Any = None,
+    hard_stop_s: float = 0.0,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+) -> None:
+    """Run `main(stop)` on a loop of `loop_factory`; `stop` is set on SIGINT/SIGTERM and `main` is
+    expected to return soon after.
     With `hard_stop_s`, a process still running that long after the first signal is ended at once (a
     safety net: `main` is expected to keep to its own budget). With `log`, SIGUSR1 logs where every
     asyncio task of the service is waiting (an operator's view of a service that looks stuck:
@@ -99,7 +105,8 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]], log: Any = Non
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    asyncio.run(runner())
+    with asyncio.Runner(loop_factory=loop_factory) as running:
+        running.run(runner())
 
 
 def _end_after(delay_s: float) -> threading.Timer:
@@ -179,12 +186,14 @@ def run_nats_service(
     body: ServiceBody,
     nkey_file: str = "",
     inbox_prefix: str = "_INBOX",
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
     **log_keys: Any,
 ) -> None:
     """The whole life of a DeadPool service process: JSON logs, a NATS connection (as the nkey of
     `nkey_file`, if given, its replies under `inbox_prefix`), `body(nc, log, stop)` until a signal,
     then a bounded stop: the body has until `SHUTDOWN_BUDGET_S` less `CONNECTION_CLOSE_S` to return
-    (it is cancelled after that), then the connection is drained or closed (`close_connection`)."""
+    (it is cancelled after that), then the connection is drained or closed (`close_connection`). It
+    runs on a loop of `loop_factory` (the detector's: `event_loop.coalescing_loop`)."""
     configure_logging(component)
     log = get_logger(**log_keys)
 
@@ -214,7 +223,7 @@ def run_nats_service(
         finally:
             await close_connection(nc, deadline.left_s() if stop.is_set() else CONNECTION_CLOSE_S, log)
 
-    run_service(main, log, hard_stop_s=HARD_STOP_S)
+    run_service(main, log, hard_stop_s=HARD_STOP_S, loop_factory=loop_factory)
 
 
 async def _connected(

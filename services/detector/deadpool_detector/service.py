@@ -64,6 +64,7 @@ from deadpool_runtime import (
     stopped_within,
     subscribe_validated,
 )
+from deadpool_runtime.event_loop import IO_WAIT_MIN_S, coalescing_loop
 from deadpool_runtime.job_record_kv import bucket_keys, read_record
 from deadpool_runtime.log_limit import RefusalLog
 from deadpool_runtime.tracing import Tracing
@@ -118,6 +119,9 @@ class DetectorServiceConfig:
     """The detector role's NATS nkey seed ('' where the server has no auth)."""
     trace_file: str = ""
     """JSON-lines spans when no OTLP endpoint is configured (default: `DEADPOOL_TRACE_FILE`)."""
+    io_wait_min_s: float = IO_WAIT_MIN_S
+    """Its event loop waits for I/O at most once per this (`deadpool_runtime.event_loop`): the launchers'
+    batches are read several at a time, not one wake-up each. 0: asyncio's own loop."""
 
 
 class DetectorService:
@@ -509,4 +513,5 @@ def main(config: DetectorServiceConfig) -> None:
         lambda nc, log, stop: DetectorService(config, nc, log).run(stop),
         config.nkey_file,
         service_inbox("detector"),
+        loop_factory=coalescing_loop(config.io_wait_min_s),
     )
