@@ -8,6 +8,7 @@ import socket
 
 import pytest
 
+from deadpool_detector import DetectorServiceConfig
 from deadpool_runtime.event_loop import CoalescingSelector, coalescing_loop
 
 pytestmark = pytest.mark.unit
@@ -59,6 +60,14 @@ def test_a_ready_callback_or_a_nearer_timer_is_never_held_back() -> None:
         assert clock.sleeps == []
         selector.select(0.002)  # a timer is due in 2 ms: the pause ends with it
         assert clock.sleeps == [pytest.approx(0.002)]
+
+
+@pytest.mark.parametrize("wait_s", [-0.001, 0.051, 5.0])
+def test_a_wait_out_of_bounds_is_refused_where_the_detector_is_configured(wait_s: float) -> None:
+    with pytest.raises(ValueError, match="io_wait_min_s"):
+        coalescing_loop(wait_s)
+    with pytest.raises(ValueError, match="io_wait_min_s"):
+        DetectorServiceConfig("nats://127.0.0.1:4222", io_wait_min_s=wait_s)
 
 
 def test_a_loop_on_it_runs_asyncio_code_and_zero_gives_asyncio_s_own() -> None:

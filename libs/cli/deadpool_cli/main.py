@@ -443,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "detector":
         from deadpool_detector import main as detector_main
 
+        nkey, _ = _role_files(args, "detector")
         try:
             detector_config = DetectorConfig(
                 heartbeat_timeout_s=args.heartbeat_timeout_s,
@@ -454,18 +455,16 @@ def main(argv: list[str] | None = None) -> None:
                 rebuild_max_s=args.rebuild_max_s,
                 straggler_window=args.straggler_window,
             )
-        except ValueError as exc:
-            sys.exit(f"deadpool detector: {exc}")
-        nkey, _ = _role_files(args, "detector")
-        detector_main(
-            DetectorServiceConfig(
+            service_config = DetectorServiceConfig(
                 args.nats,
                 detector=detector_config,
                 js_replicas=args.js_replicas,
                 nkey_file=nkey,
                 io_wait_min_s=args.io_wait_min_s,
             )
-        )
+        except ValueError as exc:
+            sys.exit(f"deadpool detector: {exc}")
+        detector_main(service_config)
     elif command == "swapper":
         from deadpool_runtime.credentials import read_dataplane_key, signing_key_file
         from deadpool_swapper import main as swapper_main

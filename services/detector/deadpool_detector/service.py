@@ -121,7 +121,11 @@ class DetectorServiceConfig:
     """JSON-lines spans when no OTLP endpoint is configured (default: `DEADPOOL_TRACE_FILE`)."""
     io_wait_min_s: float = IO_WAIT_MIN_S
     """Its event loop waits for I/O at most once per this (`deadpool_runtime.event_loop`): the launchers'
-    batches are read several at a time, not one wake-up each. 0: asyncio's own loop."""
+    batches are read several at a time, not one wake-up each. 0: asyncio's own loop; at most
+    `IO_WAIT_MAX_S`."""
+
+    def __post_init__(self) -> None:
+        coalescing_loop(self.io_wait_min_s)  # raises ValueError for a wait out of bounds
 
 
 class DetectorService:
