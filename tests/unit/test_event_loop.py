@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from deadpool_detector import DetectorServiceConfig
-from deadpool_runtime.event_loop import CoalescingSelector, coalescing_loop
+from deadpool_runtime.event_loop import BUSY_SHARE_MIN, CoalescingSelector, coalescing_loop
 
 pytestmark = pytest.mark.unit
 
@@ -56,10 +56,31 @@ def test_a_ready_callback_or_a_nearer_timer_is_never_held_back() -> None:
     with a, b, CoalescingSelector(0.005, clock, clock.sleep) as selector:
         selector.register(a, selectors.EVENT_READ)
         selector.select(None)
+        clock.now += 0.0005  # callbacks ran: the loop is busy
         selector.select(0)  # a callback is ready: the loop polls and must not wait
         assert clock.sleeps == []
         selector.select(0.002)  # a timer is due in 2 ms: the pause ends with it
         assert clock.sleeps == [pytest.approx(0.002)]
+
+
+def test_a_loop_mostly_waiting_is_not_held_between_replies() -> None:
+    clock = Clock()
+    a, b = readable_pair()
+    with a, b, CoalescingSelector(0.005, clock, clock.sleep) as selector:
+        selector.register(a, selectors.EVENT_READ)
+        selector.select(None)
+        selector.note(0.0, 1.0)  # it waited a second for I/O
+        for _ in range(5):  # then a chain of replies, each taking a tenth of a millisecond to handle
+            clock.now += 0.0001
+            selector.select(None)
+        assert clock.sleeps == [] and selector.busy_share < BUSY_SHARE_MIN
+        for _ in range(3):  # then a stream: it runs callbacks nearly all the time
+            clock.now += 0.5
+            selector.select(None)
+        assert selector.busy_share >= BUSY_SHARE_MIN and len(clock.sleeps) == 0
+        clock.now += 0.001
+        selector.select(None)
+        assert clock.sleeps == [pytest.approx(0.004)]
 
 
 @pytest.mark.parametrize("wait_s", [-0.001, 0.051, 5.0])
