@@ -14,7 +14,8 @@ chain of requests.
 
 At 16,384 members (`bench/detector_scale.py`, the same code with `--io-wait-min-s 0` and 0.005, runs
 interleaved) the detector took a median of 56.3 % of a core on asyncio's own loop (7 runs) and 47.9 %
-on this one (5 runs); docs/performance.md §5.
+on this one with the pause always on (5 runs); with the pause only while busy, 46.9 and 46.3 % against
+52.2 %. docs/performance.md §5.
 """
 
 from __future__ import annotations
