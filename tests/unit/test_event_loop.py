@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import selectors
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -29,19 +31,22 @@ class Clock:
         self.now += seconds
 
 
-def readable_pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
-    b.send(b"x")  # `a` is readable: a wait for I/O returns at once, so only the selector's own pause counts
-    return a, b
-
-
-def test_a_wait_soon_after_the_last_one_first_lets_the_rest_of_the_interval_pass() -> None:
+@contextlib.contextmanager
+def watching_readable() -> Iterator[tuple[CoalescingSelector, Clock]]:
+    """A selector (a 5 ms pause) on the test's clock, watching a socket that is readable: a wait for
+    I/O returns at once, so only the selector's own pause counts. It has woken once."""
     clock = Clock()
-    a, b = readable_pair()
+    a, b = socket.socketpair()
+    b.send(b"x")
     with a, b, CoalescingSelector(0.005, clock, clock.sleep) as selector:
         selector.register(a, selectors.EVENT_READ)
         assert len(selector.select(None)) == 1
         assert clock.sleeps == []  # the first wait: nothing to wait for
+        yield selector, clock
+
+
+def test_a_wait_soon_after_the_last_one_first_lets_the_rest_of_the_interval_pass() -> None:
+    with watching_readable() as (selector, clock):
         clock.now += 0.001
         assert len(selector.select(None)) == 1
         assert clock.sleeps == [pytest.approx(0.004)]  # the rest of the 5 ms since it last woke
@@ -51,11 +56,7 @@ def test_a_wait_soon_after_the_last_one_first_lets_the_rest_of_the_interval_pass
 
 
 def test_a_ready_callback_or_a_nearer_timer_is_never_held_back() -> None:
-    clock = Clock()
-    a, b = readable_pair()
-    with a, b, CoalescingSelector(0.005, clock, clock.sleep) as selector:
-        selector.register(a, selectors.EVENT_READ)
-        selector.select(None)
+    with watching_readable() as (selector, clock):
         clock.now += 0.0005  # callbacks ran: the loop is busy
         selector.select(0)  # a callback is ready: the loop polls and must not wait
         assert clock.sleeps == []
@@ -64,11 +65,7 @@ def test_a_ready_callback_or_a_nearer_timer_is_never_held_back() -> None:
 
 
 def test_a_loop_mostly_waiting_is_not_held_between_replies() -> None:
-    clock = Clock()
-    a, b = readable_pair()
-    with a, b, CoalescingSelector(0.005, clock, clock.sleep) as selector:
-        selector.register(a, selectors.EVENT_READ)
-        selector.select(None)
+    with watching_readable() as (selector, clock):
         selector.note(0.0, 1.0)  # it waited a second for I/O
         for _ in range(5):  # then a chain of replies, each taking a tenth of a millisecond to handle
             clock.now += 0.0001
