@@ -140,6 +140,11 @@ async def replay_main(args: argparse.Namespace) -> None:
                       "whole": whole}), flush=True)  # fmt: skip
 
 
+def cpu_of(processes: dict[str, list[int]]) -> dict[str, float]:
+    """Each named group's CPU seconds so far, its processes' together."""
+    return {name: sum(map(cpu_seconds, pids)) for name, pids in processes.items()}
+
+
 def job_rebuild(members: int) -> Rebuild:
     """Generation 1 of a job of `members` ranks, no spares, no stores: what the detector watches."""
     ranks = [member_name(i) for i in range(members)]
@@ -195,10 +200,10 @@ async def run_size(members: int, args: argparse.Namespace) -> dict[str, Any]:
         beside = {"replays": [r.pid for r in replays], "nats_server": [server] if server else []}
         await asyncio.sleep(START_MARGIN_S + args.warm_s)
         cpu0, t0 = cpu_seconds(detector), time.monotonic()
-        beside0 = {name: sum(map(cpu_seconds, pids)) for name, pids in beside.items()}
+        beside0 = cpu_of(beside)
         await asyncio.sleep(args.seconds)
         cpu1, t1 = cpu_seconds(detector), time.monotonic()
-        beside1 = {name: sum(map(cpu_seconds, pids)) for name, pids in beside.items()}
+        beside1 = cpu_of(beside)
         summaries = []
         for replay in replays:
             out, _ = await asyncio.to_thread(replay.communicate, timeout=60)
