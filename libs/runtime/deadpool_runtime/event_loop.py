@@ -4,7 +4,7 @@ read in chunks, not one wake-up each.
 At 16,384 members a detector takes 8,200 launcher batches a second, one NATS message each, arriving
 one at a time. With nothing else to run, asyncio's loop woke for each: the poll, the socket's read,
 the stream reader, the NATS client's read loop and its subscription's task, every one of them per
-message. A loop that, when idle, first lets `io_wait_min_s` pass since it last woke for I/O finds
+message. A loop that, with nothing to run, first lets `io_wait_min_s` pass since it last woke finds
 several messages waiting and reads them with one `recv`; the client parses them in one pass and its
 subscription's task takes them in one run. A message is read at most `io_wait_min_s` later than it
 would have been (5 ms, against a heartbeat timeout of a second or more); a timer still fires on time,
